@@ -1,0 +1,240 @@
+"""The alarm: what a training rank tells the pipeline when a detector fires.
+
+It travels as the ``detail`` of an EventBridge event with source
+:data:`EVENT_SOURCE` and detail-type :data:`DETAIL_TYPE`. Both the agent (which
+builds it) and the Lambda handlers (which parse it) import this module; it
+depends on pydantic alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+ALARM_SCHEMA_VERSION: Final = "1"
+EVENT_SOURCE = "sdcguard.agent"
+DETAIL_TYPE = "SDC Alarm"
+
+# Kubernetes object names are DNS subdomains (253 characters at most); host
+# names are bounded the same way. Free text is bounded so that an alarm always
+# fits in one EventBridge entry (256 KiB) and one DynamoDB item (400 KiB).
+Name = Annotated[str, Field(min_length=1, max_length=253)]
+Text = Annotated[str, Field(max_length=1024)]
+Step = Annotated[int, Field(ge=0)]
+Rank = Annotated[int, Field(ge=0)]
+Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]
+
+MAX_SUSPECTS = 1024
+MAX_EVIDENCE_ITEMS = 4096
+
+
+class Strict(BaseModel):
+    """Base for every contract model: unknown fields are errors, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=False)
+
+
+class Detector(enum.StrEnum):
+    """Which check fired."""
+
+    NONFINITE_GRAD = "nonfinite_grad"
+    """A NaN/Inf in a local (pre-all-reduce) or reduced gradient."""
+    RING_AUDIT = "ring_audit"
+    """Another node recomputed a rank's micro-batch and got different bits."""
+    WEIGHT_FINGERPRINT = "weight_fingerprint"
+    """Replicas hold different weights or optimizer state."""
+    REDUCED_GRAD = "reduced_grad"
+    """The all-reduce delivered different gradients to different ranks."""
+
+
+class JobIdentity(Strict):
+    """Where the training job runs."""
+
+    hyperpod_cluster: Name
+    eks_cluster: Name
+    namespace: Annotated[str, Field(min_length=1, max_length=63)]
+    job_name: Name
+
+
+class Suspect(Strict):
+    """One rank the detector blames, with everything needed to find its hardware."""
+
+    global_rank: Rank
+    local_rank: Rank
+    pod: Name
+    node: Name
+    host: Name
+
+
+class NonFiniteBucket(Strict):
+    """One gradient bucket that held a NaN or an infinity."""
+
+    rank: Rank
+    bucket: Annotated[int, Field(ge=0)]
+    phase: Literal["local", "reduced"]
+
+
+class NonFiniteEvidence(Strict):
+    """Detector 1: which ranks produced non-finite local gradients."""
+
+    kind: Literal["nonfinite_grad"] = "nonfinite_grad"
+    local_ranks: Annotated[list[Rank], Field(max_length=MAX_SUSPECTS)]
+    """Ranks whose own (pre-reduce) gradients were non-finite."""
+    reduced_nonfinite: bool
+    """Whether the all-reduced gradients were non-finite (the update is blocked)."""
+    buckets: Annotated[list[NonFiniteBucket], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
+
+
+class RingPair(Strict):
+    """One audit: ``auditor`` recomputed the micro-batch of ``audited``."""
+
+    auditor: Rank
+    audited: Rank
+    loss_match: bool
+    expected_loss: Annotated[str, Field(max_length=64)]
+    """The audited rank's own loss, as a float hex string (exact bits)."""
+    observed_loss: Annotated[str, Field(max_length=64)]
+    """The auditor's recomputed loss, as a float hex string."""
+    mismatched_params: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] = []
+    """Names of parameters whose local-gradient fingerprints differed (first 64)."""
+
+
+class RingAuditEvidence(Strict):
+    """Detector 2: the ring pairs of the audit step."""
+
+    kind: Literal["ring_audit"] = "ring_audit"
+    pairs: Annotated[list[RingPair], Field(min_length=1, max_length=MAX_EVIDENCE_ITEMS)]
+
+
+class FingerprintGroup(Strict):
+    """Ranks that hold the same fingerprint."""
+
+    fingerprint: Fingerprint
+    ranks: Annotated[list[Rank], Field(min_length=1, max_length=MAX_SUSPECTS)]
+
+
+class FingerprintEvidence(Strict):
+    """Detectors 3 and 4: which ranks held which fingerprint."""
+
+    kind: Literal["weight_fingerprint", "reduced_grad"]
+    groups: Annotated[list[FingerprintGroup], Field(min_length=1, max_length=MAX_SUSPECTS)]
+    majority: Fingerprint | None
+    """The fingerprint of a strict majority, or None: corrupted, not localised."""
+    scope: Literal["weights", "optimizer", "weights+optimizer", "reduced_gradients"]
+
+
+Evidence = Annotated[
+    NonFiniteEvidence | RingAuditEvidence | FingerprintEvidence,
+    Field(discriminator="kind"),
+]
+
+
+class LastClean(Strict):
+    """The last step at which each detector passed cleanly (None: never ran)."""
+
+    nonfinite_grad: Step | None = None
+    ring_audit: Step | None = None
+    weight_fingerprint: Step | None = None
+    reduced_grad: Step | None = None
+
+
+class Alarm(Strict):
+    """The alarm contract (EventBridge ``detail``), schema version 1.
+
+    Raises ``pydantic.ValidationError`` naming the field for an unknown schema
+    version, a missing field, a wrong type, a negative step, a suspect outside
+    the world, or an over-long string.
+    """
+
+    schema_version: Literal["1"] = ALARM_SCHEMA_VERSION
+    alarm_id: Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")] = Field(
+        default_factory=lambda: uuid.uuid4().hex
+    )
+    time: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    job: JobIdentity
+    detector: Detector
+    step: Step
+    world_size: Annotated[int, Field(ge=1, le=1_000_000)]
+    ranks_per_node: Annotated[int, Field(ge=1, le=1024)]
+    suspects: Annotated[list[Suspect], Field(max_length=MAX_SUSPECTS)]
+    """Ranks blamed. Empty when the fault is real but not localised."""
+    localized: bool
+    """True when the detector could single out the suspects."""
+    evidence: Evidence
+    last_clean: LastClean
+    checkpoint_prefix: Annotated[str, Field(min_length=1, max_length=1024)]
+    """``s3://bucket/prefix`` (or a local directory) under which checkpoints live."""
+    resume_pointer: Annotated[str, Field(min_length=1, max_length=1024)]
+    """Location of ``RESUME.json``."""
+    publisher_rank: Rank = 0
+    message: Text = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Alarm:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for i, suspect in enumerate(self.suspects):
+            if suspect.global_rank >= self.world_size:
+                problems.append(
+                    (("suspects", i, "global_rank"), f"{suspect.global_rank} is outside the world of {self.world_size}")
+                )
+            if suspect.local_rank >= self.ranks_per_node:
+                problems.append(
+                    (("suspects", i, "local_rank"), f"{suspect.local_rank} is not below ranks_per_node {self.ranks_per_node}")
+                )
+        if self.world_size % self.ranks_per_node:
+            problems.append((("ranks_per_node",), f"{self.ranks_per_node} does not divide world_size {self.world_size}"))
+        if self.evidence.kind != self.detector.value:
+            problems.append((("evidence", "kind"), f"{self.evidence.kind!r} does not match detector {self.detector.value!r}"))
+        if self.publisher_rank >= self.world_size:
+            problems.append((("publisher_rank",), f"{self.publisher_rank} is outside the world of {self.world_size}"))
+        if self.localized and not self.suspects:
+            problems.append((("suspects",), "a localised alarm must name at least one suspect"))
+        if problems:
+            raise _errors("Alarm", problems)
+        return self
+
+    @property
+    def suspect_ranks(self) -> list[int]:
+        """Global ranks of the suspects, sorted."""
+        return sorted(s.global_rank for s in self.suspects)
+
+    @property
+    def suspect_nodes(self) -> list[str]:
+        """Kubernetes node names of the suspects, sorted and de-duplicated."""
+        return sorted({s.node for s in self.suspects})
+
+    def trusted_through_step(self) -> int:
+        """The last step whose state is trusted: checkpoints at or before it qualify.
+
+        A checkpoint's step is the first step a resumed job runs, so it holds
+        the updates of steps ``0 .. step-1``. The fault is known to be absent
+        at each detector's last clean step; a detector that runs on every step
+        (non-finite, reduced gradients) caught the fault at once, but a finite
+        corruption of the computation is only ruled out by a clean ring audit,
+        and a divergence of replicas only by a clean weight check. When in
+        doubt we take the earlier: the minimum over the alarm's own detector and
+        the two sampled detectors that ran. Returns -1 when nothing was ever
+        clean (no checkpoint qualifies).
+        """
+        own = getattr(self.last_clean, self.detector.value)
+        if self.detector in (Detector.NONFINITE_GRAD, Detector.REDUCED_GRAD):
+            own = self.step
+        candidates = [own if own is not None else -1]
+        for sampled in (self.last_clean.ring_audit, self.last_clean.weight_fingerprint):
+            if sampled is not None:
+                candidates.append(sampled)
+        return min(candidates)
+
+
+def _errors(title: str, problems: list[tuple[tuple[str | int, ...], str]]) -> ValidationError:
+    """A ValidationError whose entries carry the field's location, as field errors do."""
+    details = [
+        InitErrorDetails(type=PydanticCustomError("inconsistent", message), loc=loc, input=None)
+        for loc, message in problems
+    ]
+    return ValidationError.from_exception_data(title, details)

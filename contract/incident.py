@@ -1,0 +1,211 @@
+"""The incident record of the ledger: one per fault, with its states and transitions.
+
+The state machine's handlers move an incident forward with :meth:`Incident.advance`,
+which refuses a transition the lifecycle does not allow, so the ledger can never
+claim that a node was replaced before anyone approved it.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Annotated, Final, Literal
+
+from pydantic import Field
+
+from contract.alarm import Alarm, Name, Rank, Step, Strict, Text
+
+INCIDENT_SCHEMA_VERSION: Final = "1"
+InstanceId = Annotated[str, Field(pattern=r"^i-[0-9a-f]{8,17}$")]
+
+
+class IllegalTransition(ValueError):
+    """The lifecycle does not allow this state change."""
+
+
+class IncidentState(enum.StrEnum):
+    """Where an incident stands. Terminal states end the incident."""
+
+    RECORDED = "RECORDED"
+    RESOLVED = "RESOLVED"
+    GUARDED = "GUARDED"
+    SUSPENDED = "SUSPENDED"
+    CORDONED = "CORDONED"
+    EVIDENCE_COLLECTED = "EVIDENCE_COLLECTED"
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"
+    APPROVED = "APPROVED"
+    REJECTED = "REJECTED"
+    REPLACING = "REPLACING"
+    REPLACED = "REPLACED"
+    POINTER_REWRITTEN = "POINTER_REWRITTEN"
+    RESUMED = "RESUMED"
+    # Terminal states.
+    CLOSED = "CLOSED"
+    """Replaced, rolled back to a clean checkpoint, and resumed."""
+    FALSE_ALARM = "FALSE_ALARM"
+    """A reviewer rejected: node uncordoned, pointer left, job resumed."""
+    CONTAINED = "CONTAINED"
+    """Cordon-only mode: the node stays cordoned and the job suspended for a human."""
+    DRY_RUN = "DRY_RUN"
+    """Dry-run mode: everything was decided and recorded, nothing was touched."""
+    NEEDS_ATTENTION = "NEEDS_ATTENTION"
+    """A safe stop (approval timed out, limits reached): node cordoned, job suspended."""
+    FAILED = "FAILED"
+    """A step failed; the record says where and why."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether no further transition is allowed."""
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {
+        IncidentState.CLOSED,
+        IncidentState.FALSE_ALARM,
+        IncidentState.CONTAINED,
+        IncidentState.DRY_RUN,
+        IncidentState.NEEDS_ATTENTION,
+        IncidentState.FAILED,
+    }
+)
+
+S = IncidentState
+# The forward path. FAILED and NEEDS_ATTENTION are reachable from every
+# non-terminal state (a step failed; a safe stop); they are added below.
+ALLOWED: dict[IncidentState, frozenset[IncidentState]] = {
+    S.RECORDED: frozenset({S.RESOLVED}),
+    S.RESOLVED: frozenset({S.GUARDED, S.DRY_RUN}),
+    S.GUARDED: frozenset({S.SUSPENDED, S.DRY_RUN}),
+    S.SUSPENDED: frozenset({S.CORDONED}),
+    S.CORDONED: frozenset({S.EVIDENCE_COLLECTED}),
+    S.EVIDENCE_COLLECTED: frozenset({S.AWAITING_APPROVAL, S.CONTAINED}),
+    S.AWAITING_APPROVAL: frozenset({S.APPROVED, S.REJECTED}),
+    S.APPROVED: frozenset({S.REPLACING}),
+    S.REJECTED: frozenset({S.FALSE_ALARM}),
+    S.REPLACING: frozenset({S.REPLACED}),
+    S.REPLACED: frozenset({S.POINTER_REWRITTEN}),
+    S.POINTER_REWRITTEN: frozenset({S.RESUMED}),
+    S.RESUMED: frozenset({S.CLOSED}),
+}
+ALLOWED = {
+    state: nexts | {S.FAILED, S.NEEDS_ATTENTION} for state, nexts in ALLOWED.items()
+}
+for _terminal in _TERMINAL:
+    ALLOWED[_terminal] = frozenset()
+
+
+class Transition(Strict):
+    """One recorded state change."""
+
+    state: IncidentState
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    actor: Annotated[str, Field(min_length=1, max_length=256)]
+    """Who moved it: a handler name, or a reviewer's identity."""
+    note: Text = ""
+
+
+class ResolvedSuspect(Strict):
+    """A suspect rank traced down to its EC2 instance."""
+
+    global_rank: Rank
+    pod: Name
+    node: Name
+    instance_id: InstanceId
+    instance_group: Annotated[str, Field(max_length=256)] = ""
+
+
+class Decision(Strict):
+    """A reviewer's answer to the approval request."""
+
+    decision: Literal["approve", "reject"]
+    reviewer: Annotated[str, Field(min_length=1, max_length=512)]
+    reason: Annotated[str, Field(min_length=1, max_length=1024)]
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class Failure(Strict):
+    """Where and why an incident failed."""
+
+    state: Annotated[str, Field(max_length=128)]
+    error: Annotated[str, Field(max_length=256)]
+    cause: Annotated[str, Field(max_length=4096)] = ""
+
+
+class Replacement(Strict):
+    """One instance's replacement."""
+
+    old_instance_id: InstanceId
+    new_instance_id: InstanceId | None = None
+    status: Annotated[str, Field(max_length=64)] = "Requested"
+
+
+class Incident(Strict):
+    """One incident in the ledger."""
+
+    schema_version: Literal["1"] = INCIDENT_SCHEMA_VERSION
+    incident_id: Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=512)]
+    state: IncidentState = IncidentState.RECORDED
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    alarm: Alarm
+    duplicate_alarms: Annotated[int, Field(ge=0)] = 0
+    """Further alarms that collapsed into this incident."""
+    suspects: list[ResolvedSuspect] = []
+    mode: Literal["normal", "dry_run", "cordon_only"] = "normal"
+    evidence: dict[str, object] = {}
+    """The evidence summary collected from CloudWatch (see the evidence handler)."""
+    approval_requested_at: datetime | None = None
+    decision: Decision | None = None
+    replacements: list[Replacement] = []
+    checkpoint_before: Annotated[str, Field(max_length=1024)] | None = None
+    checkpoint_after: Annotated[str, Field(max_length=1024)] | None = None
+    resumed_from_step: Step | None = None
+    failure: Failure | None = None
+    transitions: list[Transition] = []
+
+    @property
+    def instance_ids(self) -> list[str]:
+        """The suspect instances, sorted and de-duplicated."""
+        return sorted({s.instance_id for s in self.suspects})
+
+    def advance(self, state: IncidentState, *, actor: str, note: str = "", **changes: object) -> Incident:
+        """A copy of this incident moved to ``state``, with the transition recorded.
+
+        ``changes`` set other fields in the same step. Moving to the state the
+        incident is already in is a no-op that returns ``self`` (a retried
+        handler does no second thing). Raises :class:`IllegalTransition` when
+        the lifecycle does not allow the move.
+        """
+        if state == self.state and not changes:
+            return self
+        if state != self.state and state not in ALLOWED[self.state]:
+            raise IllegalTransition(f"incident {self.incident_id}: {self.state} -> {state} is not allowed")
+        now = datetime.now(UTC)
+        transitions = self.transitions
+        if state != self.state:
+            transitions = [*transitions, Transition(state=state, at=now, actor=actor, note=note)]
+        data = self.model_dump()
+        data.update(changes)
+        data.update(state=state, updated_at=now, transitions=transitions)
+        return Incident.model_validate(data)
+
+    def entered(self, state: IncidentState) -> datetime | None:
+        """When the incident first entered ``state``, or None."""
+        return next((t.at for t in self.transitions if t.state == state), None)
+
+
+__all__ = [
+    "ALLOWED",
+    "Decision",
+    "Failure",
+    "IllegalTransition",
+    "Incident",
+    "IncidentState",
+    "InstanceId",
+    "Replacement",
+    "ResolvedSuspect",
+    "Step",
+    "Transition",
+]

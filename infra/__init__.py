@@ -1,0 +1,1 @@
+"""Deployment and the local stand-in for AWS and the EKS API."""

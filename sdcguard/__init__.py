@@ -1,0 +1,1 @@
+"""The ``sdcguard`` operator command line."""

@@ -1,0 +1,5 @@
+import sys
+
+from sdcguard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""``sdcguard``: the operator command line.
+
+Each subcommand lives in the module of the part it drives and exposes
+``configure(parser)`` and ``run(args) -> int``; this file only dispatches, and
+imports a subcommand's module only when that subcommand runs, so ``--help``
+stays fast and the CLI never drags torch into a command that does not train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Order is the order of --help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "schema": ("contract.schema_cli", "print or check the JSON Schemas of the agent/pipeline contract"),
+}
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as ``sdcguard: error: ...`` with exit status 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdcguard",
+        description=(
+            "Catch silent data corruption in PyTorch DDP training, contain the node, "
+            "and resume from a checkpoint known to be clean."
+        ),
+        epilog="Point it at AWS (or the local stand-in) with the usual AWS_* environment variables.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module)
+        _configure(module, sub_parser)
+    return parser
+
+
+def _configure(module: str, parser: argparse.ArgumentParser) -> None:
+    importlib.import_module(module).configure(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except CommandError as exc:
+        print(f"sdcguard: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sdcguard: interrupted", file=sys.stderr)
+        return 130
