@@ -1,0 +1,42 @@
+"""The Kubernetes RBAC manifest grants exactly what the handlers use, to the template's group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from infra.cfn_yaml import load_template
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cluster_role_grants_only_what_the_handlers_use() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "rbac.yaml").read_text()))
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {
+        ("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "patch"),
+        ("", "pods", "list"),
+        ("kubeflow.org", "pytorchjobs", "get"), ("kubeflow.org", "pytorchjobs", "list"),
+        ("kubeflow.org", "pytorchjobs", "patch"),
+    }  # fmt: skip
+
+
+def test_binding_names_the_access_entry_group() -> None:
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "rbac.yaml").read_text()))
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    group = load_template(ROOT / "infra" / "template.yaml")["Parameters"]["KubernetesGroup"]["Default"]
+    assert binding["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]
