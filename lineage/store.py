@@ -1,0 +1,357 @@
+"""Object stores for checkpoints: S3 (``s3://bucket/prefix``) and a local directory.
+
+Both speak the same small interface, keyed relative to the store's root (the
+job's checkpoint prefix): whole-object puts with a sha256, gets that return the
+entity tag, listings, and conditional writes (If-Match / If-None-Match) so that
+the resume pointer is never overwritten by a writer that read an older value.
+
+On S3 every put carries ``ChecksumSHA256``, so S3 checks the bytes it received
+against our own digest (which also goes into the manifest). The local directory
+emulates conditional writes with an exclusive lock file and uses the content's
+sha256 as its entity tag.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import contextlib
+import fcntl
+import hashlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lineage.errors import InvalidStoreUri, ObjectNotFound, PreconditionFailed
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+# Streaming digests read this much at a time: big enough to be fast, small
+# enough that a Lambda verifying a multi-GB checkpoint stays within memory.
+_CHUNK = 8 * 1024 * 1024
+_LOCK_NAME = ".sdcguard.lock"
+
+
+def sha256_hex(data: bytes) -> str:
+    """The lowercase hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+class ObjectStore(ABC):
+    """A flat key space under one root. Keys use ``/`` and never start with one."""
+
+    @abstractmethod
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        sha256: str | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> str:
+        """Store ``data`` at ``key`` and return its entity tag.
+
+        ``sha256`` (hex) is the digest the caller computed; it is checked
+        against the data before anything is written. ``if_match`` writes only
+        if the object's current entity tag is that value; ``if_none_match``
+        writes only if no object exists. Raises :class:`ValueError` for a
+        wrong ``sha256`` or a bad key and :class:`PreconditionFailed` when a
+        condition does not hold (nothing is written then).
+        """
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and entity tag. Raises :class:`ObjectNotFound`."""
+
+    @abstractmethod
+    def digest(self, key: str) -> tuple[str, int]:
+        """The sha256 (hex) and size of the object, read in chunks. Raises :class:`ObjectNotFound`."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """Every key under ``prefix`` (recursively), sorted."""
+
+    @abstractmethod
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        """The immediate sub-folders of ``prefix`` (which ends in ``/``), as keys ending in ``/``, sorted."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored at ``key``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object at ``key`` (no error if it is absent)."""
+
+    @abstractmethod
+    def uri(self, key: str = "") -> str:
+        """The full location of ``key``: ``s3://bucket/prefix/key`` or a path."""
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or "//" in key or any(p in ("", ".", "..") for p in key.split("/")):
+        raise ValueError(f"key: {key!r} is not a plain relative key")
+    return key
+
+
+def _check_sha(data: bytes, sha256: str | None) -> str:
+    actual = sha256_hex(data)
+    if sha256 is not None and sha256 != actual:
+        raise ValueError(f"sha256: the caller's digest {sha256} does not match the data ({actual})")
+    return actual
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix/``. The bucket should have versioning on."""
+
+    def __init__(self, bucket: str, prefix: str = "", client: S3Client | None = None):
+        if not bucket:
+            raise InvalidStoreUri("s3 location: the bucket name is empty")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if client is None:
+            import boto3
+
+            client = boto3.client("s3")
+        self.client = client
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _strip(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        sha256: str | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> str:
+        digest = _check_sha(data, sha256)
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self._full(_check_key(key)),
+            "Body": data,
+            # S3 recomputes the sha256 of what it received and refuses a mismatch.
+            "ChecksumSHA256": base64.b64encode(bytes.fromhex(digest)).decode(),
+        }
+        if if_match is not None:
+            kwargs["IfMatch"] = if_match
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            response = self.client.put_object(**kwargs)
+        except self.client.exceptions.ClientError as exc:
+            if _status(exc) in (409, 412):
+                # 412: the condition failed; 409: a concurrent conditional write won the race.
+                raise PreconditionFailed(f"conditional write to {self.uri(key)} lost: {exc}") from exc
+            raise
+        return str(response["ETag"])
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._full(_check_key(key)))
+        except self.client.exceptions.NoSuchKey as exc:
+            raise ObjectNotFound(f"no object at {self.uri(key)}") from exc
+        return response["Body"].read(), str(response["ETag"])
+
+    def digest(self, key: str) -> tuple[str, int]:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._full(_check_key(key)))
+        except self.client.exceptions.NoSuchKey as exc:
+            raise ObjectNotFound(f"no object at {self.uri(key)}") from exc
+        hasher = hashlib.sha256()
+        size = 0
+        for chunk in response["Body"].iter_chunks(_CHUNK):
+            hasher.update(chunk)
+            size += len(chunk)
+        return hasher.hexdigest(), size
+
+    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._full(prefix) if prefix else self._root()}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        yield from self.client.get_paginator("list_objects_v2").paginate(**kwargs)
+
+    def _root(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return sorted(self._strip(o["Key"]) for page in self._pages(prefix, None) for o in page.get("Contents", []))
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        return sorted(
+            self._strip(p["Prefix"]) for page in self._pages(prefix, "/") for p in page.get("CommonPrefixes", [])
+        )
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._full(_check_key(key)))
+        except self.client.exceptions.ClientError as exc:
+            if _status(exc) == 404:
+                return False
+            raise
+        return True
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._full(_check_key(key)))
+
+    def uri(self, key: str = "") -> str:
+        path = self._full(key) if key else self.prefix
+        return f"s3://{self.bucket}/{path}" if path else f"s3://{self.bucket}"
+
+
+def _status(exc: Exception) -> int | None:
+    response = getattr(exc, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
+
+
+class LocalStore(ObjectStore):
+    """Objects as files under a directory. Entity tags are the content's sha256.
+
+    Writes go to a hidden temporary file and are renamed into place, so a
+    reader sees the old object or the new one, never half of one; names
+    starting with ``.`` are never listed.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser().absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidStoreUri(f"checkpoint location {str(self.root)!r} exists and is not a directory")
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*_check_key(key).split("/"))
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / _LOCK_NAME, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def put_bytes(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        sha256: str | None = None,
+        if_match: str | None = None,
+        if_none_match: bool = False,
+    ) -> str:
+        digest = _check_sha(data, sha256)
+        path = self._path(key)
+        if if_match is None and not if_none_match:
+            self._write(path, data)
+            return digest
+        with self._locked():
+            current = _file_sha(path)
+            if if_none_match and current is not None:
+                raise PreconditionFailed(f"{path} already exists")
+            if if_match is not None and current != if_match:
+                raise PreconditionFailed(f"{path} changed: entity tag {current} is not {if_match}")
+            self._write(path, data)
+        return digest
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise ObjectNotFound(f"no object at {path}") from exc
+        return data, sha256_hex(data)
+
+    def digest(self, key: str) -> tuple[str, int]:
+        path = self._path(key)
+        digest = _file_sha(path)
+        if digest is None:
+            raise ObjectNotFound(f"no object at {path}")
+        return digest, path.stat().st_size
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        keys: builtins.list[str] = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                if not name.startswith("."):
+                    keys.append(Path(dirpath, name).relative_to(self.root).as_posix())
+        return sorted(k for k in keys if k.startswith(prefix))
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            f"{e.relative_to(self.root).as_posix()}/"
+            for e in base.iterdir()
+            if e.is_dir() and not e.name.startswith(".")
+        )
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def uri(self, key: str = "") -> str:
+        return str(self._path(key)) if key else str(self.root)
+
+
+def _file_sha(path: Path) -> str | None:
+    hasher = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    return hasher.hexdigest()
+
+
+def open_store(uri: str, client: S3Client | None = None) -> ObjectStore:
+    """The store for ``s3://bucket[/prefix]``, ``file:///path`` or a plain directory path.
+
+    ``client`` is the S3 client to use (default: a new boto3 client from the
+    environment). Raises :class:`InvalidStoreUri` for an empty location, an
+    S3 location without a bucket, another URL scheme, or a path that is a file.
+    """
+    uri = uri.strip()
+    if not uri:
+        raise InvalidStoreUri("checkpoint location: empty")
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
+        if not bucket:
+            raise InvalidStoreUri(f"checkpoint location {uri!r}: no bucket name after s3://")
+        return S3Store(bucket, prefix, client=client)
+    if uri.startswith("file://"):
+        return LocalStore(uri[len("file://") :])
+    if "://" in uri:
+        raise InvalidStoreUri(f"checkpoint location {uri!r}: only s3:// and local directories are supported")
+    return LocalStore(uri)
