@@ -17,6 +17,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Order is the order of --help.
 COMMANDS: dict[str, tuple[str, str]] = {
     "schema": ("contract.schema_cli", "print or check the JSON Schemas of the agent/pipeline contract"),
+    "local": ("infra.local.cli", "the local stand-in for AWS and EKS: up (run it), seed (fill it)"),
     "checkpoints": ("lineage.cli", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
 }
 

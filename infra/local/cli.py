@@ -1,0 +1,115 @@
+"""``sdcguard local``: the local stand-in for AWS and EKS.
+
+``sdcguard local up`` runs the stand-in in the foreground until interrupted;
+its first lines are shell exports, so ``eval`` or a copy and paste points any
+AWS tool at it. ``sdcguard local seed`` (``infra.local.seed``) fills a running
+stand-in with a simulated HyperPod cluster and training job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import shlex
+import signal
+import sys
+import threading
+from types import FrameType
+
+SEED_MODULE = "infra.local.seed"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``up`` and (when its module exists) ``seed`` subcommands."""
+    sub = parser.add_subparsers(dest="local_command", metavar="LOCAL_COMMAND")
+    sub.required = True
+    up = sub.add_parser(
+        "up",
+        help="run the moto server with sdcguard's extensions and the local EKS API server until Ctrl-C",
+        description="Start the local stand-in on 127.0.0.1 and print the shell exports that point AWS tools at it.",
+    )
+    up.add_argument("--port", type=_port, default=5000, help="moto server port (default 5000; 0 picks a free one)")
+    up.add_argument("--eks-port", type=_port, default=0, help="local EKS API server port (default: a free one)")
+    up.add_argument(
+        "--replace-seconds",
+        type=_seconds,
+        default=5.0,
+        help="how long each simulated HyperPod phase (shutdown, pending, reboot, health check) lasts (default 5)",
+    )
+    up.set_defaults(_local_run=run_up)
+    if importlib.util.find_spec(SEED_MODULE) is not None:
+        seed_module = importlib.import_module(SEED_MODULE)
+        seed_help = "create a simulated HyperPod cluster, nodes, training job, bucket and GPU metrics on a running stand-in"
+        seed = sub.add_parser("seed", help=seed_help, description=seed_help)
+        seed_module.configure(seed)
+        seed.set_defaults(_local_run=seed_module.run)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be a number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be between 0 and 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds must be a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the chosen ``local`` subcommand."""
+    return int(args._local_run(args) or 0)
+
+
+def export_lines(env: dict[str, str]) -> list[str]:
+    """``export NAME=value`` lines, quoted for a POSIX shell."""
+    return [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Run the stand-in until SIGINT/SIGTERM; print the exports first.
+
+    Raises ``CommandError`` when a port is taken or the stand-in cannot start.
+    """
+    from infra.local.standin import LocalStandIn, StandInError
+    from sdcguard.cli import CommandError
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    standin = LocalStandIn(port=args.port, eks_port=args.eks_port, replace_seconds=args.replace_seconds)
+    try:
+        standin.start()
+    except StandInError as exc:
+        raise CommandError(str(exc)) from exc
+    try:
+        for line in export_lines(standin.env):
+            print(line)
+        eks = standin.eks
+        print(f"# moto with sdcguard's extensions at {standin.endpoint_url}")
+        if eks is not None:
+            print(f"# local EKS API server at {eks.url} (EKS DescribeCluster returns it for every cluster)")
+        print(f"# started in {standin.startup_seconds:.2f} s; Ctrl-C stops it")
+        sys.stdout.flush()
+        try:
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+    finally:
+        standin.stop()
+    print("# local stand-in stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,89 @@
+"""What a HyperPod EKS worker node looks like to the Kubernetes API.
+
+HyperPod names each node ``hyperpod-<EC2 instance id>`` and labels it with
+its health status and instance group; the seed and a simulated replacement
+both build nodes from here, so every node in the stand-in has the same shape.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+INSTANCE_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
+CLUSTER_NAME_LABEL = "sagemaker.amazonaws.com/cluster-name"
+COMPUTE_TYPE_LABEL = "sagemaker.amazonaws.com/compute-type"
+DEEP_HEALTH_LABEL = "sagemaker.amazonaws.com/deep-health-check-status"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+NODE_PREFIX = "hyperpod-"
+INSTANCE_ID = re.compile(r"^i-[0-9a-f]{17}$")
+
+
+def node_name(instance_id: str) -> str:
+    """The Kubernetes node name HyperPod gives an instance; raises ValueError for an id that is not ``i-`` + 17 hex."""
+    if not INSTANCE_ID.match(instance_id):
+        raise ValueError(f"instance id {instance_id!r} is not 'i-' followed by 17 lowercase hex digits")
+    return NODE_PREFIX + instance_id
+
+
+def hyperpod_node(
+    instance_id: str,
+    *,
+    instance_group: str = "worker-group",
+    instance_type: str = "ml.p5.48xlarge",
+    hyperpod_cluster: str = "",
+    gpus: int = 8,
+    zone: str = "us-east-1a",
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Ready, schedulable node manifest for ``instance_id`` with the HyperPod labels (extra ``labels`` win)."""
+    name = node_name(instance_id)
+    all_labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        INSTANCE_TYPE_LABEL: instance_type,
+        "topology.kubernetes.io/zone": zone,
+        COMPUTE_TYPE_LABEL: "hyperpod",
+        INSTANCE_GROUP_LABEL: instance_group,
+        HEALTH_LABEL: "Schedulable",
+        DEEP_HEALTH_LABEL: "Passed",
+    }
+    if hyperpod_cluster:
+        all_labels[CLUSTER_NAME_LABEL] = hyperpod_cluster
+    all_labels.update(labels or {})
+    resources = {"cpu": "192", "memory": "2097152Mi", "nvidia.com/gpu": str(gpus), "pods": "110"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": all_labels, "annotations": {}},
+        "spec": {"providerID": f"aws:///{zone}/{instance_id}"},
+        "status": {
+            "capacity": dict(resources),
+            "allocatable": dict(resources),
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "kubelet is posting ready status",
+                }
+            ],
+            "addresses": [{"type": "Hostname", "address": name}],
+            # The kubernetes client refuses a NodeSystemInfo without every one of these.
+            "nodeInfo": {
+                "architecture": "amd64",
+                "bootID": str(uuid.uuid5(uuid.NAMESPACE_OID, instance_id)),
+                "containerRuntimeVersion": "containerd://1.7.22",
+                "kernelVersion": "5.10.226-214.880.amzn2.x86_64",
+                "kubeProxyVersion": "v1.31.0-eks",
+                "kubeletVersion": "v1.31.0-eks",
+                "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, instance_id).hex,
+                "operatingSystem": "linux",
+                "osImage": "Amazon Linux 2",
+                "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_URL, instance_id)),
+            },
+        },
+    }

@@ -1,0 +1,20 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from infra.local.standin import LocalStandIn
+
+
+@pytest.fixture(scope="session")
+def standin() -> Iterator[LocalStandIn]:
+    """One local stand-in (moto with extensions + the local EKS API server) for the session.
+
+    HyperPod phases are immediate. Tests share it: create uniquely named
+    resources (e.g. with a uuid suffix) rather than expecting a clean slate.
+    """
+    with LocalStandIn(replace_seconds=0.0) as running:
+        yield running

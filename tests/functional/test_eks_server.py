@@ -1,0 +1,714 @@
+"""The local EKS API server, driven with the official kubernetes client and EKS-style tokens."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import boto3
+import pytest
+from kubernetes import client as k8s
+
+from infra.local.eks.auth import TokenRejected, verify_token
+from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
+from infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL, hyperpod_node
+from infra.local.eks.patch import PatchError, json_patch, strategic_merge_patch
+from infra.local.eks.server import EksApiServer
+
+CLUSTER = "sdcguard-test"
+NAMESPACE = "training"
+
+
+def _instance_id() -> str:
+    return "i-" + uuid.uuid4().hex[:17]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EksApiServer]:
+    with EksApiServer() as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def _no_faults(server: EksApiServer) -> Iterator[None]:
+    yield
+    server.faults.clear()
+
+
+@pytest.fixture(scope="module")
+def sts() -> Any:
+    return boto3.client(
+        "sts", region_name="us-east-1", aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
+
+
+def _api(server: EksApiServer, token: str) -> k8s.ApiClient:
+    return k8s.ApiClient(kubernetes_configuration(server.url, server.ca_data, token))
+
+
+@pytest.fixture(scope="module")
+def api(server: EksApiServer, sts: Any) -> k8s.ApiClient:
+    return _api(server, eks_bearer_token(CLUSTER, sts, expires_in=900))
+
+
+@pytest.fixture(scope="module")
+def core(api: k8s.ApiClient) -> k8s.CoreV1Api:
+    return k8s.CoreV1Api(api)
+
+
+@pytest.fixture(scope="module")
+def custom(api: k8s.ApiClient) -> k8s.CustomObjectsApi:
+    return k8s.CustomObjectsApi(api)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _namespace(core: k8s.CoreV1Api) -> None:
+    core.create_namespace({"metadata": {"name": NAMESPACE}})
+
+
+def _node(core: k8s.CoreV1Api) -> tuple[str, str]:
+    instance_id = _instance_id()
+    created = core.create_node(hyperpod_node(instance_id, hyperpod_cluster="hp"))
+    return instance_id, created.metadata.name
+
+
+def _pod(core: k8s.CoreV1Api, name: str, node: str, job: str) -> k8s.V1Pod:
+    return core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": name, "labels": {"training.kubeflow.org/job-name": job, "rank": name[-1]}},
+            "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "trainer:1"}]},
+            "status": {"phase": "Running"},
+        },
+    )
+
+
+def _job(custom: k8s.CustomObjectsApi, name: str) -> dict[str, Any]:
+    return custom.create_namespaced_custom_object(
+        "kubeflow.org",
+        "v1",
+        NAMESPACE,
+        "pytorchjobs",
+        {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {"name": name},
+            "spec": {
+                "runPolicy": {"suspend": False},
+                "pytorchReplicaSpecs": {
+                    "Worker": {
+                        "replicas": 2,
+                        "template": {"spec": {"containers": [{"name": "pytorch", "image": "trainer:1"}]}},
+                    }
+                },
+            },
+        },
+    )
+
+
+def _status_body(exc: k8s.ApiException) -> dict[str, Any]:
+    body = json.loads(exc.body)
+    assert body["kind"] == "Status"
+    assert body["status"] == "Failure"
+    assert body["code"] == exc.status
+    return body
+
+
+# --- nodes ---------------------------------------------------------------------------------
+
+
+def test_cordon_by_strategic_merge_sets_unschedulable_taint_and_annotations(core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    before = core.read_node(name)
+
+    core.patch_node(
+        name,
+        {
+            "metadata": {
+                "labels": {HEALTH_LABEL: "Unschedulable"},
+                "annotations": {"sdcguard.io/incident": "inc-123"},
+            },
+            "spec": {
+                "unschedulable": True,
+                "taints": [{"key": "sdcguard.io/quarantine", "value": "inc-123", "effect": "NoSchedule"}],
+            },
+        },
+    )
+
+    after = core.read_node(name)
+    assert after.spec.unschedulable is True
+    assert [(t.key, t.value, t.effect) for t in after.spec.taints] == [
+        ("sdcguard.io/quarantine", "inc-123", "NoSchedule")
+    ]
+    assert after.metadata.annotations["sdcguard.io/incident"] == "inc-123"
+    assert after.metadata.labels[HEALTH_LABEL] == "Unschedulable"
+    # the other HyperPod labels survive a merge
+    assert after.metadata.labels[INSTANCE_GROUP_LABEL] == "worker-group"
+    assert int(after.metadata.resource_version) > int(before.metadata.resource_version)
+    assert after.metadata.uid == before.metadata.uid
+
+
+def test_uncordon_with_null_and_json_patch_removes_what_cordon_added(core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    core.patch_node(
+        name,
+        {
+            "metadata": {"annotations": {"sdcguard.io/incident": "inc-9"}},
+            "spec": {"unschedulable": True, "taints": [{"key": "q", "effect": "NoSchedule"}]},
+        },
+    )
+
+    core.patch_node(
+        name, {"metadata": {"annotations": {"sdcguard.io/incident": None}}, "spec": {"taints": None}}
+    )
+    core.patch_node(name, [{"op": "replace", "path": "/spec/unschedulable", "value": False}])
+
+    node = core.read_node(name)
+    assert node.spec.unschedulable is False
+    assert not node.spec.taints
+    assert "sdcguard.io/incident" not in (node.metadata.annotations or {})
+
+
+def test_list_nodes_by_label_selector(core: k8s.CoreV1Api) -> None:
+    _, marked = _node(core)
+    _, other = _node(core)
+    core.patch_node(marked, {"metadata": {"labels": {"sdcguard.io/quarantined": "true"}}})
+
+    equality = {n.metadata.name for n in core.list_node(label_selector="sdcguard.io/quarantined=true").items}
+    exists = {n.metadata.name for n in core.list_node(label_selector="sdcguard.io/quarantined").items}
+    not_in = {
+        n.metadata.name
+        for n in core.list_node(label_selector="sdcguard.io/quarantined notin (true),!sdcguard.io/x").items
+    }
+
+    assert marked in equality
+    assert other not in equality
+    assert equality == exists
+    assert other in not_in
+    assert marked not in not_in
+
+
+def test_stale_resource_version_is_a_conflict_and_changes_nothing(core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    stale = core.read_node(name).metadata.resource_version
+    core.patch_node(name, {"metadata": {"labels": {"step": "1"}}})
+
+    with pytest.raises(k8s.ApiException) as caught:
+        core.patch_node(name, {"metadata": {"resourceVersion": stale, "labels": {"step": "2"}}})
+
+    assert caught.value.status == 409
+    assert _status_body(caught.value)["reason"] == "Conflict"
+    assert core.read_node(name).metadata.labels["step"] == "1"
+
+
+def test_current_resource_version_is_accepted(core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    current = core.read_node(name).metadata.resource_version
+
+    updated = core.patch_node(name, {"metadata": {"resourceVersion": current, "labels": {"step": "2"}}})
+
+    assert updated.metadata.labels["step"] == "2"
+    assert updated.metadata.resource_version != current
+
+
+def test_concurrent_writers_with_the_same_version_one_wins(server: EksApiServer, sts: Any) -> None:
+    setup = k8s.CoreV1Api(_api(server, eks_bearer_token(CLUSTER, sts)))
+    _, name = _node(setup)
+    version = setup.read_node(name).metadata.resource_version
+    outcomes: list[int] = []
+
+    def write(value: str) -> None:
+        core = k8s.CoreV1Api(_api(server, eks_bearer_token(CLUSTER, sts)))
+        try:
+            core.patch_node(name, {"metadata": {"resourceVersion": version, "labels": {"writer": value}}})
+            outcomes.append(200)
+        except k8s.ApiException as exc:
+            outcomes.append(exc.status)
+
+    threads = [threading.Thread(target=write, args=(str(i),)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sorted(outcomes) == [200, 409, 409, 409]
+
+
+def test_missing_node_is_404_with_status_body(core: k8s.CoreV1Api) -> None:
+    with pytest.raises(k8s.ApiException) as caught:
+        core.patch_node("hyperpod-i-00000000000000000", {"spec": {"unschedulable": True}})
+
+    assert caught.value.status == 404
+    body = _status_body(caught.value)
+    assert body["reason"] == "NotFound"
+    assert body["details"]["name"] == "hyperpod-i-00000000000000000"
+
+
+def test_creating_an_existing_node_is_409_already_exists(core: k8s.CoreV1Api) -> None:
+    instance_id, _ = _node(core)
+
+    with pytest.raises(k8s.ApiException) as caught:
+        core.create_node(hyperpod_node(instance_id))
+
+    assert caught.value.status == 409
+    assert _status_body(caught.value)["reason"] == "AlreadyExists"
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"spec": {"taints": [{"key": "q", "effect": "NoScheduleTypo"}]}}, "spec.taints[0].effect"),
+        ({"spec": {"unschedulable": "yes"}}, "spec.unschedulable"),
+        ({"metadata": {"labels": {"bad key!": "x"}}}, "metadata.labels"),
+        ({"metadata": {"labels": {"ok": "not a valid/value"}}}, "metadata.labels[ok]"),
+    ],
+)
+def test_invalid_node_patch_is_422_naming_the_field_and_changes_nothing(
+    core: k8s.CoreV1Api, patch: dict[str, Any], field: str
+) -> None:
+    _, name = _node(core)
+    before = core.read_node(name)
+
+    with pytest.raises(k8s.ApiException) as caught:
+        core.patch_node(name, patch)
+
+    assert caught.value.status == 422
+    body = _status_body(caught.value)
+    assert body["reason"] == "Invalid"
+    assert field in [cause["field"] for cause in body["details"]["causes"]]
+    assert core.read_node(name).metadata.resource_version == before.metadata.resource_version
+
+
+# --- pods -------------------------------------------------------------------------------------
+
+
+def test_list_pods_by_node_name_and_job_label(core: k8s.CoreV1Api) -> None:
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    _, node_a = _node(core)
+    _, node_b = _node(core)
+    _pod(core, f"{job}-worker-0", node_a, job)
+    _pod(core, f"{job}-worker-1", node_b, job)
+    _pod(core, f"{job}-other-2", node_a, "another-job")
+
+    on_a = core.list_namespaced_pod(NAMESPACE, field_selector=f"spec.nodeName={node_a}").items
+    of_job = core.list_namespaced_pod(NAMESPACE, label_selector=f"training.kubeflow.org/job-name={job}").items
+    both = core.list_pod_for_all_namespaces(
+        field_selector=f"spec.nodeName={node_a}", label_selector=f"training.kubeflow.org/job-name={job}"
+    ).items
+
+    assert sorted(p.metadata.name for p in on_a) == [f"{job}-other-2", f"{job}-worker-0"]
+    assert sorted(p.metadata.name for p in of_job) == [f"{job}-worker-0", f"{job}-worker-1"]
+    assert [p.metadata.name for p in both] == [f"{job}-worker-0"]
+    assert both[0].spec.node_name == node_a
+    assert both[0].status.phase == "Running"
+
+
+def test_pod_list_pages_with_limit_and_continue(core: k8s.CoreV1Api) -> None:
+    job = f"page-{uuid.uuid4().hex[:6]}"
+    _, node = _node(core)
+    for i in range(5):
+        _pod(core, f"{job}-worker-{i}", node, job)
+
+    names: list[str] = []
+    token = None
+    pages = 0
+    while True:
+        page = core.list_namespaced_pod(
+            NAMESPACE, label_selector=f"training.kubeflow.org/job-name={job}", limit=2, _continue=token
+        )
+        names += [p.metadata.name for p in page.items]
+        pages += 1
+        token = page.metadata._continue
+        if not token:
+            break
+
+    assert pages == 3
+    assert names == [f"{job}-worker-{i}" for i in range(5)]
+
+
+def test_pod_in_missing_namespace_is_404(core: k8s.CoreV1Api) -> None:
+    with pytest.raises(k8s.ApiException) as caught:
+        core.create_namespaced_pod(
+            "no-such-namespace",
+            {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}},
+        )
+
+    assert caught.value.status == 404
+    assert "namespaces" in _status_body(caught.value)["message"]
+
+
+# --- PyTorchJobs -----------------------------------------------------------------------------
+
+
+def test_suspend_and_resume_a_pytorchjob(custom: k8s.CustomObjectsApi) -> None:
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    created = _job(custom, name)
+
+    suspended = custom.patch_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, {"spec": {"runPolicy": {"suspend": True}}}
+    )
+    read = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name)
+    custom.patch_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, {"spec": {"runPolicy": {"suspend": False}}}
+    )
+    resumed = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name)
+
+    assert read["spec"]["runPolicy"]["suspend"] is True
+    assert suspended["metadata"]["generation"] == created["metadata"]["generation"] + 1
+    assert resumed["spec"]["runPolicy"]["suspend"] is False
+    # the merge patch kept the replica specs
+    assert resumed["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    listed = custom.list_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs")
+    assert name in [item["metadata"]["name"] for item in listed["items"]]
+
+
+def test_pytorchjob_suspend_must_be_boolean(custom: k8s.CustomObjectsApi) -> None:
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    _job(custom, name)
+
+    with pytest.raises(k8s.ApiException) as caught:
+        custom.patch_namespaced_custom_object(
+            "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name, {"spec": {"runPolicy": {"suspend": "true"}}}
+        )
+
+    assert caught.value.status == 422
+    job = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", name)
+    assert job["spec"]["runPolicy"]["suspend"] is False
+
+
+def test_strategic_merge_on_a_custom_resource_is_415(custom: k8s.CustomObjectsApi) -> None:
+    name = f"llm-{uuid.uuid4().hex[:6]}"
+    _job(custom, name)
+
+    with pytest.raises(k8s.ApiException) as caught:
+        custom.patch_namespaced_custom_object(
+            "kubeflow.org",
+            "v1",
+            NAMESPACE,
+            "pytorchjobs",
+            name,
+            {"spec": {"runPolicy": {"suspend": True}}},
+            _content_type="application/strategic-merge-patch+json",
+        )
+
+    assert caught.value.status == 415
+
+
+def test_missing_pytorchjob_is_404(custom: k8s.CustomObjectsApi) -> None:
+    with pytest.raises(k8s.ApiException) as caught:
+        custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "nope")
+
+    assert caught.value.status == 404
+    assert _status_body(caught.value)["message"] == 'pytorchjobs.kubeflow.org "nope" not found'
+
+
+# --- authentication ----------------------------------------------------------------------------
+
+
+def _presigned_url(token: str) -> str:
+    encoded = token.removeprefix("k8s-aws-v1.")
+    return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+
+
+def _token_for(url: str) -> str:
+    return "k8s-aws-v1." + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
+
+
+def _with_query(url: str, **changes: str) -> str:
+    parts = urlsplit(url)
+    query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+    query.update(changes)
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def test_token_made_like_aws_eks_get_token_signs_the_cluster_header(sts: Any) -> None:
+    token = eks_bearer_token(CLUSTER, sts)
+
+    url = _presigned_url(token)
+    query = parse_qs(urlsplit(url).query)
+
+    assert token.startswith("k8s-aws-v1.")
+    assert "=" not in token
+    assert query["Action"] == ["GetCallerIdentity"]
+    assert "x-k8s-aws-id" in query["X-Amz-SignedHeaders"][0].split(";")
+    assert verify_token(token).access_key_id == "testing"
+
+
+def _unsigned_header_token(sts: Any) -> str:
+    return _token_for(sts.generate_presigned_url("get_caller_identity", Params={}, ExpiresIn=60))
+
+
+@pytest.mark.parametrize(
+    "make_header",
+    [
+        pytest.param(lambda sts: None, id="missing"),
+        pytest.param(lambda sts: "Basic dXNlcjpwYXNz", id="not-bearer"),
+        pytest.param(lambda sts: "Bearer some-service-account-jwt", id="no-prefix"),
+        pytest.param(lambda sts: "Bearer k8s-aws-v1.!!!notbase64", id="not-base64"),
+        pytest.param(
+            lambda sts: "Bearer " + _token_for("https://example.com/?Action=ListUsers"), id="not-sts"
+        ),
+        pytest.param(lambda sts: "Bearer " + _unsigned_header_token(sts), id="cluster-header-not-signed"),
+        pytest.param(
+            lambda sts: (
+                "Bearer "
+                + _token_for(
+                    _with_query(
+                        _presigned_url(eks_bearer_token(CLUSTER, sts)),
+                        **{
+                            "X-Amz-Date": (dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)).strftime(
+                                "%Y%m%dT%H%M%SZ"
+                            )
+                        },
+                    )
+                )
+            ),
+            id="expired",
+        ),
+    ],
+)
+def test_requests_without_a_valid_eks_token_are_401(server: EksApiServer, sts: Any, make_header: Any) -> None:
+    header = make_header(sts)
+    request = urllib.request.Request(f"{server.url}/api/v1/nodes")
+    if header:
+        request.add_header("Authorization", header)
+    context = ssl.create_default_context(cadata=server.ca_pem.decode())
+
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, context=context, timeout=10)
+
+    assert caught.value.code == 401
+    body = json.loads(caught.value.read())
+    assert body["reason"] == "Unauthorized"
+
+
+def test_the_kubernetes_client_with_a_bad_token_gets_401(server: EksApiServer, sts: Any) -> None:
+    core = k8s.CoreV1Api(_api(server, _unsigned_header_token(sts)))
+
+    with pytest.raises(k8s.ApiException) as caught:
+        core.list_node()
+
+    assert caught.value.status == 401
+
+
+def test_token_expiry_follows_x_amz_date_and_expires(sts: Any) -> None:
+    token = eks_bearer_token(CLUSTER, sts, expires_in=60)
+    now = dt.datetime.now(dt.UTC)
+
+    assert verify_token(token, now=now + dt.timedelta(seconds=30))
+    with pytest.raises(TokenRejected, match="expired"):
+        verify_token(token, now=now + dt.timedelta(seconds=120))
+
+
+def test_only_clients_that_trust_the_cluster_ca_connect(server: EksApiServer) -> None:
+    untrusting = ssl.create_default_context()
+
+    with pytest.raises(urllib.error.URLError) as caught:
+        urllib.request.urlopen(f"{server.url}/version", context=untrusting, timeout=10)
+
+    assert isinstance(caught.value.reason, ssl.SSLCertVerificationError)
+    trusting = ssl.create_default_context(cadata=server.ca_pem.decode())
+    with urllib.request.urlopen(f"{server.url}/version", context=trusting, timeout=10) as response:
+        assert json.loads(response.read())["major"] == "1"
+
+
+# --- fault knobs -----------------------------------------------------------------------------------
+
+
+def test_named_failure_hits_the_next_patch_of_that_node_once(
+    server: EksApiServer, core: k8s.CoreV1Api
+) -> None:
+    _, name = _node(core)
+    _, other = _node(core)
+    server.faults.fail_next("PATCH", "nodes", name, status=500)
+
+    core.patch_node(other, {"spec": {"unschedulable": True}})  # another node is not affected
+    core.read_node(name)  # nor a GET of the same node
+    with pytest.raises(k8s.ApiException) as caught:
+        core.patch_node(name, {"spec": {"unschedulable": True}})
+    assert core.read_node(name).spec.unschedulable is not True
+    core.patch_node(name, {"spec": {"unschedulable": True}})
+
+    assert caught.value.status == 500
+    assert "injected fault" in _status_body(caught.value)["message"]
+    assert core.read_node(name).spec.unschedulable is True
+
+
+def test_error_rate_and_latency_apply_to_api_requests(server: EksApiServer, core: k8s.CoreV1Api) -> None:
+    server.faults.set(error_rate=1.0, error_status=503)
+    with pytest.raises(k8s.ApiException) as caught:
+        core.list_node()
+    assert caught.value.status == 503
+
+    server.faults.set(error_rate=0.0, latency_seconds=0.3)
+    began = time.monotonic()
+    core.list_node()
+    assert time.monotonic() - began >= 0.3
+
+
+def _standin_post(server: EksApiServer, path: str, body: Any) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"{server.url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    context = ssl.create_default_context(cadata=server.ca_pem.decode())
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_fault_knobs_over_http(server: EksApiServer, core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+
+    status, knobs = _standin_post(
+        server,
+        "/_standin/faults",
+        {"fail_next": [{"method": "GET", "resource": "nodes", "name": name, "status": 500}]},
+    )
+    assert status == 200
+    assert knobs["fail_next"][0]["name"] == name
+    with pytest.raises(k8s.ApiException) as caught:
+        core.read_node(name)
+
+    assert caught.value.status == 500
+    assert core.read_node(name).metadata.name == name
+    assert server.faults.to_dict()["fail_next"] == []
+
+
+def test_throttling_carries_retry_after_and_the_client_retries(
+    server: EksApiServer, core: k8s.CoreV1Api
+) -> None:
+    _, name = _node(core)
+    _standin_post(
+        server, "/_standin/faults", {"fail_next": [{"resource": "nodes", "name": name, "status": 429}]}
+    )
+
+    node = core.read_node(name)  # urllib3 honours Retry-After on 429, as against a real API server
+
+    assert node.metadata.name == name
+    statuses = [r.status for r in server.requests if r.name == name and r.method == "GET"]
+    assert statuses[-2:] == [429, 200]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"error_rate": 2},
+        {"latency_seconds": -1},
+        {"fail_next": [{"status": 200}]},
+        {"fail_next": [{"times": 0}]},
+        {"latency": 1},
+    ],
+)
+def test_bad_fault_knobs_are_refused_and_change_nothing(server: EksApiServer, body: dict[str, Any]) -> None:
+    server.faults.set(latency_seconds=0.0)
+
+    status, answer = _standin_post(server, "/_standin/faults", {"latency_seconds": 0.5, **body})
+
+    assert status == 422
+    assert "bad fault knobs" in answer["message"]
+    assert server.faults.to_dict() == {
+        "latency_seconds": 0.0,
+        "error_rate": 0.0,
+        "error_status": 500,
+        "fail_next": [],
+    }
+
+
+# --- HyperPod replacement -----------------------------------------------------------------------
+
+
+def test_replace_node_swaps_the_node_and_moves_its_pods(server: EksApiServer, core: k8s.CoreV1Api) -> None:
+    job = f"rep-{uuid.uuid4().hex[:6]}"
+    old_id, old_name = _node(core)
+    _, bystander = _node(core)
+    core.patch_node(
+        old_name, {"spec": {"unschedulable": True, "taints": [{"key": "q", "effect": "NoSchedule"}]}}
+    )
+    _pod(core, f"{job}-worker-0", old_name, job)
+    _pod(core, f"{job}-worker-1", bystander, job)
+    new_id = _instance_id()
+
+    server.replace_node(old_id, new_id)
+
+    with pytest.raises(k8s.ApiException) as caught:
+        core.read_node(old_name)
+    assert caught.value.status == 404
+    new = core.read_node(f"hyperpod-{new_id}")
+    assert not new.spec.unschedulable
+    assert not new.spec.taints
+    assert new.metadata.labels[HEALTH_LABEL] == "Schedulable"
+    assert new.metadata.labels["sagemaker.amazonaws.com/cluster-name"] == "hp"
+    pods = {
+        p.metadata.name: p.spec.node_name
+        for p in core.list_namespaced_pod(
+            NAMESPACE, label_selector=f"training.kubeflow.org/job-name={job}"
+        ).items
+    }
+    assert pods == {f"{job}-worker-0": f"hyperpod-{new_id}", f"{job}-worker-1": bystander}
+
+
+def test_replace_node_over_http_refuses_a_malformed_instance_id(server: EksApiServer) -> None:
+    status, answer = _standin_post(
+        server, "/_standin/replace-node", {"old_instance_id": "gpu-0", "new_instance_id": _instance_id()}
+    )
+
+    assert status == 422
+    assert "gpu-0" in answer["message"]
+
+
+# --- patch semantics (pure) ---------------------------------------------------------------------
+
+
+def test_strategic_merge_merges_keyed_lists_and_replaces_others() -> None:
+    node = {
+        "spec": {"taints": [{"key": "a", "effect": "NoSchedule"}]},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True"}, {"type": "DiskPressure", "status": "False"}]
+        },
+    }
+    keys = {"status.conditions": "type"}
+
+    merged = strategic_merge_patch(
+        node,
+        {
+            "spec": {"taints": [{"key": "b", "effect": "NoExecute"}]},
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": "False"},
+                    {"type": "DiskPressure", "$patch": "delete"},
+                ]
+            },
+        },
+        keys,
+    )
+
+    assert merged["spec"]["taints"] == [{"key": "b", "effect": "NoExecute"}]
+    assert merged["status"]["conditions"] == [{"type": "Ready", "status": "False"}]
+    assert node["status"]["conditions"][0]["status"] == "True"  # the input is untouched
+
+
+def test_json_patch_is_all_or_nothing() -> None:
+    doc = {"metadata": {"labels": {"a": "1"}}}
+
+    with pytest.raises(PatchError):
+        json_patch(
+            doc, [{"op": "add", "path": "/metadata/labels/b", "value": "2"}, {"op": "remove", "path": "/x"}]
+        )
+
+    assert doc == {"metadata": {"labels": {"a": "1"}}}
+    assert json_patch(doc, [{"op": "test", "path": "/metadata/labels/a", "value": "1"}]) == doc
