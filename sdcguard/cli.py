@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schema": ("contract.schema_cli", "print or check the JSON Schemas of the agent/pipeline contract"),
     "local": ("infra.local.cli", "the local stand-in for AWS and EKS: up (run it), seed (fill it)"),
     "checkpoints": ("lineage.cli", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
+    "deploy": ("infra.deploy", "package the pipeline and create or update its CloudFormation stack"),
+    "destroy": ("infra.destroy", "delete the pipeline's CloudFormation stack"),
 }
 
 

@@ -1,0 +1,384 @@
+"""``sdcguard deploy``: package the pipeline, upload it, and create or update its stack.
+
+One code path for AWS and the local stand-in: every client comes from a boto3
+session, which honours ``AWS_ENDPOINT_URL`` (as ``sdcguard local up`` prints
+it). The only difference is the package's target: the Lambda runtime (Python
+3.12) on AWS, the interpreter running the stand-in when ``AWS_ENDPOINT_URL`` is
+set (see :mod:`infra.package`); ``--python-version``/``--architecture``
+override either.
+
+Steps: check the parameter overrides against the template (unknown names,
+values outside AllowedValues/AllowedPattern, missing required ones: refused
+before anything changes); look up the HyperPod cluster's ARN; build or reuse
+the package; upload it, the state machine definitions and the template to the
+code bucket (created if needed; objects are named by content hash, so an
+unchanged tree uploads nothing); create or update the stack; print its events
+as they arrive; print the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.exceptions import ClientError
+
+from infra.cfn_yaml import load_template
+from infra.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
+from infra.stack_events import StackTimeout, follow, last_event
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = ROOT / "infra" / "template.yaml"
+DEFINITIONS = {
+    "IncidentDefinitionKey": ROOT / "stepfunctions" / "incident.asl.json",
+    "DecideDefinitionKey": ROOT / "stepfunctions" / "decide.asl.json",
+}
+# Parameters the deploy script fills in itself; an override of these is refused.
+MANAGED = frozenset({"CodeBucket", "CodeKey", "IncidentDefinitionKey", "DecideDefinitionKey"})
+STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,44}$")  # 45: the function names append "-replacement-status"
+UNUSABLE = frozenset({"ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "DELETE_FAILED", "CREATE_FAILED"})
+
+
+class DeployError(RuntimeError):
+    """The deployment was refused or failed; the message says what to fix."""
+
+
+@dataclass
+class DeployResult:
+    """What a deployment did."""
+
+    stack_name: str
+    stack_id: str
+    status: str
+    outputs: dict[str, str]
+    changed: bool
+    """False when the stack already matched (no update was needed)."""
+    package: Package
+    code_bucket: str
+    uploaded: list[str] = field(default_factory=list)
+    """Keys uploaded by this run (empty when everything was already there)."""
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready summary (``sdcguard deploy --json``)."""
+        return {
+            "stack_name": self.stack_name,
+            "stack_id": self.stack_id,
+            "status": self.status,
+            "changed": self.changed,
+            "outputs": self.outputs,
+            "code_bucket": self.code_bucket,
+            "package": {
+                "sha256": self.package.sha256,
+                "target": str(self.package.target),
+                "cached": self.package.cached,
+                "size": self.package.size,
+                "seconds": round(self.package.seconds, 2),
+            },
+            "uploaded": self.uploaded,
+        }
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, str]:
+    """``Key=Value`` strings as a dict. Raises :class:`DeployError` naming a malformed or repeated item."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DeployError(f"parameter override {item!r}: expected Key=Value")
+        if key in out:
+            raise DeployError(f"parameter override {key!r} given twice")
+        out[key] = value
+    return out
+
+
+def check_overrides(template: Mapping[str, Any], overrides: Mapping[str, str]) -> None:
+    """Refuse overrides the template would refuse, naming the parameter. Raises :class:`DeployError`."""
+    params: dict[str, Any] = template.get("Parameters", {})
+    unknown = sorted(set(overrides) - set(params))
+    if unknown:
+        raise DeployError(f"unknown template parameter(s): {', '.join(unknown)} (known: {', '.join(sorted(params))})")
+    managed = sorted(set(overrides) & MANAGED)
+    if managed:
+        raise DeployError(f"{', '.join(managed)}: set by sdcguard deploy itself (use --code-bucket for the bucket)")
+    for key, value in overrides.items():
+        spec = params[key]
+        allowed = spec.get("AllowedValues")
+        if allowed is not None and value not in [str(a) for a in allowed]:
+            raise DeployError(f"{key}={value!r}: must be one of {', '.join(str(a) for a in allowed)}")
+        pattern = spec.get("AllowedPattern")
+        if pattern is not None and not re.fullmatch(pattern, value):
+            raise DeployError(f"{key}={value!r}: does not match {pattern}")
+        if spec.get("Type") == "Number":
+            try:
+                number = float(value)
+            except ValueError:
+                raise DeployError(f"{key}={value!r}: not a number") from None
+            if "MinValue" in spec and number < float(spec["MinValue"]):
+                raise DeployError(f"{key}={value}: below the minimum {spec['MinValue']}")
+            if "MaxValue" in spec and number > float(spec["MaxValue"]):
+                raise DeployError(f"{key}={value}: above the maximum {spec['MaxValue']}")
+
+
+def default_target(architecture: str | None = None, python_version: str | None = None) -> Target:
+    """The package target: the stand-in's interpreter when ``AWS_ENDPOINT_URL`` is set, else Lambda's."""
+    base = local_target() if os.environ.get("AWS_ENDPOINT_URL") else LAMBDA_TARGET
+    return Target(python_version or base.python_version, architecture or base.architecture)
+
+
+def deploy(
+    stack_name: str,
+    overrides: Mapping[str, str],
+    *,
+    session: boto3.Session | None = None,
+    code_bucket: str | None = None,
+    target: Target | None = None,
+    template_path: Path = TEMPLATE,
+    progress: Callable[[str], None] | None = None,
+    poll_seconds: float = 2.0,
+    timeout_seconds: float = 3600.0,
+) -> DeployResult:
+    """Create or update the stack ``stack_name`` with the pipeline.
+
+    ``overrides`` are template parameters; on an update, parameters not given
+    keep their previous values. Raises :class:`DeployError` for a refused
+    parameter, an unusable stack, a package that cannot be built, or a stack
+    operation that fails (with the failed resources and their reasons).
+    Nothing is changed when the parameters are refused.
+    """
+    say = progress or (lambda line: None)
+    session = session or boto3.Session()
+    if not STACK_NAME.match(stack_name):
+        raise DeployError(f"stack name {stack_name!r}: 1-45 letters, digits and hyphens, starting with a letter")
+    template = load_template(template_path)
+    check_overrides(template, overrides)
+    cfn = session.client("cloudformation")
+    existing = _describe(cfn, stack_name)
+    if existing and existing["StackStatus"] in UNUSABLE:
+        raise DeployError(
+            f"stack {stack_name} is {existing['StackStatus']} and cannot be updated: "
+            f"remove it with `sdcguard destroy --stack-name {stack_name}` first"
+        )
+    previous = {p["ParameterKey"]: p.get("ParameterValue", "") for p in (existing or {}).get("Parameters", [])}
+    values = dict(overrides)
+    target = target or default_target(architecture=values.get("LambdaArchitecture"))
+    values["LambdaArchitecture"] = target.architecture
+    # The cluster's ARN carries an id, not its name: look it up when the name is
+    # new (a new stack, or a changed name) and no ARN was given.
+    if "HyperPodClusterArn" not in values:
+        cluster = values.get("HyperPodClusterName")
+        if cluster and (cluster != previous.get("HyperPodClusterName") or "HyperPodClusterArn" not in previous):
+            values["HyperPodClusterArn"] = _hyperpod_arn(session, cluster)
+    missing = sorted(
+        name
+        for name, spec in template["Parameters"].items()
+        if "Default" not in spec and name not in MANAGED and name not in values and name not in previous
+    )
+    if missing:
+        raise DeployError(f"missing parameter(s) for a new stack: {', '.join(missing)} (give them as Key=Value)")
+    check_overrides(template, {k: v for k, v in values.items() if k != "LambdaArchitecture"})
+
+    if not all(path.exists() for path in DEFINITIONS.values()):
+        absent = [str(p.relative_to(ROOT)) for p in DEFINITIONS.values() if not p.exists()]
+        raise DeployError(f"state machine definition(s) missing: {', '.join(absent)}")
+    say(f"packaging the Lambda code for {target}")
+    try:
+        package = build_package(target)
+    except PackageError as exc:
+        raise DeployError(str(exc)) from None
+    say(f"package {package.path.name}: {package.size / 1e6:.1f} MB, "
+        f"{'from the cache' if package.cached else 'built'} in {package.seconds:.1f} s")  # fmt: skip
+
+    s3 = session.client("s3")
+    bucket = code_bucket or _default_code_bucket(session)
+    _ensure_bucket(s3, bucket, session.region_name or "us-east-1", say)
+    prefix = f"sdcguard/{stack_name}"
+    uploaded: list[str] = []
+    values["CodeBucket"] = bucket
+    values["CodeKey"] = _upload(s3, bucket, f"{prefix}/{package.key_name}", package.path.read_bytes(), uploaded, say)
+    for param, path in DEFINITIONS.items():
+        data = path.read_bytes()
+        key = f"{prefix}/{path.name.removesuffix('.asl.json')}-{_short_hash(data)}.asl.json"
+        values[param] = _upload(s3, bucket, key, data, uploaded, say)
+    body = template_path.read_bytes()
+    template_key = _upload(s3, bucket, f"{prefix}/template-{_short_hash(body)}.yaml", body, uploaded, say)
+    template_url = f"https://s3.{session.region_name or 'us-east-1'}.amazonaws.com/{bucket}/{template_key}"
+
+    parameters: list[dict[str, Any]] = [{"ParameterKey": k, "ParameterValue": str(v)} for k, v in sorted(values.items())]
+    parameters += [
+        {"ParameterKey": k, "UsePreviousValue": True}
+        for k in sorted(set(previous) - set(values))
+        if k in template["Parameters"]
+    ]
+    request: dict[str, Any] = {
+        "StackName": stack_name,
+        "TemplateURL": template_url,
+        "Parameters": parameters,
+        "Capabilities": ["CAPABILITY_IAM"],
+        "Tags": [{"Key": "sdcguard:stack", "Value": stack_name}],
+    }
+    if existing:
+        since, skip = last_event(cfn, existing["StackId"])
+        say(f"updating stack {stack_name}")
+        try:
+            stack_id = cfn.update_stack(**request)["StackId"]
+        except ClientError as exc:
+            if "No updates are to be performed" not in str(exc):
+                raise DeployError(f"update of {stack_name} refused: {exc}") from None
+            say("stack already up to date")
+            return _result(cfn, stack_name, existing["StackId"], False, package, bucket, uploaded)
+    else:
+        since, skip = datetime.now(UTC).replace(microsecond=0), frozenset()
+        say(f"creating stack {stack_name}")
+        try:
+            stack_id = cfn.create_stack(**request, OnFailure="ROLLBACK")["StackId"]
+        except ClientError as exc:
+            raise DeployError(f"creation of {stack_name} refused: {exc}") from None
+    try:
+        settled = follow(
+            cfn, stack_id, since=since, skip=skip, on_event=say,
+            poll_seconds=poll_seconds, timeout_seconds=timeout_seconds,
+        )  # fmt: skip
+    except StackTimeout as exc:
+        raise DeployError(str(exc)) from None
+    if not settled.ok:
+        reasons = "; ".join(settled.failures) or "no resource reported a reason"
+        raise DeployError(f"stack {stack_name} ended {settled.status}: {reasons}")
+    return _result(cfn, stack_name, stack_id, True, package, bucket, uploaded)
+
+
+def _result(
+    cfn: Any, name: str, stack_id: str, changed: bool, package: Package, bucket: str, uploaded: list[str]
+) -> DeployResult:
+    stack = cfn.describe_stacks(StackName=stack_id)["Stacks"][0]
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
+    return DeployResult(name, stack_id, stack["StackStatus"], outputs, changed, package, bucket, uploaded)
+
+
+def _describe(cfn: Any, stack_name: str) -> dict[str, Any] | None:
+    try:
+        stacks = cfn.describe_stacks(StackName=stack_name)["Stacks"]
+    except ClientError as exc:
+        if "does not exist" in str(exc):
+            return None
+        raise
+    live = [s for s in stacks if s["StackStatus"] != "DELETE_COMPLETE"]
+    return live[0] if live else None
+
+
+def _hyperpod_arn(session: boto3.Session, cluster: str) -> str:
+    try:
+        return str(session.client("sagemaker").describe_cluster(ClusterName=cluster)["ClusterArn"])
+    except ClientError as exc:
+        raise DeployError(
+            f"HyperPod cluster {cluster!r} not found ({exc.response['Error'].get('Code')}): "
+            "check HyperPodClusterName and the region, or give HyperPodClusterArn"
+        ) from None
+
+
+def _default_code_bucket(session: boto3.Session) -> str:
+    account = session.client("sts").get_caller_identity()["Account"]
+    return f"sdcguard-code-{account}-{session.region_name or 'us-east-1'}"
+
+
+def _ensure_bucket(s3: Any, bucket: str, region: str, say: Callable[[str], None]) -> None:
+    try:
+        s3.head_bucket(Bucket=bucket)
+        return
+    except ClientError as exc:
+        if exc.response["Error"].get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+            raise DeployError(f"code bucket {bucket}: {exc}") from None
+    say(f"creating code bucket {bucket}")
+    config = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+    s3.create_bucket(Bucket=bucket, **config)
+    s3.put_public_access_block(
+        Bucket=bucket,
+        PublicAccessBlockConfiguration={
+            "BlockPublicAcls": True,
+            "IgnorePublicAcls": True,
+            "BlockPublicPolicy": True,
+            "RestrictPublicBuckets": True,
+        },
+    )
+
+
+def _upload(s3: Any, bucket: str, key: str, data: bytes, uploaded: list[str], say: Callable[[str], None]) -> str:
+    try:
+        s3.head_object(Bucket=bucket, Key=key)
+        return key  # named by content hash: already there means already right
+    except ClientError as exc:
+        if exc.response["Error"].get("Code") not in ("404", "NoSuchKey", "NotFound"):
+            raise
+    say(f"uploading s3://{bucket}/{key} ({len(data) / 1e6:.1f} MB)")
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    uploaded.append(key)
+    return key
+
+
+def _short_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:20]
+
+
+# ------------------------------------------------------------------ command line
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``sdcguard deploy``."""
+    parser.add_argument("--stack-name", required=True, help="CloudFormation stack name (e.g. sdcguard)")
+    parser.add_argument(
+        "--parameter-overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="template parameters, e.g. HyperPodClusterName=ml-cluster EksClusterName=ml-eks "
+        "CheckpointBucket=my-ckpts CheckpointPrefix=jobs/llama ReviewerEmail=oncall@example.com",
+    )
+    parser.add_argument("--region", help="AWS region (default: the environment's)")
+    parser.add_argument("--code-bucket", help="bucket for the package (default: sdcguard-code-ACCOUNT-REGION)")
+    parser.add_argument(
+        "--python-version",
+        help="Python of the package (default: 3.12, the Lambda runtime; this interpreter's with AWS_ENDPOINT_URL)",
+    )
+    parser.add_argument("--architecture", choices=["arm64", "x86_64"], help="Lambda architecture (default arm64)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Deploy, printing progress on stderr and the outputs on stdout."""
+    from sdcguard.cli import CommandError
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        overrides = parse_overrides(args.parameter_overrides)
+        target = default_target(
+            architecture=args.architecture or overrides.get("LambdaArchitecture"),
+            python_version=args.python_version,
+        )
+        result = deploy(
+            args.stack_name,
+            overrides,
+            session=boto3.Session(region_name=args.region) if args.region else None,
+            code_bucket=args.code_bucket,
+            target=target,
+            progress=progress,
+        )
+    except (DeployError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        print(json.dumps(result.as_json(), indent=2, sort_keys=True))
+    else:
+        print(f"stack {result.stack_name}: {result.status}{'' if result.changed else ' (unchanged)'}")
+        for key, value in sorted(result.outputs.items()):
+            print(f"  {key} = {value}")
+    return 0
