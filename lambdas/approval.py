@@ -1,0 +1,79 @@
+"""The approval request: store the task token, tell the reviewers how to answer."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from contract import Incident, IncidentState
+from lambdas import notify
+from lambdas.errors import IncidentNotWaiting
+from lambdas.ledger import Ledger
+
+S = IncidentState
+
+
+def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str:
+    """The reviewers' notification: the incident, the evidence, and the exact commands to answer."""
+    evidence = incident.evidence
+    lines = [notify.describe(incident), ""]
+    lines.append(f"Evidence verdict: {evidence.get('verdict', 'none collected')}")
+    instances = evidence.get("instances")
+    for entry in instances if isinstance(instances, list) else []:
+        if isinstance(entry, dict):
+            lines.append(f"  {entry.get('instance_id')}: {entry.get('verdict')}: {'; '.join(entry.get('reasons', []))}")
+    if evidence.get("note"):
+        lines.append(f"Note: {evidence['note']}")
+    lines += [
+        "",
+        "The node is cordoned and the job suspended. To replace the node and resume from the last clean checkpoint:",
+        f'  sdcguard approve {incident.incident_id} --reason "..."',
+        "To release the node and resume without replacing it (a false alarm):",
+        f'  sdcguard reject {incident.incident_id} --reason "..."',
+    ]
+    if decide_machine_arn:
+        lines.append(
+            f"Or start the state machine {decide_machine_arn} in the Step Functions console with input "
+            f'{{"incident_id": "{incident.incident_id}", "decision": "approve" | "reject", "reason": "...", "reviewer": "..."}}'
+        )
+    return "\n".join(lines)
+
+
+def request_approval(
+    ledger: Ledger,
+    incident_id: str,
+    task_token: str,
+    *,
+    timeout_seconds: int,
+    topic_arn: str,
+    decide_machine_arn: str = "",
+    sns: Any = None,
+    actor: str = "request_approval",
+) -> Incident:
+    """Store ``task_token``, move the incident to AWAITING_APPROVAL and notify the reviewers once.
+
+    A retry with the same token neither notifies again nor writes again.
+    Raises :class:`IncidentNotWaiting` if the incident is past the point of asking.
+    """
+    stored = ledger.get_token(incident_id)
+    incident = ledger.get(incident_id)
+    if incident.state == S.AWAITING_APPROVAL and stored is not None and stored[0] == task_token:
+        return incident
+    if incident.state not in (S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL):
+        raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; approval cannot be requested")
+    ledger.put_token(incident_id, task_token, expires_at=time.time() + timeout_seconds)
+    incident = ledger.update(
+        incident_id,
+        lambda current: current.advance(
+            S.AWAITING_APPROVAL, actor=actor, note="reviewers notified", approval_requested_at=datetime.now(UTC)
+        ),
+    )
+    notify.publish(
+        topic_arn,
+        f"sdcguard: approve or reject node replacement for {incident_id}",
+        approval_message(incident, decide_machine_arn=decide_machine_arn),
+        incident=incident,
+        client=sns,
+    )
+    return incident

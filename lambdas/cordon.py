@@ -1,0 +1,129 @@
+"""Cordon and uncordon a suspect node through the Kubernetes API.
+
+Cordoning sets ``spec.unschedulable``, adds a ``NoSchedule`` taint whose value
+names the incident, and annotates the node with the incident and whether the
+node was already unschedulable, so that uncordoning restores exactly what was
+there before and never frees a node someone else cordoned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client as k8s
+
+from contract import IncidentState
+from lambdas.errors import IncidentNotWaiting, NotInCluster
+from lambdas.kube_errors import kubernetes_errors
+from lambdas.ledger import Ledger
+
+S = IncidentState
+
+TAINT_KEY = "sdcguard.io/quarantine"
+ANNOTATION_INCIDENT = "sdcguard.io/incident"
+ANNOTATION_AT = "sdcguard.io/cordoned-at"
+ANNOTATION_WAS_UNSCHEDULABLE = "sdcguard.io/was-unschedulable"
+
+
+@dataclass(frozen=True)
+class NodeChange:
+    """What a cordon or uncordon did to one node."""
+
+    node: str
+    changed: bool
+    """False when the node already was in the wanted state (a retry)."""
+
+
+def _taints(node: Any) -> list[dict[str, Any]]:
+    return [
+        {k: v for k, v in {"key": t.key, "value": t.value, "effect": t.effect}.items() if v is not None}
+        for t in (node.spec.taints or [])
+    ]
+
+
+def cordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeChange:
+    """Make ``node_name`` unschedulable with sdcguard's taint and annotations naming ``incident_id``.
+
+    Idempotent: a node that already carries our taint is left as it is.
+    Raises :class:`KubernetesObjectMissing` and :class:`TransientKubernetesError`.
+    """
+    core = k8s.CoreV1Api(api)
+    with kubernetes_errors(f"node {node_name}"):
+        node = core.read_node(node_name)
+        taints = _taints(node)
+        if any(t["key"] == TAINT_KEY for t in taints):
+            return NodeChange(node_name, changed=False)
+        annotations = {
+            ANNOTATION_INCIDENT: incident_id,
+            ANNOTATION_AT: datetime.now(UTC).isoformat(),
+            ANNOTATION_WAS_UNSCHEDULABLE: "true" if node.spec.unschedulable else "false",
+        }
+        body = {
+            "metadata": {"annotations": annotations},
+            "spec": {
+                "unschedulable": True,
+                "taints": [*taints, {"key": TAINT_KEY, "value": incident_id, "effect": "NoSchedule"}],
+            },
+        }
+        core.patch_node(node_name, body)
+    return NodeChange(node_name, changed=True)
+
+
+def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeChange:
+    """Undo :func:`cordon_node` for ``incident_id``: remove our taint and annotations, restore
+    ``unschedulable`` to what it was before.
+
+    A node not cordoned by this incident is left untouched; a node that no
+    longer exists (replaced) counts as done. Raises :class:`TransientKubernetesError`.
+    """
+    core = k8s.CoreV1Api(api)
+    with kubernetes_errors(f"node {node_name}"):
+        try:
+            node = core.read_node(node_name)
+        except k8s.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return NodeChange(node_name, changed=False)
+            raise
+        taints = _taints(node)
+        ours = [t for t in taints if t["key"] == TAINT_KEY and t.get("value") == incident_id]
+        if not ours:
+            return NodeChange(node_name, changed=False)
+        annotations = node.metadata.annotations or {}
+        was_unschedulable = annotations.get(ANNOTATION_WAS_UNSCHEDULABLE) == "true"
+        body = {
+            "metadata": {
+                "annotations": {ANNOTATION_INCIDENT: None, ANNOTATION_AT: None, ANNOTATION_WAS_UNSCHEDULABLE: None}
+            },
+            "spec": {
+                "unschedulable": was_unschedulable,
+                "taints": [t for t in taints if t["key"] != TAINT_KEY],
+            },
+        }
+        core.patch_node(node_name, body)
+    return NodeChange(node_name, changed=True)
+
+
+def cordon_for_incident(
+    ledger: Ledger, api: k8s.ApiClient, incident_id: str, instance_id: str, *, actor: str = "cordon"
+) -> NodeChange:
+    """Cordon the node of ``instance_id`` for the incident and record it (SUSPENDED -> CORDONED).
+
+    Raises :class:`NotInCluster` (the incident does not name the instance) and
+    :class:`IncidentNotWaiting` (the incident is not at the containment
+    stage), changing nothing.
+    """
+    incident = ledger.get(incident_id)
+    suspect = next((s for s in incident.suspects if s.instance_id == instance_id), None)
+    if suspect is None:
+        raise NotInCluster(f"incident {incident_id} does not name instance {instance_id}")
+    if incident.state not in (S.SUSPENDED, S.CORDONED):
+        raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; cordoning follows the job's suspension")
+    change = cordon_node(api, suspect.node, incident_id)
+    note = f"cordoned {suspect.node}" + ("" if change.changed else " (already cordoned)")
+    ledger.update(
+        incident_id,
+        lambda current: current if current.state != S.SUSPENDED else current.advance(S.CORDONED, actor=actor, note=note),
+    )
+    return change

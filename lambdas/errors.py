@@ -1,0 +1,95 @@
+"""Named exceptions of the incident pipeline.
+
+The state machine ``Catch``es them by name: a Lambda failure's error name is
+the exception's class name, so these names are part of the ASL and must not be
+renamed casually.
+"""
+
+from __future__ import annotations
+
+from lineage.errors import NoSafeCheckpoint
+
+
+class PipelineError(Exception):
+    """Base of every error the state machine catches by name."""
+
+
+class MalformedEvent(PipelineError):
+    """The input is not what the handler accepts (a malformed alarm, a missing field)."""
+
+
+class IncidentNotFound(PipelineError):
+    """The ledger holds no incident with this id."""
+
+
+class SuspectUnresolvable(PipelineError):
+    """A suspect rank cannot be traced to an EC2 instance (or the alarm names none)."""
+
+
+class NotInCluster(PipelineError):
+    """An instance or an alarm that does not belong to the cluster this pipeline guards."""
+
+
+class BlastRadiusExceeded(PipelineError):
+    """Acting would quarantine or replace more nodes than the configured limits allow."""
+
+
+class IncidentNotWaiting(PipelineError):
+    """A decision for an incident that is not waiting for approval."""
+
+
+class UnknownDecision(PipelineError):
+    """A decision other than ``approve`` or ``reject``."""
+
+
+class ApprovalExpired(PipelineError):
+    """The approval's task token timed out or no longer exists: the decision was not delivered."""
+
+
+class ReplacementFailed(PipelineError):
+    """HyperPod refused or failed the replacement of an instance."""
+
+
+class NodeHeldByHyperPod(PipelineError):
+    """``InstanceIdInUse``: HyperPod's own recovery is acting on the node."""
+
+
+class ReplacementTimedOut(PipelineError):
+    """The replacement did not reach Running within the bound of the wait loop."""
+
+
+class PointerOutsidePrefix(PipelineError):
+    """The alarm's checkpoint prefix is not under the bucket and prefix this pipeline may write."""
+
+
+class TransientKubernetesError(PipelineError):
+    """The Kubernetes API failed in a way worth retrying (5xx, 429, connection errors)."""
+
+
+class KubernetesObjectMissing(PipelineError):
+    """A node, pod or PyTorchJob the incident names does not exist."""
+
+
+class LedgerConflict(PipelineError):
+    """The ledger item kept changing under us: the write was not made."""
+
+
+__all__ = [
+    "ApprovalExpired",
+    "BlastRadiusExceeded",
+    "IncidentNotFound",
+    "IncidentNotWaiting",
+    "KubernetesObjectMissing",
+    "LedgerConflict",
+    "MalformedEvent",
+    "NoSafeCheckpoint",
+    "NodeHeldByHyperPod",
+    "NotInCluster",
+    "PipelineError",
+    "PointerOutsidePrefix",
+    "ReplacementFailed",
+    "ReplacementTimedOut",
+    "SuspectUnresolvable",
+    "TransientKubernetesError",
+    "UnknownDecision",
+]

@@ -1,0 +1,205 @@
+"""Evidence: what CloudWatch knows about a suspect instance around the alarm.
+
+The GPU metrics of Container Insights (temperature, power, utilisation,
+memory) and whatever DCGM counters the cluster publishes (Xid, ECC, NVLink
+CRC, remapped rows), plus this instance's alarm history in the ledger. The
+verdict is "corroborated" when the hardware itself or the history points at
+the instance, else "no hardware signal" — which does not clear it: silent data
+corruption is by definition invisible to the GPU's own counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any, Final, Literal
+
+import boto3
+from pydantic import BaseModel
+
+from contract import Incident, IncidentState
+from lambdas.errors import IncidentNotWaiting
+from lambdas.ledger import Ledger
+
+CORROBORATED: Final = "corroborated"
+NO_HARDWARE_SIGNAL: Final = "no hardware signal"
+HEALTHY_DCGM_NOTE = (
+    "A healthy DCGM does not clear a node: silent data corruption leaves no ECC, Xid or "
+    "throttle trace. The detector's evidence stands on its own."
+)
+BEFORE = timedelta(minutes=30)
+AFTER = timedelta(minutes=5)
+# Container Insights GPU metrics and the thermal limit above which a reading is notable.
+GPU_TEMPERATURE_LIMIT_C = 87.0
+
+
+class MetricSeries(BaseModel):
+    """One metric's readings for one instance (a GPU or the node)."""
+
+    name: str
+    dimensions: dict[str, str]
+    maximum: float | None
+    points: int
+
+
+class InstanceEvidence(BaseModel):
+    """The evidence summary for one instance."""
+
+    instance_id: str
+    verdict: Literal["corroborated", "no hardware signal"]
+    reasons: list[str]
+    note: str = HEALTHY_DCGM_NOTE
+    metrics: list[MetricSeries] = []
+    prior_incidents: list[str] = []
+    window_start: datetime
+    window_end: datetime
+
+
+def verdict_for(
+    metrics: Iterable[MetricSeries], dcgm_counters: Iterable[str], prior_incidents: Iterable[str]
+) -> tuple[Literal["corroborated", "no hardware signal"], list[str]]:
+    """The verdict and the reasons behind it.
+
+    Corroborated when a DCGM error counter is non-zero in the window, a GPU ran
+    above its thermal limit, or the instance was a suspect of an earlier
+    incident. Otherwise "no hardware signal" (with the reason that none was found).
+    """
+    counters = set(dcgm_counters)
+    reasons: list[str] = []
+    for series in metrics:
+        if series.maximum is None:
+            continue
+        gpu = series.dimensions.get("GpuDevice", "")
+        where = f" on {gpu}" if gpu else ""
+        if series.name in counters and series.maximum > 0:
+            reasons.append(f"{series.name} reached {series.maximum:g}{where}")
+        elif series.name == "node_gpu_temperature" and series.maximum > GPU_TEMPERATURE_LIMIT_C:
+            reasons.append(f"GPU temperature reached {series.maximum:g} C{where} (limit {GPU_TEMPERATURE_LIMIT_C:g})")
+    prior = sorted(set(prior_incidents))
+    if prior:
+        reasons.append(f"suspect in {len(prior)} earlier incident(s): {', '.join(prior)}")
+    if reasons:
+        return CORROBORATED, reasons
+    return NO_HARDWARE_SIGNAL, ["no DCGM error counter, thermal excursion or earlier incident for this instance"]
+
+
+def prior_incidents_of(instance_id: str, incidents: Iterable[Incident], *, exclude: str) -> list[str]:
+    """Ids of other incidents that named ``instance_id`` as a suspect."""
+    return sorted(
+        i.incident_id for i in incidents if i.incident_id != exclude and instance_id in i.instance_ids
+    )
+
+
+def instance_metrics(
+    instance_id: str, start: datetime, end: datetime, *, metric_names: Iterable[str] | None = None, client: Any = None
+) -> list[MetricSeries]:
+    """Every CloudWatch metric carrying ``InstanceId=instance_id`` between ``start`` and ``end``.
+
+    The dimension sets (per GPU, per node) are discovered with ListMetrics, so
+    whichever GPU metrics the cluster publishes are read. ``metric_names``
+    limits the result (None: all).
+    """
+    client = client or boto3.client("cloudwatch")
+    wanted = set(metric_names) if metric_names is not None else None
+    found: list[dict[str, Any]] = []
+    for page in client.get_paginator("list_metrics").paginate(
+        Dimensions=[{"Name": "InstanceId", "Value": instance_id}]
+    ):
+        for metric in page.get("Metrics", []):
+            if wanted is None or metric["MetricName"] in wanted:
+                found.append(metric)
+    found = found[:500]  # GetMetricData takes 500 queries per call
+    if not found:
+        return []
+    queries = [
+        {
+            "Id": f"m{i}",
+            "MetricStat": {
+                "Metric": {"Namespace": m["Namespace"], "MetricName": m["MetricName"], "Dimensions": m.get("Dimensions", [])},
+                "Period": 60,
+                "Stat": "Maximum",
+            },
+            "ReturnData": True,
+        }
+        for i, m in enumerate(found)
+    ]
+    values: dict[str, list[float]] = {}
+    for page in client.get_paginator("get_metric_data").paginate(
+        MetricDataQueries=queries, StartTime=start, EndTime=end
+    ):
+        for result in page.get("MetricDataResults", []):
+            values.setdefault(result["Id"], []).extend(result.get("Values", []))
+    out = []
+    for i, m in enumerate(found):
+        readings = values.get(f"m{i}", [])
+        out.append(
+            MetricSeries(
+                name=m["MetricName"],
+                dimensions={d["Name"]: d["Value"] for d in m.get("Dimensions", [])},
+                maximum=max(readings) if readings else None,
+                points=len(readings),
+            )
+        )
+    return sorted(out, key=lambda s: (s.name, sorted(s.dimensions.items())))
+
+
+def collect_evidence(
+    incident: Incident,
+    history: Iterable[Incident],
+    *,
+    dcgm_counters: Iterable[str],
+    client: Any = None,
+) -> list[InstanceEvidence]:
+    """The evidence summary of each suspect instance of ``incident``."""
+    history = list(history)
+    dcgm_counters = list(dcgm_counters)
+    start, end = incident.alarm.time - BEFORE, incident.alarm.time + AFTER
+    out = []
+    for instance_id in incident.instance_ids:
+        metrics = instance_metrics(instance_id, start, end, client=client)
+        prior = prior_incidents_of(instance_id, history, exclude=incident.incident_id)
+        verdict, reasons = verdict_for(metrics, dcgm_counters, prior)
+        out.append(
+            InstanceEvidence(
+                instance_id=instance_id,
+                verdict=verdict,
+                reasons=reasons,
+                metrics=metrics,
+                prior_incidents=prior,
+                window_start=start,
+                window_end=end,
+            )
+        )
+    return out
+
+
+def summary(evidence: list[InstanceEvidence]) -> dict[str, object]:
+    """The ledger's and the reviewer's form: an overall verdict and one entry per instance."""
+    overall = CORROBORATED if any(e.verdict == CORROBORATED for e in evidence) else NO_HARDWARE_SIGNAL
+    return {
+        "verdict": overall,
+        "note": HEALTHY_DCGM_NOTE,
+        "instances": [e.model_dump(mode="json") for e in evidence],
+    }
+
+
+def evidence_for_incident(
+    ledger: Ledger, incident_id: str, *, dcgm_counters: Iterable[str], cloudwatch: Any = None, actor: str = "evidence"
+) -> Incident:
+    """Collect and record the evidence (CORDONED -> EVIDENCE_COLLECTED). Idempotent.
+
+    Raises :class:`IncidentNotWaiting` before the node is cordoned.
+    """
+    incident = ledger.get(incident_id)
+    if incident.entered(IncidentState.EVIDENCE_COLLECTED):
+        return incident
+    if incident.state != IncidentState.CORDONED:
+        raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; evidence follows the cordon")
+    history = ledger.list(hyperpod_cluster=incident.alarm.job.hyperpod_cluster)
+    found = summary(collect_evidence(incident, history, dcgm_counters=dcgm_counters, client=cloudwatch))
+    return ledger.update(
+        incident_id,
+        lambda current: current
+        if current.state != IncidentState.CORDONED
+        else current.advance(IncidentState.EVIDENCE_COLLECTED, actor=actor, note=str(found["verdict"]), evidence=found),
+    )

@@ -1,0 +1,236 @@
+"""The operator's commands: ``sdcguard incidents``, ``incidents show ID``, ``approve ID``, ``reject ID``.
+
+Pointed at an account or at the local stand-in by the usual AWS environment
+variables (``AWS_ENDPOINT_URL`` included). ``approve``/``reject`` start the
+same decision state machine a reviewer starts from the Step Functions
+console, with the caller's identity from STS as the reviewer, and wait for
+its answer.
+
+The three commands share this module; ``configure`` tells them apart by the
+name the dispatcher gave the sub-parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from typing import Any
+
+import boto3
+
+from contract import Incident
+from lambdas.errors import IncidentNotFound
+from lambdas.ledger import Ledger
+
+DEFAULT_STACK = "sdcguard"
+FAILURE_MESSAGES = {
+    "IncidentNotWaiting": "incident {id} is not waiting for approval{state}; nothing changed",
+    "ApprovalExpired": "the approval request of incident {id} has expired{state}: the incident stopped safely "
+    "for attention (node cordoned, job suspended); nothing changed",
+    "UnknownDecision": "the decision machine refused the input for incident {id}; nothing changed",
+}
+
+
+def _command(parser: argparse.ArgumentParser) -> str:
+    return parser.prog.split()[-1]
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stack-name", default=os.environ.get("SDCGUARD_STACK", DEFAULT_STACK),
+                        help="the deployed stack whose outputs name the ledger and the decision machine (default: %(default)s)")
+    parser.add_argument("--table", default=os.environ.get("SDCGUARD_LEDGER_TABLE"),
+                        help="the ledger table (default: the stack's LedgerTableName output)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of ``incidents``, ``approve`` or ``reject``, whichever ``parser`` is for."""
+    command = _command(parser)
+    _common(parser)
+    if command == "incidents":
+        parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+        sub = parser.add_subparsers(dest="incidents_command", metavar="show")
+        show = sub.add_parser("show", help="one incident: state, suspects, evidence, timeline")
+        show.add_argument("incident_id", metavar="ID")
+        show.add_argument("--json", action="store_true", help="print the whole incident record as JSON")
+        return
+    parser.add_argument("incident_id", metavar="ID", help="the incident (see `sdcguard incidents`)")
+    parser.add_argument("--reason", required=True, help="why (recorded in the ledger with your identity)")
+    parser.add_argument("--state-machine-arn", default=os.environ.get("SDCGUARD_DECIDE_STATE_MACHINE_ARN"),
+                        help="the decision machine (default: the stack's DecideStateMachineArn output, or the one machine named *decide)")
+    parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the decision machine (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; raises ``sdcguard.cli.CommandError`` with a clear message on failure."""
+    from sdcguard.cli import CommandError
+
+    try:
+        if args.command == "incidents":
+            ledger = Ledger(_ledger_table(args))
+            if getattr(args, "incidents_command", None) == "show":
+                return _show(ledger, args.incident_id, as_json=args.json)
+            return _list(ledger, as_json=args.json)
+        return _decide(args, "approve" if args.command == "approve" else "reject")
+    except IncidentNotFound as exc:
+        raise CommandError(str(exc)) from None
+
+
+# -- incidents ------------------------------------------------------------------
+
+
+def incident_row(incident: Incident) -> dict[str, Any]:
+    """The summary of one incident that ``incidents --json`` prints."""
+    return {
+        "id": incident.incident_id,
+        "state": incident.state.value,
+        "detector": incident.alarm.detector.value,
+        "step": incident.alarm.step,
+        "job": f"{incident.alarm.job.namespace}/{incident.alarm.job.job_name}",
+        "instance_ids": incident.instance_ids,
+        "nodes": incident.alarm.suspect_nodes,
+        "duplicate_alarms": incident.duplicate_alarms,
+        "created_at": incident.created_at.isoformat(),
+        "updated_at": incident.updated_at.isoformat(),
+    }
+
+
+def _list(ledger: Ledger, *, as_json: bool) -> int:
+    rows = [incident_row(i) for i in ledger.list()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no incidents")
+        return 0
+    header = ("ID", "STATE", "DETECTOR", "STEP", "JOB", "INSTANCES", "CREATED")
+    table = [header] + [
+        (r["id"], r["state"], r["detector"], str(r["step"]), r["job"], ",".join(r["instance_ids"]) or "-", r["created_at"][:19])
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
+    incident = ledger.get(incident_id)
+    if as_json:
+        print(incident.model_dump_json(indent=2))
+        return 0
+    alarm = incident.alarm
+    print(f"incident   {incident.incident_id}")
+    print(f"state      {incident.state.value}  (mode {incident.mode})")
+    print(f"job        {alarm.job.namespace}/{alarm.job.job_name} on {alarm.job.hyperpod_cluster}")
+    print(f"alarm      {alarm.detector.value} at step {alarm.step}, trusted through step {alarm.trusted_through_step()}, "
+          f"{incident.duplicate_alarms} duplicate(s)")
+    for s in incident.suspects:
+        print(f"suspect    rank {s.global_rank}  pod {s.pod}  node {s.node}  instance {s.instance_id}")
+    if not incident.suspects:
+        for raw in alarm.suspects:
+            print(f"suspect    rank {raw.global_rank}  pod {raw.pod}  node {raw.node}  (unresolved)")
+    evidence = incident.evidence
+    if evidence:
+        print(f"evidence   {evidence.get('verdict')}")
+        instances = evidence.get("instances")
+        for entry in instances if isinstance(instances, list) else []:
+            if isinstance(entry, dict):
+                for reason in entry.get("reasons", []):
+                    print(f"           {entry.get('instance_id')}: {reason}")
+        print(f"           {evidence.get('note', '')}")
+    if incident.decision:
+        d = incident.decision
+        print(f"decision   {d.decision} by {d.reviewer}: {d.reason}")
+    for r in incident.replacements:
+        print(f"replaced   {r.old_instance_id} -> {r.new_instance_id or '?'} ({r.status})")
+    if incident.checkpoint_after:
+        print(f"pointer    {incident.checkpoint_before or '-'} -> {incident.checkpoint_after}")
+    if incident.failure:
+        print(f"stopped    in {incident.failure.state}: {incident.failure.error}: {incident.failure.cause}")
+    print("timeline")
+    for t in incident.transitions:
+        note = f"  {t.note}" if t.note else ""
+        print(f"  {t.at.isoformat(timespec='seconds')}  {t.state.value:<20} {t.actor}{note}")
+    return 0
+
+
+# -- approve / reject -------------------------------------------------------------
+
+
+def _decide(args: argparse.Namespace, decision: str) -> int:
+    from sdcguard.cli import CommandError
+
+    reviewer = boto3.client("sts").get_caller_identity()["Arn"]
+    machine = _decide_machine(args)
+    sfn = boto3.client("stepfunctions")
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", f"{args.incident_id}-{decision}-{time.time_ns()}")[:80]
+    payload = {"incident_id": args.incident_id, "decision": decision, "reason": args.reason, "reviewer": reviewer}
+    execution = sfn.start_execution(stateMachineArn=machine, name=name, input=json.dumps(payload))["executionArn"]
+    deadline = time.monotonic() + args.wait
+    while True:
+        described = sfn.describe_execution(executionArn=execution)
+        if described["status"] != "RUNNING":
+            break
+        if time.monotonic() > deadline:
+            raise CommandError(f"the decision machine is still running after {args.wait:g} s: {execution}")
+        time.sleep(0.5)
+    if described["status"] == "SUCCEEDED":
+        print(f"{decision}d incident {args.incident_id} as {reviewer}: {args.reason}")
+        return 0
+    error = described.get("error", "")
+    template = FAILURE_MESSAGES.get(error)
+    if template is None:
+        raise CommandError(f"the decision machine {described['status']}: {error} {described.get('cause', '')} ({execution})")
+    raise CommandError(template.format(id=args.incident_id, state=_state_note(args)))
+
+
+def _state_note(args: argparse.Namespace) -> str:
+    """`` (it is CLOSED)`` from the ledger, or nothing when the ledger cannot say."""
+    try:
+        return f" (it is {Ledger(_ledger_table(args)).get(args.incident_id).state.value})"
+    except Exception:
+        return ""
+
+
+def _stack_outputs(stack: str) -> dict[str, str]:
+    try:
+        described = boto3.client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0]
+    except Exception:
+        return {}
+    return {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
+
+
+def _ledger_table(args: argparse.Namespace) -> str:
+    from sdcguard.cli import CommandError
+
+    if args.table:
+        return str(args.table)
+    table = _stack_outputs(args.stack_name).get("LedgerTableName")
+    if not table:
+        raise CommandError(f"no ledger table: pass --table, set SDCGUARD_LEDGER_TABLE, or deploy stack {args.stack_name!r}")
+    return table
+
+
+def _decide_machine(args: argparse.Namespace) -> str:
+    from sdcguard.cli import CommandError
+
+    if args.state_machine_arn:
+        return str(args.state_machine_arn)
+    arn = _stack_outputs(args.stack_name).get("DecideStateMachineArn")
+    if arn:
+        return arn
+    machines = [
+        m["stateMachineArn"]
+        for page in boto3.client("stepfunctions").get_paginator("list_state_machines").paginate()
+        for m in page["stateMachines"]
+        if m["name"].lower().endswith("decide")
+    ]
+    if len(machines) == 1:
+        return machines[0]
+    raise CommandError(
+        "cannot tell which decision machine to start "
+        f"({len(machines)} named *decide); pass --state-machine-arn or --stack-name"
+    )

@@ -1,0 +1,71 @@
+"""Rewrite the job's resume pointer to the last pre-suspect checkpoint (through lineage)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contract import Incident, IncidentState
+from lambdas.errors import IncidentNotWaiting, PointerOutsidePrefix
+from lambdas.ledger import Ledger
+from lineage.pointer import rewrite_pointer
+from lineage.store import open_store
+
+S = IncidentState
+WRITER = "sdcguard-pipeline"
+
+
+def allowed_prefix(checkpoint_prefix: str, *, bucket: str, prefix: str) -> bool:
+    """Whether the alarm's ``s3://`` checkpoint prefix lies under the bucket/prefix we may write."""
+    base = f"s3://{bucket}/" + (prefix.strip("/") + "/" if prefix.strip("/") else "")
+    return (checkpoint_prefix.rstrip("/") + "/").startswith(base)
+
+
+def rewrite_for_incident(
+    ledger: Ledger,
+    incident_id: str,
+    *,
+    checkpoint_bucket: str,
+    checkpoint_prefix: str,
+    s3: Any = None,
+    actor: str = "rewrite_pointer",
+) -> Incident:
+    """Point the job at the last checkpoint at or before the alarm's trusted step; record before/after.
+
+    Idempotent: an incident whose pointer is already rewritten is returned as
+    it is. Raises :class:`PointerOutsidePrefix`, :class:`IncidentNotWaiting`
+    (nothing replaced yet) and ``lineage.errors.NoSafeCheckpoint``.
+    """
+    incident = ledger.get(incident_id)
+    if incident.state == S.POINTER_REWRITTEN or incident.entered(S.POINTER_REWRITTEN):
+        return incident
+    if incident.state != S.REPLACED:
+        raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; the pointer moves only after replacement")
+    location = incident.alarm.checkpoint_prefix
+    if not allowed_prefix(location, bucket=checkpoint_bucket, prefix=checkpoint_prefix):
+        raise PointerOutsidePrefix(
+            f"checkpoints at {location} are outside s3://{checkpoint_bucket}/{checkpoint_prefix}, which this pipeline may write"
+        )
+    store = open_store(location, client=s3)
+    trusted = incident.alarm.trusted_through_step()
+    pointer = rewrite_pointer(
+        store,
+        trusted_through_step=trusted,
+        reason=f"incident {incident_id}: {incident.alarm.detector.value} alarm at step {incident.alarm.step}; "
+        f"trusted through step {trusted}",
+        written_by=WRITER,
+        incident_id=incident_id,
+    )
+    return ledger.update(
+        incident_id,
+        lambda current: current
+        if current.state != S.REPLACED
+        else current.advance(
+            S.POINTER_REWRITTEN,
+            actor=actor,
+            note=f"resume pointer -> {pointer.checkpoint}",
+            # The pointer keeps the value it replaced at the head of its history.
+            checkpoint_before=pointer.history[0].checkpoint if pointer.history else None,
+            checkpoint_after=pointer.checkpoint,
+            resumed_from_step=pointer.step,
+        ),
+    )

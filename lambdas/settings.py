@@ -1,0 +1,132 @@
+"""The handlers' settings: environment variables validated once at cold start."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Env var -> field. The names are shared with the CloudFormation template.
+ENV = {
+    "LEDGER_TABLE": "ledger_table",
+    "IDEMPOTENCY_TABLE": "idempotency_table",
+    "TOPIC_ARN": "topic_arn",
+    "HYPERPOD_CLUSTER": "hyperpod_cluster",
+    "EKS_CLUSTER": "eks_cluster",
+    "JOB_NAMESPACE": "job_namespace",
+    "CHECKPOINT_BUCKET": "checkpoint_bucket",
+    "CHECKPOINT_PREFIX": "checkpoint_prefix",
+    "MODE": "mode",
+    "MAX_QUARANTINED_NODES": "max_quarantined_nodes",
+    "MAX_REPLACEMENTS_PER_DAY": "max_replacements_per_day",
+    "APPROVAL_TIMEOUT_SECONDS": "approval_timeout_seconds",
+    "DCGM_METRIC_NAMES": "dcgm_metric_names",
+    "DECIDE_STATE_MACHINE_ARN": "decide_state_machine_arn",
+    "REPLACEMENT_POLL_SECONDS": "replacement_poll_seconds",
+    "REPLACEMENT_MAX_POLLS": "replacement_max_polls",
+}
+REQUIRED = ("LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "CHECKPOINT_BUCKET")
+
+# The DCGM counters that, when the cluster's CloudWatch agent scrapes
+# dcgm-exporter, say the hardware itself noticed something.
+DEFAULT_DCGM_METRICS = (
+    "DCGM_FI_DEV_XID_ERRORS",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+)
+
+
+class SettingsError(ValueError):
+    """An environment variable is missing or invalid; the message names it."""
+
+
+class Settings(BaseModel):
+    """What every handler reads from its environment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ledger_table: Annotated[str, Field(min_length=3)]
+    """DynamoDB table of the incident ledger."""
+    idempotency_table: Annotated[str, Field(min_length=3)]
+    """DynamoDB table of powertools' idempotency records."""
+    topic_arn: Annotated[str, Field(pattern=r"^arn:aws[a-z-]*:sns:")]
+    """SNS topic the reviewers subscribe to."""
+    hyperpod_cluster: Annotated[str, Field(min_length=1)]
+    """The HyperPod cluster this pipeline guards: alarms for any other are refused."""
+    eks_cluster: Annotated[str, Field(min_length=1)]
+    """The EKS cluster that orchestrates it."""
+    job_namespace: str = ""
+    """When set, alarms for jobs in another namespace are refused."""
+    checkpoint_bucket: Annotated[str, Field(min_length=3)]
+    """The bucket of the checkpoints the pipeline may rewrite the pointer in."""
+    checkpoint_prefix: str = ""
+    """The prefix inside it (empty: the whole bucket)."""
+    mode: Literal["normal", "dry_run", "cordon_only"] = "normal"
+    """dry_run decides and records only; cordon_only contains and stops for a human."""
+    max_quarantined_nodes: Annotated[int, Field(ge=0)] = 2
+    """Nodes under sdcguard quarantine at once, per cluster."""
+    max_replacements_per_day: Annotated[int, Field(ge=0)] = 4
+    """Replacements requested in any 24 hours, per cluster."""
+    approval_timeout_seconds: Annotated[int, Field(ge=2, le=31_536_000)] = 86_400
+    """How long a reviewer has to decide before the incident stops safely."""
+    dcgm_metric_names: tuple[str, ...] = DEFAULT_DCGM_METRICS
+    """DCGM counters published to CloudWatch whose non-zero value corroborates an alarm."""
+    decide_state_machine_arn: str = ""
+    """The decision machine, named in the reviewers' notification."""
+    replacement_poll_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
+    """How often the wait loop asks HyperPod whether the replacement runs."""
+    replacement_max_polls: Annotated[int, Field(ge=1, le=10_000)] = 120
+    """The wait loop's upper bound: after this many polls the replacement has failed."""
+
+    def timeouts(self) -> dict[str, int]:
+        """The bounds the state machine reads from its data (HeartbeatSecondsPath, TimeoutSecondsPath, SecondsPath).
+
+        Nobody heartbeats the approval task, so the heartbeat is the effective
+        approval window; the task's timeout is a hard bound a little after it.
+        """
+        window = self.approval_timeout_seconds
+        return {
+            "approval_heartbeat_seconds": window,
+            "approval_seconds": window + min(60, max(1, window // 10)),
+            "replacement_poll_seconds": self.replacement_poll_seconds,
+            "replacement_max_polls": self.replacement_max_polls,
+        }
+
+    @field_validator("dcgm_metric_names", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(name.strip() for name in value.split(",") if name.strip())
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from ``environ`` (default: the process environment).
+
+        Raises :class:`SettingsError` naming the variable that is missing or invalid.
+        """
+        environ = os.environ if environ is None else environ
+        missing = [name for name in REQUIRED if not environ.get(name)]
+        if missing:
+            raise SettingsError(f"missing environment variable(s): {', '.join(missing)}")
+        values = {field: environ[name] for name, field in ENV.items() if environ.get(name)}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            by_field = {field: name for name, field in ENV.items()}
+            problems = "; ".join(
+                f"{by_field.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}" for err in exc.errors()
+            )
+            raise SettingsError(f"invalid environment: {problems}") from None
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process's settings, read and validated once (cold start). Raises :class:`SettingsError`."""
+    return Settings.from_env()

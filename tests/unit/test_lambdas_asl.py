@@ -1,0 +1,122 @@
+"""The state machines: valid ASL, only the agreed placeholders, Retry/Catch on every task, bounded waits."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lambdas import errors
+
+ROOT = Path(__file__).resolve().parents[2]
+MACHINES = {name: ROOT / "stepfunctions" / f"{name}.asl.json" for name in ("incident", "decide")}
+PLACEHOLDERS = {
+    f"${{{name}FunctionArn}}"
+    for name in ["Record", "Resolve", "Guard", "SuspendJob", "Cordon", "Evidence", "RequestApproval", "Replace", "ReplacementStatus", "RewritePointer", "ResumeJob", "Close", "Release", "NeedsAttention", "Fail", "Decide"]
+}
+
+
+def load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(MACHINES[name].read_text())
+    return data
+
+
+def all_states(machine: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, state in machine["States"].items():
+        yield name, state
+        inner = state.get("ItemProcessor") or state.get("Iterator")
+        if inner:
+            yield from all_states(inner)
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_statelint_accepts_the_machine(name: str) -> None:
+    statelint = str(Path(sys.executable).with_name("statelint"))
+    result = subprocess.run([statelint, "--ignore=URI", str(MACHINES[name])], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_only_the_agreed_placeholders_are_used() -> None:
+    used = set()
+    for path in MACHINES.values():
+        used |= set(re.findall(r"\$\{[A-Za-z]+\}", path.read_text()))
+    assert used <= PLACEHOLDERS
+    assert used == PLACEHOLDERS  # every handler is wired somewhere
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_every_task_retries_transient_errors_and_catches_into_a_recorded_state(name: str) -> None:
+    machine = load(name)
+    top = machine["States"]
+    for state_name, state in all_states(machine):
+        if state["Type"] != "Task":
+            continue
+        retried = {e for r in state.get("Retry", []) for e in r["ErrorEquals"]}
+        assert "Lambda.ServiceException" in retried, state_name
+        assert all(r["IntervalSeconds"] <= 2 and r["MaxAttempts"] <= 4 for r in state["Retry"]), state_name
+        if state_name in top:  # Map iterations are caught by their Map
+            assert state.get("Catch"), state_name
+    for state_name, state in top.items():
+        for catch in state.get("Catch", []):
+            assert catch["ResultPath"] in ("$.error", "$.notify_error"), state_name
+            assert catch["Next"] in top
+
+
+@pytest.mark.parametrize("name", sorted(MACHINES))
+def test_caught_error_names_exist(name: str) -> None:
+    for state_name, state in all_states(load(name)):
+        for clause in state.get("Catch", []) + state.get("Retry", []):
+            for error in clause["ErrorEquals"]:
+                if error.startswith(("States.", "Lambda.")):
+                    continue
+                assert isinstance(getattr(errors, error, None), type), f"{state_name} catches unknown {error}"
+
+
+def test_the_approval_waits_for_a_token_with_timeouts_from_the_data() -> None:
+    approval = load("incident")["States"]["RequestApproval"]
+    assert approval["Resource"].endswith(".waitForTaskToken")
+    assert approval["Parameters"]["Payload"]["task_token.$"] == "$$.Task.Token"
+    assert approval["TimeoutSecondsPath"] == "$.timeouts.approval_seconds"
+    assert approval["HeartbeatSecondsPath"] == "$.timeouts.approval_heartbeat_seconds"
+    timeouts = {e for c in approval["Catch"] for e in c["ErrorEquals"] if e in ("States.Timeout", "States.HeartbeatTimeout")}
+    assert timeouts == {"States.Timeout", "States.HeartbeatTimeout"}
+
+
+def test_the_replacement_wait_loop_is_bounded_and_fails_into_a_recorded_state() -> None:
+    states = load("incident")["States"]
+    loop = states["ReplacementDone"]
+    targets = {c["Variable"]: c["Next"] for c in loop["Choices"]}
+    assert targets["$.poll.done"] == "RewritePointer"
+    assert states[targets["$.poll.exhausted"]]["Next"] == "Failed"
+    assert loop["Default"] == "WaitForReplacement"
+    assert states["WaitForReplacement"]["SecondsPath"] == "$.timeouts.replacement_poll_seconds"
+
+
+def test_every_path_ends_and_every_state_is_reachable() -> None:
+    states = load("incident")["States"]
+    seen, todo = set(), ["Record"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        state = states[name]
+        nexts = [state.get("Next"), state.get("Default")]
+        nexts += [c["Next"] for c in state.get("Choices", []) + state.get("Catch", [])]
+        todo.extend(n for n in nexts if n)
+        if not any(nexts):
+            assert state["Type"] in ("Succeed", "Fail") or state.get("End"), name
+    assert seen == set(states)
+
+
+def test_the_suspect_instances_are_mapped() -> None:
+    states = load("incident")["States"]
+    for name in ("CordonNodes", "ReplaceNodes"):
+        assert states[name]["Type"] == "Map"
+        assert states[name]["ItemsPath"] == "$.resolved.instance_ids"

@@ -1,0 +1,318 @@
+"""The pipeline's pure logic: resolution, dedup keys, blast radius, evidence verdicts, inputs, settings."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Transition
+from lambdas.errors import MalformedEvent, NotInCluster, SuspectUnresolvable
+from lambdas.evidence import CORROBORATED, NO_HARDWARE_SIGNAL, MetricSeries, prior_incidents_of, verdict_for
+from lambdas.guard import check_blast_radius, quarantined_nodes
+from lambdas.inputs import AlarmEvent, InstanceRef, parse_input
+from lambdas.ledger import idempotency_key, incident_id_for
+from lambdas.pointer import allowed_prefix
+from lambdas.replace import find_successors
+from lambdas.resolve import ClusterNode, instance_id_from_node_name, resolve_suspects
+from lambdas.settings import Settings, SettingsError
+from tests.events import load_event
+
+I1, I2, I3 = "i-0123456789abcdef0", "i-0223456789abcdef0", "i-0323456789abcdef0"
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def alarm(name: str, **changes: Any) -> Alarm:
+    detail = copy.deepcopy(load_event(name)["detail"])
+    detail.update(changes)
+    return Alarm.model_validate(detail)
+
+
+def cluster(*ids: str, group: str = "workers") -> dict[str, ClusterNode]:
+    return {
+        i: ClusterNode(instance_id=i, instance_group=group, status="Running", private_dns=f"ip-10-1-35-{n}.ec2.internal")
+        for n, i in enumerate(ids, start=101)
+    }
+
+
+def incident(
+    name: str, state: IncidentState, nodes: list[tuple[str, str]], *, entered: dict[IncidentState, datetime] | None = None
+) -> Incident:
+    a = alarm(name)
+    suspects = [ResolvedSuspect(global_rank=r, pod=f"p{r}", node=f"hyperpod-{i}", instance_id=i) for r, (i, _) in enumerate(nodes)]
+    transitions = [Transition(state=s, at=t, actor="test") for s, t in (entered or {}).items()]
+    key = f"{name}|{nodes}"
+    return Incident(
+        incident_id=incident_id_for(key), idempotency_key=key, alarm=a, state=state, suspects=suspects, transitions=transitions
+    )
+
+
+# -- resolution -------------------------------------------------------------------
+
+
+def test_node_names_carry_the_instance_id() -> None:
+    assert instance_id_from_node_name("hyperpod-i-0123456789abcdef0") == I1
+    assert instance_id_from_node_name("hyperpod-i-01234567") == "i-01234567"
+    assert instance_id_from_node_name("ip-10-1-35-101.ec2.internal") is None
+    assert instance_id_from_node_name("hyperpod-i-0123456789ABCDEF0") is None
+    assert instance_id_from_node_name("xhyperpod-i-0123456789abcdef0") is None
+
+
+def test_resolution_maps_each_rank_to_its_instance() -> None:
+    resolved = resolve_suspects(alarm("alarm_two_nodes"), cluster(I1, I2, I3))
+    assert [(s.global_rank, s.instance_id, s.instance_group) for s in resolved] == [(2, I1, "workers"), (4, I2, "workers")]
+
+
+def test_a_renamed_node_resolves_through_the_cluster_node_list() -> None:
+    nodes = cluster(I2, I3)  # I2 gets ip-10-1-35-101, I3 ip-10-1-35-102
+    nodes = {I3: nodes[I3], I1: ClusterNode(I1, "workers", "Running", private_dns="ip-10-1-35-103.ec2.internal")}
+    resolved = resolve_suspects(alarm("alarm_renamed_node"), nodes)
+    assert [s.instance_id for s in resolved] == [I1]
+
+
+def test_an_instance_outside_the_cluster_is_refused() -> None:
+    with pytest.raises(NotInCluster, match=I2):
+        resolve_suspects(alarm("alarm_two_nodes"), cluster(I1, I3))
+
+
+def test_an_untraceable_node_is_refused() -> None:
+    with pytest.raises(SuspectUnresolvable, match="rank 3"):
+        resolve_suspects(alarm("alarm_renamed_node"), cluster(I2, I3))
+
+
+def test_an_unlocalised_alarm_names_nothing_to_act_on() -> None:
+    with pytest.raises(SuspectUnresolvable, match="not localised"):
+        resolve_suspects(alarm("alarm_unlocalized"), cluster(I1, I2, I3))
+
+
+# -- dedup keys -------------------------------------------------------------------
+
+
+def test_the_same_fault_from_another_rank_or_redelivered_is_one_incident() -> None:
+    first = alarm("alarm_ring_audit")
+    from_rank_5 = alarm("alarm_ring_audit", alarm_id="ffff0000ffff0001", publisher_rank=5, message="again")
+    later_step = alarm("alarm_ring_audit", step=201)
+    assert idempotency_key(first) == idempotency_key(from_rank_5) == idempotency_key(later_step)
+    assert incident_id_for(idempotency_key(first)) == incident_id_for(idempotency_key(from_rank_5))
+
+
+def test_several_detectors_on_one_fault_share_the_suspect_window() -> None:
+    ring = alarm("alarm_ring_audit")
+    weights = Alarm.model_validate(
+        {
+            **load_event("alarm_weight_fingerprint")["detail"],
+            "suspects": load_event("alarm_ring_audit")["detail"]["suspects"],
+            "last_clean": {"ring_audit": 100, "weight_fingerprint": 190},
+            "step": 200,
+        }
+    )
+    assert idempotency_key(ring) == idempotency_key(weights)
+
+
+def test_other_nodes_jobs_or_windows_are_other_incidents() -> None:
+    base = idempotency_key(alarm("alarm_ring_audit"))
+    other_node = alarm("alarm_ring_audit", suspects=[{**load_event("alarm_ring_audit")["detail"]["suspects"][0], "node": f"hyperpod-{I2}"}])
+    other_job = alarm("alarm_ring_audit", job={**load_event("alarm_ring_audit")["detail"]["job"], "job_name": "other"})
+    other_window = alarm("alarm_ring_audit", last_clean={"ring_audit": 300, "weight_fingerprint": 300})
+    keys = {base, idempotency_key(other_node), idempotency_key(other_job), idempotency_key(other_window)}
+    assert len(keys) == 4
+    assert base == f"ml-cluster|training/gpt-pretrain|hyperpod-{I1}|after-100"
+
+
+def test_incident_ids_are_valid_and_stable() -> None:
+    key = idempotency_key(alarm("alarm_unlocalized"))
+    assert "unlocalised" in key
+    assert incident_id_for(key) == incident_id_for(key)
+    assert incident_id_for(key).startswith("sdc-")
+    assert len(incident_id_for(key)) == 24
+
+
+# -- blast radius -----------------------------------------------------------------
+
+
+def test_nodes_held_by_open_incidents_count_and_ended_ones_do_not() -> None:
+    held = [
+        incident("alarm_ring_audit", IncidentState.CORDONED, [(I1, "")]),
+        incident("alarm_nonfinite_grad", IncidentState.CLOSED, [(I2, "")]),
+        incident("alarm_two_nodes", IncidentState.CONTAINED, [(I3, "")]),
+    ]
+    assert quarantined_nodes(held, exclude="none") == {f"hyperpod-{I1}", f"hyperpod-{I3}"}
+
+
+def test_a_new_incident_within_the_limit_is_allowed() -> None:
+    mine = incident("alarm_two_nodes", IncidentState.RESOLVED, [(I2, "")])
+    others = [incident("alarm_ring_audit", IncidentState.AWAITING_APPROVAL, [(I1, "")])]
+    verdict = check_blast_radius(mine, others, max_quarantined_nodes=2, max_replacements_per_day=4, now=NOW)
+    assert verdict.allowed
+    assert verdict.quarantined == 1
+
+
+def test_a_second_incident_beyond_the_quarantine_limit_is_refused() -> None:
+    mine = incident("alarm_two_nodes", IncidentState.RESOLVED, [(I2, "")])
+    others = [incident("alarm_ring_audit", IncidentState.CORDONED, [(I1, "")])]
+    verdict = check_blast_radius(mine, others, max_quarantined_nodes=1, max_replacements_per_day=4, now=NOW)
+    assert not verdict.allowed
+    assert "would hold 2 nodes" in verdict.reason
+    assert "limit is 1" in verdict.reason
+
+
+def test_the_same_node_again_is_not_counted_twice() -> None:
+    mine = incident("alarm_two_nodes", IncidentState.RESOLVED, [(I1, "")])
+    others = [incident("alarm_ring_audit", IncidentState.CORDONED, [(I1, "")])]
+    assert check_blast_radius(mine, others, max_quarantined_nodes=1, max_replacements_per_day=4, now=NOW).allowed
+
+
+def test_replacements_in_the_last_day_count_against_the_daily_limit() -> None:
+    mine = incident("alarm_two_nodes", IncidentState.RESOLVED, [(I3, "")])
+    recent = incident("alarm_ring_audit", IncidentState.CLOSED, [(I1, "")], entered={IncidentState.REPLACING: NOW - timedelta(hours=3)})
+    old = incident("alarm_nonfinite_grad", IncidentState.CLOSED, [(I2, "")], entered={IncidentState.REPLACING: NOW - timedelta(hours=30)})
+    refused = check_blast_radius(mine, [recent, old], max_quarantined_nodes=5, max_replacements_per_day=1, now=NOW)
+    allowed = check_blast_radius(mine, [recent, old], max_quarantined_nodes=5, max_replacements_per_day=2, now=NOW)
+    assert not refused.allowed
+    assert "1 replacement(s) in the last 24 h" in refused.reason
+    assert allowed.allowed
+    assert allowed.replacements_last_day == 1
+
+
+def test_a_zero_limit_refuses_everything() -> None:
+    mine = incident("alarm_ring_audit", IncidentState.RESOLVED, [(I1, "")])
+    assert not check_blast_radius(mine, [], max_quarantined_nodes=0, max_replacements_per_day=4, now=NOW).allowed
+
+
+# -- evidence verdicts --------------------------------------------------------------
+
+
+def series(name: str, maximum: float | None, gpu: str = "0") -> MetricSeries:
+    return MetricSeries(name=name, dimensions={"InstanceId": I1, "GpuDevice": gpu}, maximum=maximum, points=5)
+
+
+DCGM = ["DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"]
+
+
+def test_healthy_metrics_give_no_hardware_signal() -> None:
+    verdict, reasons = verdict_for([series("node_gpu_temperature", 71), series("DCGM_FI_DEV_XID_ERRORS", 0)], DCGM, [])
+    assert verdict == NO_HARDWARE_SIGNAL
+    assert reasons == ["no DCGM error counter, thermal excursion or earlier incident for this instance"]
+
+
+def test_a_nonzero_dcgm_counter_corroborates() -> None:
+    verdict, reasons = verdict_for([series("DCGM_FI_DEV_XID_ERRORS", 79, gpu="3")], DCGM, [])
+    assert verdict == CORROBORATED
+    assert reasons == ["DCGM_FI_DEV_XID_ERRORS reached 79 on 3"]
+
+
+def test_a_thermal_excursion_or_an_earlier_incident_corroborates() -> None:
+    hot, why = verdict_for([series("node_gpu_temperature", 93)], DCGM, [])
+    assert hot == CORROBORATED
+    assert "93 C" in why[0]
+    again, why = verdict_for([], DCGM, ["sdc-0001", "sdc-0001"])
+    assert again == CORROBORATED
+    assert why == ["suspect in 1 earlier incident(s): sdc-0001"]
+
+
+def test_a_counter_not_configured_or_without_data_says_nothing() -> None:
+    verdict, _ = verdict_for([series("DCGM_FI_DEV_POWER_VIOLATION", 12), series("DCGM_FI_DEV_XID_ERRORS", None)], DCGM, [])
+    assert verdict == NO_HARDWARE_SIGNAL
+
+
+def test_alarm_history_finds_other_incidents_of_the_instance() -> None:
+    a = incident("alarm_ring_audit", IncidentState.CLOSED, [(I1, "")])
+    b = incident("alarm_two_nodes", IncidentState.CORDONED, [(I1, ""), (I2, "")])
+    assert prior_incidents_of(I1, [a, b], exclude=b.incident_id) == [a.incident_id]
+    assert prior_incidents_of(I3, [a, b], exclude=b.incident_id) == []
+
+
+# -- replacement successors ----------------------------------------------------------
+
+
+def test_the_successor_is_the_new_node_of_the_same_group_launched_after_the_request() -> None:
+    from contract import Replacement
+
+    requested = NOW
+    inc = incident("alarm_ring_audit", IncidentState.REPLACING, [(I1, "")], entered={IncidentState.REPLACING: requested})
+    inc = inc.model_copy(update={"replacements": [Replacement(old_instance_id=I1)], "suspects": [inc.suspects[0].model_copy(update={"instance_group": "workers"})]})
+    new = "i-0fffffffffffffff1"
+    nodes = {
+        I2: ClusterNode(I2, "workers", "Running", launch_time=(NOW - timedelta(days=1)).timestamp()),
+        "i-0eeeeeeeeeeeeeee1": ClusterNode("i-0eeeeeeeeeeeeeee1", "controllers", "Running", launch_time=(NOW + timedelta(seconds=9)).timestamp()),
+        new: ClusterNode(new, "workers", "Pending", launch_time=(NOW + timedelta(seconds=10)).timestamp()),
+    }
+    found = find_successors(inc, nodes)
+    assert found[I1] is not None
+    assert found[I1].instance_id == new  # type: ignore[union-attr]
+    assert find_successors(inc, {I2: nodes[I2]}) == {I1: None}
+
+
+# -- inputs and settings ---------------------------------------------------------------
+
+
+def test_the_stored_event_parses_with_a_typed_detail() -> None:
+    event = parse_input(AlarmEvent, load_event("alarm_ring_audit"))
+    assert event.detail.suspects[0].node == f"hyperpod-{I1}"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda e: e.update(source="someone.else"), "source"),
+        (lambda e: e["detail"].pop("job"), "detail.job"),
+        (lambda e: e["detail"].update(step=-1), "detail.step"),
+        (lambda e: e["detail"].update(schema_version="2"), "detail.schema_version"),
+    ],
+)
+def test_a_malformed_event_is_refused_naming_the_field(change: Any, field: str) -> None:
+    event = load_event("alarm_ring_audit")
+    change(event)
+    with pytest.raises(MalformedEvent, match=field.replace(".", r"\.")):
+        parse_input(AlarmEvent, event)
+
+
+def test_task_inputs_refuse_unknown_fields_and_bad_instance_ids() -> None:
+    with pytest.raises(MalformedEvent, match="instance_id"):
+        parse_input(InstanceRef, {"incident_id": "sdc-0123456789abcdef0123", "instance_id": "gpu-0"})
+    with pytest.raises(MalformedEvent, match="force: Extra inputs"):
+        parse_input(InstanceRef, {"incident_id": "sdc-0123456789abcdef0123", "instance_id": I1, "force": True})
+    with pytest.raises(MalformedEvent, match="JSON object"):
+        parse_input(InstanceRef, ["not", "an", "object"])
+
+
+ENV = {
+    "LEDGER_TABLE": "ledger",
+    "IDEMPOTENCY_TABLE": "idem",
+    "TOPIC_ARN": "arn:aws:sns:us-east-1:123456789012:sdcguard",
+    "HYPERPOD_CLUSTER": "ml-cluster",
+    "EKS_CLUSTER": "ml-eks",
+    "CHECKPOINT_BUCKET": "ckpt-bucket",
+}
+
+
+def test_settings_read_the_environment() -> None:
+    settings = Settings.from_env({**ENV, "MODE": "cordon_only", "DCGM_METRIC_NAMES": "A, B,,C", "APPROVAL_TIMEOUT_SECONDS": "600"})
+    assert settings.mode == "cordon_only"
+    assert settings.dcgm_metric_names == ("A", "B", "C")
+    assert settings.timeouts()["approval_heartbeat_seconds"] == 600
+    assert settings.timeouts()["approval_seconds"] == 660
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({k: v for k, v in ENV.items() if k != "TOPIC_ARN"}, "TOPIC_ARN"),
+        ({**ENV, "MODE": "yolo"}, "MODE"),
+        ({**ENV, "MAX_QUARANTINED_NODES": "-1"}, "MAX_QUARANTINED_NODES"),
+        ({**ENV, "TOPIC_ARN": "not-an-arn"}, "TOPIC_ARN"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        Settings.from_env(env)
+
+
+def test_the_pointer_is_only_rewritten_under_the_allowed_prefix() -> None:
+    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="jobs")
+    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="")
+    assert not allowed_prefix("s3://ckpt-bucket/jobsX/a", bucket="ckpt-bucket", prefix="jobs")
+    assert not allowed_prefix("s3://other/jobs/a", bucket="ckpt-bucket", prefix="jobs")
+    assert not allowed_prefix("/local/dir", bucket="ckpt-bucket", prefix="")
