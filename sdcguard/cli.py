@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("lineage.cli", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
     "deploy": ("infra.deploy", "package the pipeline and create or update its CloudFormation stack"),
     "destroy": ("infra.destroy", "delete the pipeline's CloudFormation stack"),
+    "incidents": ("lambdas.ops_cli", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
+    "approve": ("lambdas.ops_cli", "approve an incident's node replacement (starts the decision machine)"),
+    "reject": ("lambdas.ops_cli", "reject an incident as a false alarm: release the node, resume the job"),
 }
 
 
