@@ -1,0 +1,362 @@
+"""Bit-exact tensor fingerprints: three 64-bit integer lanes computed from the raw bits.
+
+A fingerprint reads a tensor's bit pattern (fp32 as int32, bf16 and fp16 as
+int16, fp64 as int64, integer tensors as themselves, bool as 0/1; the values
+are viewed, never converted) and reduces it to three 64-bit lanes with
+wrap-around (mod 2**64) arithmetic. Writing ``v_i`` for element ``i`` of the
+flattened tensor, sign-extended to 64 bits (bool and uint8: zero-extended),
+``P = BLOCK`` and ``b = i // P``, ``j = i % P``:
+
+- lane 0 = sum(v_i): any single-element change moves it;
+- lane 1 = sum((i + 1) * v_i): with lane 0, any change of two elements
+  (``+d`` at ``i``, ``-d`` at ``k``) moves it unless ``(i - k) * d`` is a
+  multiple of 2**64, which needs both a huge tensor and a high-bit change;
+- lane 2 = sum(w(b) * sq(u_i ^ T[j])), NOT linear in the elements: ``u_i`` is
+  ``v_i`` (for 64-bit element types ``v_i ^ (v_i >> 32)``, which brings the
+  top bits down so that a change confined to bit 63 is not lost when
+  squared), ``T`` a fixed table of ``P`` pseudo-random 64-bit words, ``sq`` a
+  square mod 2**64, and ``w(b)`` a pseudo-random odd weight per block.
+  Linear lanes miss error patterns that cancel in every linear combination
+  they form (``+d, -2d, +d`` at three neighbours keeps lanes 0 and 1); the
+  change of a square, ``D * (2 m + D)``, depends on the value it hits and on
+  the position's random word, so cancelling needs a coincidence of 64-bit
+  random values. It is a square and not a multiply-xorshift hash because a
+  square is one integer multiply in torch, and squaring after an xor with a
+  random word already makes every output bit depend on all lower input bits.
+  The position hash comes from a period-``P`` table and a per-block weight
+  (instead of hashing every position) so that one xor against a cached table
+  and one row reduction do the work; swapping elements of different blocks is
+  still seen through ``w(b)``.
+
+Then the tensor's dtype and shape are added to the lanes (a per-(dtype,
+shape) constant), so a reinterpretation or a reshape of the same bits has a
+different fingerprint, and an empty tensor has a defined one.
+
+Integer sums are exact and independent of order, so the result does not
+depend on the thread count, the chunk size, the kernel or the device. The
+implementation makes one pass over the tensor in chunks (a multiple of ``P``
+elements) that stay in cache: each chunk is widened into a per-call int64
+scratch buffer (the only copy; a non-contiguous tensor is gathered there
+chunk by chunk, never copied whole), reduced by rows and columns for lanes 0
+and 1, xored, squared and row-reduced for lane 2. Per-block partial sums stay
+on the tensor's device; the lanes are finished with a few small ops at the
+end and nothing is read back to the host (``to_hex`` does that, once).
+
+Scratch buffers belong to a call, never to the module: the DDP communication
+hook may fingerprint buckets concurrently from gloo threads. The only
+module-level state is read-only tables, built once per device under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+LANES = 3
+"""Lanes per fingerprint."""
+
+BLOCK = 1024
+"""``P``: period of the position table and the block of the per-block weights.
+
+Part of the definition: changing it changes every fingerprint."""
+
+DEFAULT_CHUNK = 64 * BLOCK
+"""Elements per chunk (a multiple of ``BLOCK``).
+
+64K elements make a 512 KiB int64 scratch buffer, which stays in the L2 cache
+of the CPUs measured; see ``benchmarks/bench_fingerprint.py`` for the sweep."""
+
+HEX_CHARS = 16 * LANES
+"""Length of ``to_hex``'s output: the contract's Fingerprint format."""
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+# Element types viewed as a signed integer of the same width. Integer types
+# and bool are read as themselves.
+_BIT_VIEWS: dict[torch.dtype, torch.dtype] = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+for _name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"):
+    if hasattr(torch, _name):
+        _BIT_VIEWS[getattr(torch, _name)] = torch.int8
+for _name, _signed_view in (("uint16", torch.int16), ("uint32", torch.int32), ("uint64", torch.int64)):
+    # Wide unsigned types have few kernels in torch; their bits are read as the
+    # signed type of the same width.
+    if hasattr(torch, _name):
+        _BIT_VIEWS[getattr(torch, _name)] = _signed_view
+_AS_IS = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's output function of ``x + golden ratio``, as an unsigned 64-bit int.
+
+    The source of every pseudo-random constant in a fingerprint; deterministic
+    across platforms and Python runs (unlike ``hash``)."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def signed64(x: int) -> int:
+    """The two's-complement signed value of the low 64 bits of ``x`` (how torch's int64 holds it)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def position_word(j: int) -> int:
+    """``T[j]``: the pseudo-random word xored into position ``j`` of every block (unsigned)."""
+    return mix64(2 * j)
+
+
+def block_weight(b: int) -> int:
+    """``w(b)``: the odd pseudo-random weight of block ``b`` in lane 2 (unsigned)."""
+    return mix64(2 * b + 1) | 1
+
+
+def descriptor(dtype: torch.dtype, shape: Sequence[int]) -> tuple[int, int, int]:
+    """The per-(dtype, shape) constants added to the three lanes (unsigned).
+
+    Built from a stable text of the dtype and shape (FNV-1a), so it does not
+    depend on the Python process."""
+    text = f"{dtype}|{','.join(str(int(d)) for d in shape)}".encode()
+    h = 0xCBF29CE484222325
+    for byte in text:
+        h = ((h ^ byte) * 0x100000001B3) & _MASK64
+    return mix64(h), mix64(h ^ 0x5555555555555555), mix64(h ^ 0xAAAAAAAAAAAAAAAA)
+
+
+def bit_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, sharing its storage (no copy).
+
+    Complex tensors are read as their real and imaginary parts (a trailing
+    dimension of 2). Raises TypeError for an element type with no integer
+    reading (none of torch's current types)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype in _AS_IS:
+        return t
+    target = _BIT_VIEWS.get(t.dtype)
+    if target is None:
+        raise TypeError(f"fingerprint: no integer view for dtype {t.dtype}")
+    if t.dim() == 0:
+        return t.reshape(1).view(target).reshape(())
+    return t.view(target)
+
+
+class _Tables:
+    """Read-only per-device tables; built once, replaced (never mutated) when more blocks are needed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.position = torch.tensor(
+            [signed64(position_word(j)) for j in range(BLOCK)], dtype=torch.int64, device=device
+        ).view(1, BLOCK)
+        self.column_weight = torch.arange(1, BLOCK + 1, dtype=torch.int64, device=device)
+        self.block_index = torch.empty(0, dtype=torch.int64, device=device)
+        self.block_weight = torch.empty(0, dtype=torch.int64, device=device)
+
+    def blocks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b * BLOCK, w(b)) for blocks 0..n-1, as int64 tensors on the device."""
+        index, weight = self.block_index, self.block_weight
+        if index.numel() < n:
+            size = max(n, 2 * index.numel(), 64)
+            index = torch.arange(size, dtype=torch.int64, device=self.device) * BLOCK
+            weight = torch.tensor(
+                [signed64(block_weight(b)) for b in range(size)], dtype=torch.int64, device=self.device
+            )
+            # Readers hold the old pair until they finish; both stay valid.
+            self.block_index, self.block_weight = index, weight
+        return index[:n], weight[:n]
+
+
+_tables: dict[torch.device, _Tables] = {}
+_tables_lock = threading.Lock()
+
+
+def _tables_for(device: torch.device) -> _Tables:
+    with _tables_lock:
+        tables = _tables.get(device)
+        if tables is None:
+            tables = _tables[device] = _Tables(device)
+        return tables
+
+
+def _blocks(tables: _Tables, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with _tables_lock:
+        return tables.blocks(n)
+
+
+class _Reducer:
+    """One fingerprint in progress: a per-call scratch buffer and the per-block partial sums."""
+
+    def __init__(
+        self, numel: int, wide: bool, device: torch.device, chunk: int, scratch: torch.Tensor | None
+    ):
+        self.chunk = min(chunk, max(BLOCK, -(-numel // BLOCK) * BLOCK))
+        self.wide = wide
+        self.tables = _tables_for(device)
+        if scratch is None or scratch.numel() < self.chunk or scratch.device != device:
+            scratch = torch.empty(self.chunk, dtype=torch.int64, device=device)
+        self.scratch = scratch
+        self.shifted = torch.empty(self.chunk, dtype=torch.int64, device=device) if wide else None
+        n_blocks = -(-numel // BLOCK)
+        self.row_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
+        self.square_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
+        self.column_sums = torch.zeros(BLOCK, dtype=torch.int64, device=device)
+        self.column_part = torch.empty(BLOCK, dtype=torch.int64, device=device)
+        self.fill = 0
+        self.block = 0
+
+    def feed(self, x: torch.Tensor) -> None:
+        """Append ``x``'s elements in logical (row-major) order, any strides."""
+        if x.numel() == 0:
+            return
+        if x.dim() == 0:
+            x = x.reshape(1)
+        if x.dim() == 1 or x.is_contiguous():
+            flat = x.reshape(-1)  # a view: 1-D or contiguous
+            start = 0
+            while start < flat.numel():
+                take = min(self.chunk - self.fill, flat.numel() - start)
+                self._put(flat[start : start + take])
+                start += take
+            return
+        row = x[0].numel()
+        index = 0
+        while index < x.shape[0]:
+            rows = (self.chunk - self.fill) // row
+            if rows == 0:
+                # A row larger than the space left: descend into it.
+                self.feed(x[index])
+                index += 1
+                continue
+            rows = min(rows, x.shape[0] - index)
+            self._put(x[index : index + rows])
+            index += rows
+
+    def _put(self, x: torch.Tensor) -> None:
+        n = x.numel()
+        # The widening (and, for strided input, gathering) copy: the one write of the data.
+        self.scratch[self.fill : self.fill + n].view(x.shape).copy_(x)
+        self.fill += n
+        if self.fill == self.chunk:
+            self._reduce(self.fill)
+            self.fill = 0
+
+    def _reduce(self, n: int) -> None:
+        full, rest = divmod(n, BLOCK)
+        if full:
+            self._reduce_blocks(self.scratch[: full * BLOCK].view(full, BLOCK), full)
+        if rest:
+            self._reduce_blocks(self.scratch[full * BLOCK : n].view(1, rest), 1)
+
+    def _reduce_blocks(self, v: torch.Tensor, k: int) -> None:
+        width = v.shape[1]
+        b = self.block
+        torch.sum(v, dim=1, out=self.row_sums[b : b + k])
+        column_part = self.column_part[:width]
+        torch.sum(v, dim=0, out=column_part)
+        self.column_sums[:width].add_(column_part)
+        if self.wide:
+            assert self.shifted is not None
+            shifted = self.shifted[: v.numel()].view(v.shape)
+            torch.bitwise_right_shift(v, 32, out=shifted)
+            v.bitwise_xor_(shifted)
+        v.bitwise_xor_(self.tables.position[:, :width])
+        v.mul_(v)
+        torch.sum(v, dim=1, out=self.square_sums[b : b + k])
+        self.block += k
+
+    def finish(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """The three lanes (int64 [3], on the device) with the descriptor added."""
+        if self.fill:
+            self._reduce(self.fill)
+            self.fill = 0
+        n = self.block
+        offsets, weights = _blocks(self.tables, n)
+        rows, squares = self.row_sums[:n], self.square_sums[:n]
+        lane0 = rows.sum()
+        lane1 = (rows * offsets).sum() + (self.column_sums * self.tables.column_weight).sum()
+        lane2 = (squares * weights).sum()
+        desc = torch.tensor(
+            [signed64(d) for d in descriptor(dtype, shape)], dtype=torch.int64, device=rows.device
+        )
+        return torch.stack((lane0, lane1, lane2)).add_(desc)
+
+
+def _fingerprint(
+    t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if chunk <= 0 or chunk % BLOCK:
+        raise ValueError(f"fingerprint: chunk must be a positive multiple of {BLOCK}, got {chunk}")
+    bits = bit_view(t.detach())
+    reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, chunk, scratch)
+    reducer.feed(bits)
+    return reducer.finish(t.dtype, tuple(t.shape)), reducer.scratch
+
+
+def fingerprint(t: torch.Tensor, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """The fingerprint of ``t``: an int64 tensor of 3 lanes on ``t``'s device.
+
+    Equal bits, dtype and shape give equal lanes on any device, thread count
+    or ``chunk``; see the module docstring for the exact definition. Does not
+    synchronise with the device. Raises ValueError if ``chunk`` is not a
+    positive multiple of ``BLOCK``, TypeError for an unsupported dtype."""
+    lanes, _ = _fingerprint(t, chunk, None)
+    return lanes
+
+
+def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Fingerprints of several tensors: int64 [n, 3], row k for the k-th tensor.
+
+    The tensors must share one device (the result lives there); an empty
+    iterable gives a [0, 3] tensor on the CPU. Raises ValueError for mixed
+    devices or a bad ``chunk``, TypeError for an unsupported dtype."""
+    rows: list[torch.Tensor] = []
+    scratch: torch.Tensor | None = None
+    device: torch.device | None = None
+    for t in tensors:
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")
+        lanes, scratch = _fingerprint(t, chunk, scratch)
+        rows.append(lanes)
+    if not rows:
+        return torch.empty(0, LANES, dtype=torch.int64)
+    return torch.stack(rows)
+
+
+def combine(per_tensor: torch.Tensor) -> torch.Tensor:
+    """One fingerprint (int64 [3]) for a whole model from its per-tensor fingerprints [n, 3].
+
+    Order-sensitive: it is the fingerprint of the [n, 3] matrix itself, so
+    swapping two tensors, dropping one or adding one changes it. Each row
+    already carries its tensor's dtype and shape. Raises ValueError unless
+    ``per_tensor`` is an int64 [n, 3] tensor."""
+    if per_tensor.dtype != torch.int64 or per_tensor.dim() != 2 or per_tensor.shape[1] != LANES:
+        raise ValueError(
+            f"combine: expected an int64 [n, {LANES}] tensor, got {per_tensor.dtype} {list(per_tensor.shape)}"
+        )
+    return fingerprint(per_tensor)
+
+
+def to_hex(lanes: torch.Tensor) -> str:
+    """The lanes as 48 lowercase hex characters (16 per lane, lane 0 first): the contract's Fingerprint.
+
+    Reads the lanes back to the host (one synchronisation). Raises ValueError
+    unless ``lanes`` holds exactly 3 int64 values."""
+    if lanes.dtype != torch.int64 or lanes.numel() != LANES:
+        raise ValueError(
+            f"to_hex: expected {LANES} int64 lanes, got {lanes.dtype} with {lanes.numel()} values"
+        )
+    return "".join(f"{v & _MASK64:016x}" for v in lanes.reshape(-1).tolist())
