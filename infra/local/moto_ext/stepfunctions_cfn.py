@@ -25,6 +25,7 @@ import re
 import uuid
 from typing import Any
 
+from moto.cloudformation.exceptions import ValidationError as CloudFormationValidationError
 from moto.stepfunctions.models import StateMachine, StepFunctionBackend
 from moto.stepfunctions.parser.models import StepFunctionsParserBackend
 from moto.stepfunctions.responses import get_backend
@@ -36,8 +37,15 @@ _original_parser_start = StepFunctionsParserBackend.start_execution
 _SUBSTITUTION = re.compile(r"\$\{([A-Za-z0-9_.:]+)\}")
 
 
-class DefinitionError(ValueError):
-    """The resource's definition properties cannot produce a definition."""
+class DefinitionError(CloudFormationValidationError):
+    """The resource's definition properties cannot produce a definition.
+
+    A CloudFormation ``ValidationError``, so the caller gets a 400 naming the
+    problem (moto has no rollback) and no state machine is created.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message=message)
 
 
 def definition_from_properties(properties: dict[str, Any], account_id: str) -> str:

@@ -1,0 +1,214 @@
+"""SageMaker HyperPod and EKS on the stand-in (moto_ext.hyperpod, moto_ext.eks_endpoint)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from infra.local.eks.bearer_token import cluster_api_client
+from infra.local.eks.hyperpod_node import hyperpod_node
+from infra.local.moto_ext import hyperpod
+from infra.local.standin import LocalStandIn
+
+INSTANCE_ID = re.compile(r"^i-[0-9a-f]{17}$")
+
+
+def create_cluster(standin: LocalStandIn, nodes: int = 3) -> tuple[str, list[str]]:
+    name = f"hp-{uuid.uuid4().hex[:8]}"
+    sagemaker = standin.client("sagemaker")
+    sagemaker.create_cluster(
+        ClusterName=name,
+        InstanceGroups=[
+            {
+                "InstanceGroupName": "worker-group",
+                "InstanceType": "ml.p5.48xlarge",
+                "InstanceCount": nodes,
+                "LifeCycleConfig": {"SourceS3Uri": "s3://sagemaker-lifecycle/scripts/", "OnCreate": "on_create.sh"},
+                "ExecutionRole": "arn:aws:iam::123456789012:role/hyperpod",
+                "ThreadsPerCore": 1,
+            }
+        ],
+        VpcConfig={"SecurityGroupIds": ["sg-0123456789abcdef0"], "Subnets": ["subnet-0123456789abcdef0"]},
+    )
+    summaries = sagemaker.list_cluster_nodes(ClusterName=name)["ClusterNodeSummaries"]
+    return name, [s["InstanceId"] for s in summaries]
+
+
+def statuses(standin: LocalStandIn, cluster: str) -> dict[str, str]:
+    summaries = _sagemaker(standin).list_cluster_nodes(ClusterName=cluster)["ClusterNodeSummaries"]
+    return {s["InstanceId"]: s["InstanceStatus"]["Status"] for s in summaries}
+
+
+_clients: dict[int, Any] = {}
+
+
+def _sagemaker(standin: LocalStandIn) -> Any:
+    # Creating a boto3 client takes a while on a busy machine; polls reuse one.
+    return _clients.setdefault(id(standin), standin.client("sagemaker"))
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def slow_phases() -> Iterator[hyperpod.Timings]:
+    """Phases long enough to observe (restored afterwards)."""
+    saved = hyperpod.Timings(**vars(hyperpod.timings))
+    # Long enough for a poll on a busy machine to see each phase, short enough for a test.
+    hyperpod.timings.shutdown_seconds = 1.5
+    hyperpod.timings.pending_seconds = 1.0
+    hyperpod.timings.reboot_seconds = 2.0
+    hyperpod.timings.health_check_seconds = 2.0
+    yield hyperpod.timings
+    for name, value in vars(saved).items():
+        setattr(hyperpod.timings, name, value)
+
+
+def test_nodes_have_instance_ids_and_addresses(standin: LocalStandIn) -> None:
+    cluster, ids = create_cluster(standin)
+
+    assert len(ids) == 3
+    assert all(INSTANCE_ID.match(i) for i in ids)
+    details = standin.client("sagemaker").describe_cluster_node(ClusterName=cluster, NodeId=ids[0])["NodeDetails"]
+    assert details["InstanceId"] == ids[0]
+    assert details["InstanceStatus"]["Status"] == "Running"
+    assert details["PrivateDnsHostname"].endswith(".ec2.internal")
+
+
+def test_replacement_moves_through_its_phases_under_a_new_id(
+    standin: LocalStandIn, slow_phases: hyperpod.Timings
+) -> None:
+    cluster, ids = create_cluster(standin)
+    old = ids[0]
+    sagemaker = standin.client("sagemaker")
+
+    response = sagemaker.batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=[old])
+
+    assert response["Successful"] == [old]
+    assert response.get("Failed", []) == []
+    seen: list[str] = []
+
+    def record_phase() -> bool:
+        now = statuses(standin, cluster)
+        phase = now.get(old) or next((s for i, s in now.items() if i not in ids), "gone")
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+        return len(now) == 3 and old not in now and all(s == "Running" for s in now.values())
+
+    wait_until(record_phase)
+    assert seen[0] == "ShuttingDown"
+    assert "Pending" in seen
+    assert seen[-1] == "Running"
+    [new] = set(statuses(standin, cluster)) - set(ids)
+    assert INSTANCE_ID.match(new)
+    with pytest.raises(ClientError):
+        sagemaker.describe_cluster_node(ClusterName=cluster, NodeId=old)
+
+
+def test_failed_entries_name_unknown_ids_and_ids_in_use(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+    cluster, ids = create_cluster(standin)
+    sagemaker = standin.client("sagemaker")
+    sagemaker.batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=[ids[0]])
+    unknown = "i-0000000000000000f"
+
+    response = sagemaker.batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=[ids[0], unknown, ids[1]])
+
+    assert response["Successful"] == [ids[1]]
+    failures = {f["NodeId"]: f["ErrorCode"] for f in response["Failed"]}
+    assert failures == {ids[0]: "InstanceIdInUse", unknown: "InstanceIdNotFound"}
+    with pytest.raises(ClientError) as info:
+        sagemaker.batch_replace_cluster_nodes(ClusterName="no-such-cluster", NodeIds=[ids[2]])
+    assert info.value.response["Error"]["Code"] == "ResourceNotFound"
+
+
+def test_reboot_keeps_the_id(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+    cluster, ids = create_cluster(standin)
+    sagemaker = standin.client("sagemaker")
+
+    response = sagemaker.batch_reboot_cluster_nodes(ClusterName=cluster, NodeIds=[ids[1]])
+
+    assert response["Successful"] == [ids[1]]
+    assert statuses(standin, cluster)[ids[1]] == "Pending"
+    wait_until(lambda: statuses(standin, cluster)[ids[1]] == "Running")
+    assert set(statuses(standin, cluster)) == set(ids)
+
+
+def test_health_check_runs_then_returns_to_running(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+    cluster, ids = create_cluster(standin)
+    sagemaker = standin.client("sagemaker")
+
+    sagemaker.start_cluster_health_check(
+        ClusterName=cluster,
+        DeepHealthCheckConfigurations=[
+            {"InstanceGroupName": "worker-group", "InstanceIds": [ids[2]], "DeepHealthChecks": ["InstanceStress"]}
+        ],
+    )
+
+    assert statuses(standin, cluster)[ids[2]] == "DeepHealthCheckInProgress"
+    assert statuses(standin, cluster)[ids[0]] == "Running"
+    wait_until(lambda: statuses(standin, cluster)[ids[2]] == "Running")
+    with pytest.raises(ClientError) as info:
+        sagemaker.start_cluster_health_check(
+            ClusterName=cluster,
+            DeepHealthCheckConfigurations=[{"InstanceGroupName": "nope", "DeepHealthChecks": ["InstanceStress"]}],
+        )
+    assert info.value.response["Error"]["Code"] == "ValidationException"
+
+
+def eks_cluster(standin: LocalStandIn) -> str:
+    name = f"eks-{uuid.uuid4().hex[:8]}"
+    standin.client("eks").create_cluster(
+        name=name,
+        roleArn="arn:aws:iam::123456789012:role/eks",
+        resourcesVpcConfig={"subnetIds": ["subnet-0123456789abcdef0"]},
+    )
+    return name
+
+
+def test_describe_cluster_points_at_the_local_eks_api_server(standin: LocalStandIn) -> None:
+    assert standin.eks is not None
+    name = eks_cluster(standin)
+
+    cluster = standin.client("eks").describe_cluster(name=name)["cluster"]
+
+    assert cluster["endpoint"] == standin.eks.url
+    assert cluster["certificateAuthority"]["data"] == standin.eks.ca_data
+
+
+def test_replacement_swaps_the_kubernetes_node(standin: LocalStandIn) -> None:
+    hyperpod_cluster, ids = create_cluster(standin, nodes=2)
+    api = cluster_api_client(eks_cluster(standin), standin.client("eks"), standin.client("sts"))
+    core = k8s.CoreV1Api(api)
+    for instance_id in ids:
+        core.create_node(hyperpod_node(instance_id, hyperpod_cluster=hyperpod_cluster))
+
+    standin.client("sagemaker").batch_replace_cluster_nodes(ClusterName=hyperpod_cluster, NodeIds=[ids[0]])
+
+    def new_node_ready() -> bool:
+        now = statuses(standin, hyperpod_cluster)
+        new = [i for i, s in now.items() if i not in ids and s == "Running"]
+        if not new:
+            return False
+        try:
+            node: Any = core.read_node(f"hyperpod-{new[0]}")
+        except ApiException:
+            return False
+        return not node.spec.unschedulable
+
+    wait_until(new_node_ready)
+    with pytest.raises(ApiException) as info:
+        core.read_node(f"hyperpod-{ids[0]}")
+    assert info.value.status == 404
+    core.read_node(f"hyperpod-{ids[1]}")
