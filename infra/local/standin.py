@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
     from infra.local.eks.server import EksApiServer
 
-logger = logging.getLogger(__name__)
 
 REGION = "us-east-1"
 # Dummy credentials: moto accepts any, and real AWS rejects these.
@@ -123,10 +122,10 @@ class LocalStandIn:
             lambda_runner.configure(self.endpoint_url)
             for name in ("shutdown_seconds", "pending_seconds", "reboot_seconds", "health_check_seconds"):
                 setattr(hyperpod.timings, name, self.replace_seconds)
-            self.eks = self._start_eks()
-            if self.eks is not None:
-                eks_endpoint.point_at(self.eks.url, self.eks.ca_data)
-                hyperpod.hooks.on_node_replaced = self._on_node_replaced
+            eks = self._start_eks()
+            self.eks = eks
+            eks_endpoint.point_at(eks.url, eks.ca_data)
+            hyperpod.hooks.on_node_replaced = self._on_node_replaced
         except OSError as exc:
             self.stop()
             raise StandInError(f"cannot start the local stand-in: {exc}") from exc
@@ -136,14 +135,9 @@ class LocalStandIn:
         self.startup_seconds = time.monotonic() - began
         return self
 
-    def _start_eks(self) -> EksApiServer | None:
-        try:
-            from infra.local.eks.server import EksApiServer
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("infra.local.eks", "infra.local.eks.server"):
-                raise
-            logger.warning("infra.local.eks.server is not available: running without the local EKS API server")
-            return None
+    def _start_eks(self) -> EksApiServer:
+        from infra.local.eks.server import EksApiServer
+
         server = EksApiServer(host="127.0.0.1", port=self._eks_port)
         server.start()
         return server
