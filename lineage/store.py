@@ -140,7 +140,9 @@ class S3Store(ObjectStore):
             "Bucket": self.bucket,
             "Key": self._full(_check_key(key)),
             "Body": data,
-            # S3 recomputes the sha256 of what it received and refuses a mismatch.
+            # S3 recomputes the sha256 of what it received, refuses a mismatch and
+            # keeps the checksum with the object (HeadObject with ChecksumMode).
+            "ChecksumAlgorithm": "SHA256",
             "ChecksumSHA256": base64.b64encode(bytes.fromhex(digest)).decode(),
         }
         if if_match is not None:
