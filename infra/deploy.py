@@ -143,6 +143,7 @@ def deploy(
     code_bucket: str | None = None,
     target: Target | None = None,
     template_path: Path = TEMPLATE,
+    definitions: Mapping[str, Path] | None = None,
     progress: Callable[[str], None] | None = None,
     poll_seconds: float = 2.0,
     timeout_seconds: float = 3600.0,
@@ -150,7 +151,8 @@ def deploy(
     """Create or update the stack ``stack_name`` with the pipeline.
 
     ``overrides`` are template parameters; on an update, parameters not given
-    keep their previous values. Raises :class:`DeployError` for a refused
+    keep their previous values. ``definitions`` maps the template's definition
+    parameters to ASL files (default: ``stepfunctions/*.asl.json``). Raises :class:`DeployError` for a refused
     parameter, an unusable stack, a package that cannot be built, or a stack
     operation that fails (with the failed resources and their reasons).
     Nothing is changed when the parameters are refused.
@@ -187,9 +189,10 @@ def deploy(
         raise DeployError(f"missing parameter(s) for a new stack: {', '.join(missing)} (give them as Key=Value)")
     check_overrides(template, {k: v for k, v in values.items() if k != "LambdaArchitecture"})
 
-    if not all(path.exists() for path in DEFINITIONS.values()):
-        absent = [str(p.relative_to(ROOT)) for p in DEFINITIONS.values() if not p.exists()]
-        raise DeployError(f"state machine definition(s) missing: {', '.join(absent)}")
+    definitions = DEFINITIONS if definitions is None else definitions
+    absent = [str(p) for p in definitions.values() if not p.exists()]
+    if absent or set(definitions) != set(DEFINITIONS):
+        raise DeployError(f"state machine definition(s) missing: {', '.join(absent) or set(DEFINITIONS) - set(definitions)}")
     say(f"packaging the Lambda code for {target}")
     try:
         package = build_package(target)
@@ -205,7 +208,7 @@ def deploy(
     uploaded: list[str] = []
     values["CodeBucket"] = bucket
     values["CodeKey"] = _upload(s3, bucket, f"{prefix}/{package.key_name}", package.path.read_bytes(), uploaded, say)
-    for param, path in DEFINITIONS.items():
+    for param, path in definitions.items():
         data = path.read_bytes()
         key = f"{prefix}/{path.name.removesuffix('.asl.json')}-{_short_hash(data)}.asl.json"
         values[param] = _upload(s3, bucket, key, data, uploaded, say)
@@ -213,11 +216,19 @@ def deploy(
     template_key = _upload(s3, bucket, f"{prefix}/template-{_short_hash(body)}.yaml", body, uploaded, say)
     template_url = f"https://s3.{session.region_name or 'us-east-1'}.amazonaws.com/{bucket}/{template_key}"
 
-    parameters: list[dict[str, Any]] = [{"ParameterKey": k, "ParameterValue": str(v)} for k, v in sorted(values.items())]
-    parameters += [
-        {"ParameterKey": k, "UsePreviousValue": True}
-        for k in sorted(set(previous) - set(values))
+    # Previous values are passed back explicitly rather than as UsePreviousValue:
+    # the same request then works on AWS and on moto (which only remembers the
+    # parameters given, not the defaults it reported).
+    # One left out takes its default, so only values that differ from it are kept.
+    kept = {
+        k: v
+        for k, v in previous.items()
         if k in template["Parameters"]
+        and k not in values
+        and str(template["Parameters"][k].get("Default", "\0")) != v
+    }
+    parameters: list[dict[str, Any]] = [
+        {"ParameterKey": k, "ParameterValue": str(v)} for k, v in sorted({**kept, **values}.items())
     ]
     request: dict[str, Any] = {
         "StackName": stack_name,
@@ -226,7 +237,19 @@ def deploy(
         "Capabilities": ["CAPABILITY_IAM"],
         "Tags": [{"Key": "sdcguard:stack", "Value": stack_name}],
     }
+    template_sha = hashlib.sha256(body).hexdigest()
+    request["Tags"].append({"Key": "sdcguard:template-sha256", "Value": template_sha})
     if existing:
+        tags = {t["Key"]: t["Value"] for t in existing.get("Tags", [])}
+        effective = {
+            **{k: str(spec["Default"]) for k, spec in template["Parameters"].items() if "Default" in spec},
+            **previous,
+            **values,
+        }
+        if tags.get("sdcguard:template-sha256") == template_sha and effective == previous:
+            # Same template, same parameters: CloudFormation would change nothing.
+            say("stack already up to date")
+            return _result(cfn, stack_name, existing["StackId"], False, package, bucket, uploaded)
         since, skip = last_event(cfn, existing["StackId"])
         say(f"updating stack {stack_name}")
         try:
