@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import boto3
 import pytest
+import urllib3
 from kubernetes import client as k8s
 
 from infra.local.eks.auth import TokenRejected, verify_token
@@ -520,6 +521,17 @@ def test_only_clients_that_trust_the_cluster_ca_connect(server: EksApiServer) ->
     trusting = ssl.create_default_context(cadata=server.ca_pem.decode())
     with urllib.request.urlopen(f"{server.url}/version", context=trusting, timeout=10) as response:
         assert json.loads(response.read())["major"] == "1"
+
+
+def test_a_stopped_server_serves_no_kept_alive_connection(sts: Any) -> None:
+    temporary = EksApiServer().start()
+    core = k8s.CoreV1Api(_api(temporary, eks_bearer_token(CLUSTER, sts)))
+    core.list_namespace()  # opens a kept-alive connection
+
+    temporary.stop()
+
+    with pytest.raises(urllib3.exceptions.HTTPError):  # a connection error, not an answer
+        k8s.CoreV1Api(core.api_client).list_namespace(_request_timeout=5)
 
 
 # --- fault knobs -----------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ cluster, see ``EksApiServer.replace_node``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -89,6 +91,16 @@ class _HttpServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.api = api
         self.context = context
+        self._connections: set[Any] = set()
+        self._connections_lock = threading.Lock()
+
+    def close_connections(self) -> None:
+        """Hang up every kept-alive connection, so nothing is served after a stop."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients that hang up mid-request are normal; log them quietly instead of printing tracebacks.
@@ -102,7 +114,13 @@ class _HttpServer(ThreadingHTTPServer):
         except (ssl.SSLError, OSError) as exc:
             log.debug("TLS handshake with %s failed: %s", client_address, exc)
             return
-        super().finish_request(tls, client_address)
+        with self._connections_lock:
+            self._connections.add(tls)
+        try:
+            super().finish_request(tls, client_address)
+        finally:
+            with self._connections_lock:
+                self._connections.discard(tls)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -110,6 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
     # Headers and body leave in separate writes; with Nagle on, each kept-alive
     # request would wait ~40 ms for the client's delayed ACK.
     disable_nagle_algorithm = True
+    timeout = 300  # idle kept-alive connections are dropped after this many seconds
     server: _HttpServer
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -277,6 +296,7 @@ class EksApiServer:
             return
         httpd.shutdown()
         httpd.server_close()
+        httpd.close_connections()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._thread = None
