@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -179,3 +182,33 @@ def test_kubernetes_roles_have_access_entries_in_the_rbac_group(template: dict[s
     for entry in entries.values():
         assert entry["Properties"]["KubernetesGroups"] == [{"Ref": "KubernetesGroup"}]
     assert template["Parameters"]["KubernetesGroup"]["Default"] == "sdcguard-pipeline"
+
+
+def test_settings_environment_matches_the_handlers_settings() -> None:
+    from lambdas.settings import ENV
+
+    assert set(ENV) | {"POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE"} == SETTINGS_ENV
+
+
+@pytest.mark.parametrize("name", sorted(HANDLERS))
+def test_every_handler_module_has_a_handler_function(name: str) -> None:
+    module = importlib.import_module(f"lambdas.handlers.{name}")
+    assert callable(module.handler)
+
+
+@pytest.mark.parametrize(
+    ("machine", "asl"), [("IncidentStateMachine", "incident.asl.json"), ("DecideStateMachine", "decide.asl.json")]
+)
+def test_every_asl_placeholder_is_substituted(template: dict[str, Any], machine: str, asl: str) -> None:
+    text = (ROOT / "stepfunctions" / asl).read_text()
+    json.loads(text)
+    placeholders = set(re.findall(r"\$\{([A-Za-z0-9]+)\}", text))
+    props = template["Resources"][machine]["Properties"]
+    substitutions = props["DefinitionSubstitutions"]
+    assert placeholders == set(substitutions)
+    for name, value in substitutions.items():
+        function = value["Fn::GetAtt"][0]
+        assert name == f"{function}Arn"
+        assert template["Resources"][function]["Type"] == "AWS::Lambda::Function"
+    key = props["DefinitionS3Location"]["Key"]["Ref"]
+    assert key in template["Parameters"]
