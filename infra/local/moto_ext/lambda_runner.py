@@ -191,13 +191,21 @@ class FunctionWorker:
 
     def stop(self) -> None:
         """End the process (the next invocation starts a fresh one)."""
+        self.ask_to_stop()
+        self.wait_stopped()
+
+    def ask_to_stop(self) -> None:
+        """Close the worker's stdin: it finishes and exits (without waiting for it)."""
+        if self._proc is not None and self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+
+    def wait_stopped(self, timeout: float = 5.0) -> None:
+        """Wait for the process to exit after ``ask_to_stop``; kill it past ``timeout``."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.stdin is not None:
-            proc.stdin.close()
         try:
-            proc.wait(timeout=2)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -222,9 +230,11 @@ def stop_all() -> None:
     with _workers_lock:
         workers = list(_workers.values())
         _workers.clear()
+    # All at once: each worker takes a moment to exit, and there is one per function.
     for worker in workers:
-        with worker.lock:
-            worker.stop()
+        worker.ask_to_stop()
+    for worker in workers:
+        worker.wait_stopped()
     _code_cache.clear()
 
 
