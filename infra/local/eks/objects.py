@@ -36,7 +36,7 @@ class ObjectStore:
 
     @staticmethod
     def _key(resource: Resource, namespace: str | None, name: str) -> Key:
-        return (resource.group, resource.plural, namespace or "" if resource.namespaced else "", name)
+        return (resource.group, resource.plural, (namespace or "") if resource.namespaced else "", name)
 
     def _next_revision(self) -> str:
         self._revision += 1
