@@ -69,7 +69,7 @@ def kubernetes_client(cluster: str, *, eks: Any = None, sts: Any = None) -> k8s.
     config.host = described["endpoint"]
     config.ssl_ca_cert = ca_file.name
     config.verify_ssl = True
-    config.api_key = {"authorization": eks_token(cluster, sts)}
-    config.api_key_prefix = {"authorization": "Bearer"}
+    config.api_key = {"BearerToken": eks_token(cluster, sts)}
+    config.api_key_prefix = {"BearerToken": "Bearer"}
     config.retries = 2
     return k8s.ApiClient(config)

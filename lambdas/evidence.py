@@ -101,14 +101,16 @@ def instance_metrics(
     """
     client = client or boto3.client("cloudwatch")
     wanted = set(metric_names) if metric_names is not None else None
-    found: list[dict[str, Any]] = []
+    # One query per distinct metric (moto's ListMetrics repeats them).
+    unique: dict[tuple[str, str, tuple[tuple[str, str], ...]], dict[str, Any]] = {}
     for page in client.get_paginator("list_metrics").paginate(
         Dimensions=[{"Name": "InstanceId", "Value": instance_id}]
     ):
         for metric in page.get("Metrics", []):
             if wanted is None or metric["MetricName"] in wanted:
-                found.append(metric)
-    found = found[:500]  # GetMetricData takes 500 queries per call
+                dims = tuple(sorted((d["Name"], d["Value"]) for d in metric.get("Dimensions", [])))
+                unique.setdefault((metric["Namespace"], metric["MetricName"], dims), metric)
+    found = list(unique.values())[:500]  # GetMetricData takes 500 queries per call
     if not found:
         return []
     queries = [

@@ -6,7 +6,6 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas.idempotency import run_once
 from lambdas.inputs import AlarmEvent, parse_input
 from lambdas.ledger import Ledger
 from lambdas.record import record_alarm
@@ -22,18 +21,17 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     settings = get_settings()
     parsed = parse_input(AlarmEvent, event)
 
-    def record(_: dict[str, Any]) -> dict[str, Any]:
-        recorded = record_alarm(Ledger(settings.ledger_table), parsed.detail, settings)
-        return {
-            "incident_id": recorded.incident.incident_id,
-            "duplicate": recorded.duplicate,
-            "mode": recorded.incident.mode,
-            "timeouts": settings.timeouts(),
-        }
-
-    # A re-delivered event (same EventBridge id) returns the first answer.
-    result = run_once(record, event, settings=settings, context=context, key="id")
-    logger.set_correlation_id(result["incident_id"])
+    # No cached answer here: a re-delivered event (same EventBridge id) must
+    # come back as a duplicate, or a second execution would act. The ledger's
+    # conditional create is what makes this idempotent.
+    recorded = record_alarm(Ledger(settings.ledger_table), parsed.detail, settings)
+    result: dict[str, Any] = {
+        "incident_id": recorded.incident.incident_id,
+        "duplicate": recorded.duplicate,
+        "mode": recorded.incident.mode,
+        "timeouts": settings.timeouts(),
+    }
+    logger.set_correlation_id(recorded.incident.incident_id)
     metrics.add_metric(name="DuplicateAlarms" if result["duplicate"] else "Incidents", unit=MetricUnit.Count, value=1)
     logger.info("alarm recorded", extra={"duplicate": result["duplicate"], "detector": parsed.detail.detector.value})
     return result

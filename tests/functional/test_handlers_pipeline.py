@@ -1,0 +1,578 @@
+"""Each handler called as a function against the local stand-in, asserting what changed (and what did not).
+
+The handlers reach AWS and the EKS API exactly as in Lambda: boto3 clients from
+the AWS_* environment (pointed at the stand-in), and a kubernetes client with
+an EKS token against the endpoint and CA from ``eks.describe_cluster``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from contract import CheckpointManifest, Incident, IncidentState
+from infra.local.seed import seed
+from infra.local.standin import LocalStandIn
+from lambdas.cordon import TAINT_KEY
+from lambdas.eks_token import kubernetes_client
+from lambdas.errors import (
+    ApprovalExpired,
+    BlastRadiusExceeded,
+    IncidentNotWaiting,
+    MalformedEvent,
+    NotInCluster,
+    SuspectUnresolvable,
+    UnknownDecision,
+)
+from lambdas.handlers import (
+    close,
+    cordon,
+    decide,
+    evidence,
+    fail,
+    guard,
+    needs_attention,
+    record,
+    release,
+    replace,
+    replacement_status,
+    request_approval,
+    resolve,
+    resume_job,
+    rewrite_pointer,
+    suspend_job,
+)
+from lambdas.ledger import Ledger
+from lambdas.settings import get_settings
+from lineage.commit import commit, put_object
+from lineage.pointer import read_pointer
+from lineage.pointer import rewrite_pointer as point_at
+from lineage.store import open_store
+from tests.events import load_event
+
+S = IncidentState
+
+
+class FakeContext:
+    """The parts of a Lambda context that powertools reads."""
+
+    function_name = "sdcguard-test"
+    memory_limit_in_mb = 256
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:sdcguard-test"
+    aws_request_id = "test-request"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 60_000
+
+
+CTX = FakeContext()
+
+
+@dataclass
+class World:
+    standin: LocalStandIn
+    seeded: dict[str, Any]
+    ledger: Ledger
+    queue_url: str
+
+    def node(self, index: int) -> dict[str, Any]:
+        return dict(self.seeded["nodes"][index])
+
+    def messages(self, wait: float = 5.0) -> list[dict[str, Any]]:
+        sqs = self.standin.client("sqs")
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            got = sqs.receive_message(QueueUrl=self.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=0).get("Messages", [])
+            for m in got:
+                sqs.delete_message(QueueUrl=self.queue_url, ReceiptHandle=m["ReceiptHandle"])
+                out.append(json.loads(m["Body"]))
+            if out and not got:
+                break
+            time.sleep(0.1)
+        return out
+
+    def kube(self) -> k8s.ApiClient:
+        return kubernetes_client(self.seeded["eks_cluster"])
+
+
+@pytest.fixture(scope="module")
+def world(standin: LocalStandIn) -> Iterator[World]:
+    suffix = uuid.uuid4().hex[:6]
+    seeded = seed(standin, nodes=3, cluster=f"hp-{suffix}", job=f"job-{suffix}", minutes=20, faulty_node=1)
+    ddb = standin.client("dynamodb")
+    ledger_table, idem_table = f"ledger-{suffix}", f"idem-{suffix}"
+    ddb.create_table(
+        TableName=ledger_table,
+        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    ddb.create_table(
+        TableName=idem_table,
+        KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    topic = standin.client("sns").create_topic(Name=f"reviewers-{suffix}")["TopicArn"]
+    sqs = standin.client("sqs")
+    queue_url = sqs.create_queue(QueueName=f"inbox-{suffix}")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    standin.client("sns").subscribe(TopicArn=topic, Protocol="sqs", Endpoint=queue_arn)
+    env = {
+        **standin.env,
+        "LEDGER_TABLE": ledger_table,
+        "IDEMPOTENCY_TABLE": idem_table,
+        "TOPIC_ARN": topic,
+        "HYPERPOD_CLUSTER": seeded["hyperpod_cluster"],
+        "EKS_CLUSTER": seeded["eks_cluster"],
+        "JOB_NAMESPACE": seeded["namespace"],
+        "CHECKPOINT_BUCKET": seeded["bucket"],
+        "CHECKPOINT_PREFIX": "",
+        "MODE": "normal",
+        "MAX_QUARANTINED_NODES": "3",
+        "MAX_REPLACEMENTS_PER_DAY": "10",
+        "APPROVAL_TIMEOUT_SECONDS": "300",
+        "POWERTOOLS_TRACE_DISABLED": "true",
+        "POWERTOOLS_METRICS_NAMESPACE": "sdcguard-test",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    get_settings.cache_clear()
+    try:
+        yield World(standin, seeded, Ledger(ledger_table, standin.client("dynamodb")), queue_url)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        get_settings.cache_clear()
+
+
+_windows = iter(range(1000, 100_000, 100))
+
+
+def alarm_event(world: World, node_index: int, *, ring_clean: int | None = None, **detail: Any) -> dict[str, Any]:
+    """The stored ring-audit event, about this world's job and node ``node_index``, in a window of its own."""
+    event = copy.deepcopy(load_event("alarm_ring_audit"))
+    event["id"] = str(uuid.uuid4())
+    node = world.node(node_index)
+    clean = next(_windows) if ring_clean is None else ring_clean
+    d = event["detail"]
+    d["alarm_id"] = uuid.uuid4().hex
+    d["time"] = datetime.now(UTC).isoformat()  # the seeded GPU metrics end now
+    d["job"] = {
+        "hyperpod_cluster": world.seeded["hyperpod_cluster"],
+        "eks_cluster": world.seeded["eks_cluster"],
+        "namespace": world.seeded["namespace"],
+        "job_name": world.seeded["job"],
+    }
+    d["step"] = clean + 50
+    d["last_clean"] = {"nonfinite_grad": clean + 49, "ring_audit": clean, "weight_fingerprint": clean + 40, "reduced_grad": clean + 49}
+    d["checkpoint_prefix"] = f"s3://{world.seeded['bucket']}/{world.seeded['job']}"
+    d["resume_pointer"] = f"s3://{world.seeded['bucket']}/{world.seeded['job']}/RESUME.json"
+    d["suspects"] = [{"global_rank": node["ranks"][1], "local_rank": 1, "pod": node["pod"], "node": node["node_name"], "host": node["pod"]}]
+    d.update(detail)
+    return event
+
+
+def drive(world: World, event: dict[str, Any], through: str) -> str:
+    """Run the handlers of the forward path up to and including ``through``; returns the incident id."""
+    incident_id = record.handler(event, CTX)["incident_id"]
+    ref = {"incident_id": incident_id}
+    steps = ["resolve", "guard", "suspend_job", "cordon", "evidence"]
+    for step in steps:
+        if step == "resolve":
+            instance_ids = resolve.handler(ref, CTX)["instance_ids"]
+        elif step == "guard":
+            guard.handler(ref, CTX)
+        elif step == "suspend_job":
+            suspend_job.handler(ref, CTX)
+        elif step == "cordon":
+            for instance_id in instance_ids:
+                cordon.handler({**ref, "instance_id": instance_id}, CTX)
+        elif step == "evidence":
+            evidence.handler(ref, CTX)
+        if step == through:
+            return incident_id
+    raise AssertionError(f"unknown step {through}")
+
+
+def read_node(world: World, name: str) -> Any:
+    return k8s.CoreV1Api(world.kube()).read_node(name)
+
+
+def read_job(world: World) -> dict[str, Any]:
+    job: dict[str, Any] = k8s.CustomObjectsApi(world.kube()).get_namespaced_custom_object(
+        "kubeflow.org", "v1", world.seeded["namespace"], "pytorchjobs", world.seeded["job"]
+    )
+    return job
+
+
+def our_taints(node: Any) -> list[Any]:
+    return [t for t in (node.spec.taints or []) if t.key == TAINT_KEY]
+
+
+def states(incident: Incident) -> list[str]:
+    return [t.state.value for t in incident.transitions]
+
+
+# -- record ---------------------------------------------------------------------
+
+
+def test_record_opens_one_incident_and_counts_duplicates(world: World) -> None:
+    event = alarm_event(world, 0)
+    first = record.handler(event, CTX)
+    redelivered = record.handler(event, CTX)
+    from_another_rank = copy.deepcopy(event)
+    from_another_rank["id"] = str(uuid.uuid4())
+    from_another_rank["detail"].update(alarm_id=uuid.uuid4().hex, publisher_rank=4)
+    again = record.handler(from_another_rank, CTX)
+
+    assert first["duplicate"] is False
+    assert redelivered["duplicate"] is True
+    assert again["duplicate"] is True
+    assert first["incident_id"] == redelivered["incident_id"] == again["incident_id"]
+    incident = world.ledger.get(first["incident_id"])
+    assert incident.state == S.RECORDED
+    assert incident.duplicate_alarms == 2
+    assert states(incident) == ["RECORDED"]
+    assert first["timeouts"]["approval_heartbeat_seconds"] == 300
+
+
+def test_a_malformed_event_or_another_cluster_writes_nothing(world: World) -> None:
+    before = len(world.ledger.list())
+    malformed = alarm_event(world, 0)
+    malformed["detail"]["step"] = -3
+    with pytest.raises(MalformedEvent, match=r"detail\.step"):
+        record.handler(malformed, CTX)
+    elsewhere = alarm_event(world, 0)
+    elsewhere["detail"]["job"]["hyperpod_cluster"] = "someone-elses-cluster"
+    with pytest.raises(NotInCluster, match="someone-elses-cluster"):
+        record.handler(elsewhere, CTX)
+    assert len(world.ledger.list()) == before
+
+
+# -- resolve and guard ---------------------------------------------------------------
+
+
+def test_resolve_finds_the_instance_of_the_suspect_rank(world: World) -> None:
+    incident_id = drive(world, alarm_event(world, 1), through="resolve")
+    incident = world.ledger.get(incident_id)
+    assert incident.state == S.RESOLVED
+    assert incident.instance_ids == [world.node(1)["instance_id"]]
+    assert incident.suspects[0].instance_group == world.seeded["instance_group"]
+
+
+def test_an_unknown_node_or_an_instance_outside_the_cluster_touches_nothing(world: World) -> None:
+    unknown = alarm_event(world, 0)
+    unknown["detail"]["suspects"][0]["node"] = "ip-10-9-9-9.ec2.internal"
+    unknown["detail"]["suspects"][0]["host"] = "nowhere"
+    outside = alarm_event(world, 0)
+    outside["detail"]["suspects"][0]["node"] = "hyperpod-i-0aaaaaaaaaaaaaaa0"
+    for event, error in ((unknown, SuspectUnresolvable), (outside, NotInCluster)):
+        incident_id = record.handler(event, CTX)["incident_id"]
+        with pytest.raises(error):
+            resolve.handler({"incident_id": incident_id}, CTX)
+        incident = world.ledger.get(incident_id)
+        assert incident.state == S.RECORDED
+        assert incident.suspects == []
+
+
+def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lambdas.guard import quarantined_nodes
+
+    held = quarantined_nodes(world.ledger.list(), exclude="")
+    free = next(i for i in range(3) if world.node(i)["node_name"] not in held)
+    incident_id = drive(world, alarm_event(world, free), through="resolve")
+    monkeypatch.setenv("MAX_QUARANTINED_NODES", str(len(held)))
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(BlastRadiusExceeded, match=f"limit is {len(held)}"):
+            guard.handler({"incident_id": incident_id}, CTX)
+    finally:
+        get_settings.cache_clear()
+    assert world.ledger.get(incident_id).state == S.RESOLVED
+    assert not our_taints(read_node(world, world.node(free)["node_name"]))
+
+
+# -- containment -------------------------------------------------------------------
+
+
+def test_suspend_and_cordon_contain_the_node_once(world: World) -> None:
+    node = world.node(0)
+    incident_id = drive(world, alarm_event(world, 0), through="cordon")
+    patches_before = len([r for r in world.standin.eks.requests if r.method == "PATCH"])  # type: ignore[union-attr]
+
+    suspend_job.handler({"incident_id": incident_id}, CTX)
+    cordon.handler({"incident_id": incident_id, "instance_id": node["instance_id"]}, CTX)
+
+    patches_after = len([r for r in world.standin.eks.requests if r.method == "PATCH"])  # type: ignore[union-attr]
+    assert patches_after == patches_before  # the repeated calls did no second thing
+    job = read_job(world)
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    cordoned = read_node(world, node["node_name"])
+    assert cordoned.spec.unschedulable is True
+    assert [(t.effect, t.value) for t in our_taints(cordoned)] == [("NoSchedule", incident_id)]
+    assert cordoned.metadata.annotations["sdcguard.io/incident"] == incident_id
+    incident = world.ledger.get(incident_id)
+    assert states(incident) == ["RECORDED", "RESOLVED", "GUARDED", "SUSPENDED", "CORDONED"]
+    assert {t.actor for t in incident.transitions[1:]} == {"resolve", "guard", "suspend_job", "cordon"}
+
+
+def test_cordon_refuses_an_instance_the_incident_does_not_name(world: World) -> None:
+    incident_id = drive(world, alarm_event(world, 0), through="suspend_job")
+    other = world.node(2)
+    before = our_taints(read_node(world, other["node_name"]))
+    with pytest.raises(NotInCluster):
+        cordon.handler({"incident_id": incident_id, "instance_id": other["instance_id"]}, CTX)
+    assert our_taints(read_node(world, other["node_name"])) == before
+    assert world.ledger.get(incident_id).state == S.SUSPENDED
+
+
+def test_evidence_reads_the_gpu_metrics_of_the_suspect(world: World) -> None:
+    faulty = world.seeded["faulty_node"]["index"]
+    incident_id = drive(world, alarm_event(world, faulty), through="evidence")
+    incident = world.ledger.get(incident_id)
+    assert incident.state == S.EVIDENCE_COLLECTED
+    summary = incident.evidence
+    assert "does not clear a node" in str(summary["note"])
+    instances: list[dict[str, Any]] = summary["instances"]  # type: ignore[assignment]
+    (entry,) = instances
+    assert entry["instance_id"] == world.node(faulty)["instance_id"]
+    names = {m["name"] for m in entry["metrics"] if m["points"]}
+    assert "node_gpu_temperature" in names
+    assert summary["verdict"] == "corroborated"  # the seeded faulty GPU reports Xid and ECC errors
+
+
+# -- approval and decision ---------------------------------------------------------------
+
+
+def test_request_approval_stores_the_token_and_tells_the_reviewers_how_to_answer(world: World) -> None:
+    world.messages(wait=0.5)  # drain
+    incident_id = drive(world, alarm_event(world, 0), through="evidence")
+    request = {"incident_id": incident_id, "task_token": "token-" + uuid.uuid4().hex, "timeout_seconds": 300}
+    request_approval.handler(request, CTX)
+    request_approval.handler(request, CTX)  # a retry
+
+    incident = world.ledger.get(incident_id)
+    assert incident.state == S.AWAITING_APPROVAL
+    stored = world.ledger.get_token(incident_id)
+    assert stored is not None
+    assert stored[0] == request["task_token"]
+    mine = [m for m in world.messages() if m.get("MessageAttributes", {}).get("incident_id", {}).get("Value") == incident_id]
+    assert len(mine) == 1
+    assert f"sdcguard approve {incident_id} --reason" in mine[0]["Message"]
+    assert f"sdcguard reject {incident_id} --reason" in mine[0]["Message"]
+
+
+def waiting_with_real_token(world: World) -> tuple[str, str]:
+    """An incident waiting for approval whose token belongs to a real waiting execution."""
+    incident_id = drive(world, alarm_event(world, 0), through="evidence")
+    sqs = world.standin.client("sqs")
+    queue = sqs.create_queue(QueueName=f"tokens-{uuid.uuid4().hex[:8]}")["QueueUrl"]
+    sfn = world.standin.client("stepfunctions")
+    definition = {
+        "StartAt": "Wait",
+        "States": {
+            "Wait": {
+                "Type": "Task",
+                "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken",
+                "Parameters": {"QueueUrl": queue, "MessageBody": {"token.$": "$$.Task.Token"}},
+                "TimeoutSeconds": 120,
+                "End": True,
+            }
+        },
+    }
+    machine = sfn.create_state_machine(
+        name=f"approval-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition), roleArn="arn:aws:iam::123456789012:role/sfn"
+    )["stateMachineArn"]
+    execution = sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex, input="{}")["executionArn"]
+    token = None
+    deadline = time.monotonic() + 30
+    while token is None and time.monotonic() < deadline:
+        for m in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=1).get("Messages", []):
+            token = json.loads(m["Body"])["token"]
+    assert token, "the waiting execution never sent its token"
+    request_approval.handler({"incident_id": incident_id, "task_token": token, "timeout_seconds": 120}, CTX)
+    return incident_id, execution
+
+
+def wait_for_end(world: World, execution: str, timeout: float = 30) -> dict[str, Any]:
+    sfn = world.standin.client("stepfunctions")
+    deadline = time.monotonic() + timeout
+    while True:
+        described: dict[str, Any] = sfn.describe_execution(executionArn=execution)
+        if described["status"] != "RUNNING" or time.monotonic() > deadline:
+            return described
+        time.sleep(0.2)
+
+
+def test_decide_answers_the_token_and_records_who_decided(world: World) -> None:
+    incident_id, execution = waiting_with_real_token(world)
+    result = decide.handler(
+        {"incident_id": incident_id, "decision": "approve", "reason": "Xid 79 on GPU 1", "reviewer": "arn:aws:iam::123456789012:user/oncall"},
+        CTX,
+    )
+    assert result["state"] == "APPROVED"
+    incident = world.ledger.get(incident_id)
+    assert incident.decision is not None
+    assert (incident.decision.decision, incident.decision.reviewer) == ("approve", "arn:aws:iam::123456789012:user/oncall")
+    assert incident.transitions[-1].actor == "arn:aws:iam::123456789012:user/oncall"
+    assert world.ledger.get_token(incident_id) is None
+    ended = wait_for_end(world, execution)
+    assert ended["status"] == "SUCCEEDED"
+    assert json.loads(ended["output"])["decision"] == "approve"
+    with pytest.raises(IncidentNotWaiting, match="APPROVED"):  # a second decision changes nothing
+        decide.handler({"incident_id": incident_id, "decision": "reject", "reason": "late", "reviewer": "someone"}, CTX)
+    assert world.ledger.get(incident_id).decision == incident.decision
+
+
+def test_decide_refuses_unknown_decisions_and_expired_tokens(world: World) -> None:
+    incident_id = drive(world, alarm_event(world, 0), through="evidence")
+    request_approval.handler({"incident_id": incident_id, "task_token": "not-a-real-token", "timeout_seconds": 60}, CTX)
+    with pytest.raises(UnknownDecision):
+        decide.handler({"incident_id": incident_id, "decision": "maybe", "reason": "r", "reviewer": "me"}, CTX)
+    with pytest.raises(ApprovalExpired):
+        decide.handler({"incident_id": incident_id, "decision": "approve", "reason": "r", "reviewer": "me"}, CTX)
+    incident = world.ledger.get(incident_id)
+    assert incident.state == S.AWAITING_APPROVAL
+    assert incident.decision is None
+
+
+# -- the approve path: replace, wait, pointer, resume, close -----------------------------------
+
+
+def write_checkpoints(world: World, steps: list[int]) -> None:
+    store = open_store(f"s3://{world.seeded['bucket']}/{world.seeded['job']}", client=world.standin.client("s3"))
+    for step in steps:
+        digest = put_object(store, step, "model.pt", f"weights at {step}".encode())
+        commit(store, CheckpointManifest(step=step, world_size=6, fingerprint="ab" * 24, objects=[digest]))
+
+
+def test_the_approve_path_replaces_rolls_back_and_resumes(world: World) -> None:
+    node = world.node(2)
+    clean = 5000
+    write_checkpoints(world, [clean - 1000, clean - 10, clean + 20])
+    store = open_store(f"s3://{world.seeded['bucket']}/{world.seeded['job']}", client=world.standin.client("s3"))
+    point_at(store, trusted_through_step=clean + 20, reason="latest", written_by="agent")
+    custom = k8s.CustomObjectsApi(world.kube())
+    custom.patch_namespaced_custom_object(  # given a running job that no other incident holds
+        "kubeflow.org", "v1", world.seeded["namespace"], "pytorchjobs", world.seeded["job"],
+        {"metadata": {"annotations": {"sdcguard.io/suspended-by": None}}, "spec": {"runPolicy": {"suspend": False}}},
+    )
+    incident_id = drive(world, alarm_event(world, 2, ring_clean=clean), through="evidence")
+    assert read_job(world)["spec"]["runPolicy"]["suspend"] is True
+    world.ledger.put_token(incident_id, "t", expires_at=time.time() + 60)
+    world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
+    decision = {"decision": "approve", "reviewer": "oncall", "reason": "replace it"}
+
+    requested = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"], "decision": decision}, CTX)
+    again = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"], "decision": decision}, CTX)
+    assert requested == again
+    progress: dict[str, Any] = {}
+    for attempt in range(50):
+        progress = replacement_status.handler({"incident_id": incident_id, "attempt": attempt}, CTX)
+        if progress["done"]:
+            break
+        time.sleep(0.1)
+    assert progress["done"] is True
+
+    incident = world.ledger.get(incident_id)
+    (replacement,) = incident.replacements
+    new_id = replacement.new_instance_id
+    assert replacement.old_instance_id == node["instance_id"]
+    assert new_id is not None
+    assert new_id != node["instance_id"]
+    listed = {
+        n["InstanceId"]: n["InstanceStatus"]["Status"]
+        for n in world.standin.client("sagemaker").list_cluster_nodes(ClusterName=world.seeded["hyperpod_cluster"])["ClusterNodeSummaries"]
+    }
+    assert listed[new_id] == "Running"
+    assert node["instance_id"] not in listed
+    assert read_node(world, f"hyperpod-{new_id}").spec.unschedulable in (None, False)
+
+    pointed = rewrite_pointer.handler({"incident_id": incident_id}, CTX)
+    assert pointed["checkpoint_after"] == f"checkpoints/step-{clean - 10:09d}"
+    assert pointed["checkpoint_before"] == f"checkpoints/step-{clean + 20:09d}"
+    pointer, _ = read_pointer(store)
+    assert pointer is not None
+    assert (pointer.step, pointer.incident_id) == (clean - 10, incident_id)
+    assert pointer.history[0].step == clean + 20
+
+    resume_job.handler({"incident_id": incident_id}, CTX)
+    assert not read_job(world)["spec"]["runPolicy"].get("suspend")
+    world.messages(wait=0.3)
+    closed = close.handler({"incident_id": incident_id}, CTX)
+    assert closed["state"] == "CLOSED"
+    assert set(closed["timings"]) == {"alarm_to_cordon_s", "alarm_to_approval_s", "alarm_to_resumed_s"}
+    incident = world.ledger.get(incident_id)
+    assert states(incident)[-7:] == ["AWAITING_APPROVAL", "APPROVED", "REPLACING", "REPLACED", "POINTER_REWRITTEN", "RESUMED", "CLOSED"]
+    assert incident.resumed_from_step == clean - 10
+    assert any(m["Subject"].endswith("CLOSED") for m in world.messages())
+
+
+# -- the reject path and the safe stops ------------------------------------------------------------
+
+
+def test_release_uncordons_resumes_and_records_a_false_alarm(world: World) -> None:
+    node = world.node(1)
+    incident_id = drive(world, alarm_event(world, 1), through="evidence")
+    assert read_node(world, node["node_name"]).spec.unschedulable is True
+    world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
+    decision = {"decision": "reject", "reviewer": "oncall", "reason": "known flaky test data"}
+
+    result = release.handler({"incident_id": incident_id, "decision": decision}, CTX)
+
+    assert result["state"] == "FALSE_ALARM"
+    released = read_node(world, node["node_name"])
+    assert [t for t in our_taints(released) if t.value == incident_id] == []
+    incident = world.ledger.get(incident_id)
+    assert incident.decision is not None
+    assert incident.decision.reason == "known flaky test data"
+    assert states(incident)[-3:] == ["AWAITING_APPROVAL", "REJECTED", "FALSE_ALARM"]
+
+
+def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
+    world.messages(wait=0.3)
+    waiting = drive(world, alarm_event(world, 0), through="cordon")
+    needs_attention.handler(
+        {"incident_id": waiting, "state": "RequestApproval", "error": {"Error": "States.HeartbeatTimeout", "Cause": "no decision"}}, CTX
+    )
+    broken = drive(world, alarm_event(world, 0), through="resolve")
+    fail.handler({"incident_id": broken, "state": "SuspendJob", "error": {"Error": "KubernetesObjectMissing", "Cause": "gone"}}, CTX)
+
+    stopped = world.ledger.get(waiting)
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert stopped.failure is not None
+    assert (stopped.failure.state, stopped.failure.error) == ("RequestApproval", "States.HeartbeatTimeout")
+    assert read_node(world, world.node(0)["node_name"]).spec.unschedulable is True  # stays contained
+    failed = world.ledger.get(broken)
+    assert failed.state == S.FAILED
+    assert failed.failure is not None
+    assert failed.failure.error == "KubernetesObjectMissing"
+    subjects = [m["Subject"] for m in world.messages()]
+    assert any(waiting in s and "NEEDS_ATTENTION" in s for s in subjects)
+    assert any(broken in s and "FAILED" in s for s in subjects)
+
+
+def test_steps_out_of_order_change_nothing(world: World) -> None:
+    incident_id = drive(world, alarm_event(world, 0), through="guard")
+    with pytest.raises(IncidentNotWaiting):
+        resume_job.handler({"incident_id": incident_id}, CTX)
+    with pytest.raises(IncidentNotWaiting):
+        close.handler({"incident_id": incident_id}, CTX)
+    with pytest.raises(MalformedEvent):
+        resolve.handler({"incident": incident_id}, CTX)
+    assert world.ledger.get(incident_id).state == S.GUARDED
