@@ -1,0 +1,133 @@
+"""GuardConfig: every setting of the in-job agent, validated, also from ``SDCGUARD_*`` variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+OnAlarm = Literal["stop", "raise", "continue"]
+
+ALARM_EXIT_CODE = 87
+"""The exit status of a rank stopped by an alarm under ``on_alarm="stop"``.
+
+Distinct from Python's 1 (an exception), torchrun's failures and the signal
+codes (128+N), so a job controller can tell "stopped on suspect hardware" apart.
+"""
+
+ENV_PREFIX = "SDCGUARD_"
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The agent's settings. Bad values raise ``ValueError`` naming the field."""
+
+    on_alarm: OnAlarm = "stop"
+    """What to do after an alarm is published: exit with ALARM_EXIT_CODE, raise GuardAlarm, or return it."""
+    ranks_per_node: int | None = None
+    """Ranks per node; None reads LOCAL_WORLD_SIZE (1 when unset). Set it to simulate nodes on one machine."""
+    audit_every: int = 100
+    """Run the ring re-execution audit on steps that are multiples of this; 0 turns it off."""
+    fingerprint_every: int = 10
+    """Compare weight and optimizer-state fingerprints on steps that are multiples of this; 0 turns it off."""
+    nonfinite: bool = True
+    """Check gradients for NaN/Inf before and after the all-reduce (detector 1)."""
+    reduced_grad: bool = True
+    """Compare the fingerprints of the reduced gradients across ranks on every step."""
+    max_scaler_overflow_steps: int = 30
+    """With a GradScaler, consecutive overflow steps tolerated before it is an alarm."""
+    seed: int = 0
+    """Base of the per-(step, rank) random seeds that make dropout reproducible for the audit."""
+    threads: int = 1
+    """Intra-op threads pinned on every rank (recomputation is bit-identical only with equal counts); 0 leaves torch's."""
+    event_bus: str = "sdcguard"
+    """EventBridge bus the alarm is published to."""
+    publish_budget_s: float = 10.0
+    """The longest publishing may take, retries and spooling included."""
+    publish_retries: int = 3
+    """PutEvents attempts before the alarm is spooled."""
+    spool_dir: str = "sdcguard-spool"
+    """Local folder where alarms are written when EventBridge cannot be reached."""
+    checkpoint_prefix: str = "sdcguard-checkpoints"
+    """``s3://bucket/prefix`` or a local folder under which checkpoints and RESUME.json live."""
+    hyperpod_cluster: str = "local-hyperpod"
+    """Name of the SageMaker HyperPod cluster running the job."""
+    eks_cluster: str = "local-eks"
+    """Name of the EKS cluster orchestrating it."""
+    namespace: str = "default"
+    """Kubernetes namespace of the PyTorchJob."""
+    job_name: str = "sdcguard-job"
+    """Name of the PyTorchJob."""
+
+    def __post_init__(self) -> None:
+        if self.on_alarm not in ("stop", "raise", "continue"):
+            raise ValueError(f"on_alarm: must be one of stop, raise, continue; got {self.on_alarm!r}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
+        for name in ("audit_every", "fingerprint_every", "max_scaler_overflow_steps", "threads", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.publish_retries < 1:
+            raise ValueError(f"publish_retries: must be >= 1, got {self.publish_retries}")
+        if not self.publish_budget_s > 0:
+            raise ValueError(f"publish_budget_s: must be > 0, got {self.publish_budget_s}")
+        for name in ("event_bus", "spool_dir", "checkpoint_prefix", "hyperpod_cluster", "eks_cluster",
+                     "namespace", "job_name"):
+            value = getattr(self, name)
+            if not value or len(value) > 1024:
+                raise ValueError(f"{name}: must be a non-empty string of at most 1024 characters, got {value!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
+        """Settings from ``SDCGUARD_<FIELD>`` variables, then ``overrides`` (which win).
+
+        Raises ``ValueError`` naming the field (and the variable) for a value
+        that does not parse or does not validate.
+        """
+        env = os.environ if env is None else env
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            try:
+                values[f.name] = _parse(raw, hints[f.name])
+            except ValueError as exc:
+                raise ValueError(f"{f.name}: {ENV_PREFIX}{f.name.upper()}={raw!r} is not valid: {exc}") from None
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: not a GuardConfig field")
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(raw: str, hint: Any) -> Any:
+    """Parse one environment value into the field's type."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        if raw.strip().lower() in ("", "none"):
+            return None
+        return _parse(raw, next(a for a in args if a is not type(None)))
+    if origin is Literal:
+        return raw.strip()
+    if hint is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true/false")
+    if hint is int:
+        return int(raw)
+    if hint is float:
+        return float(raw)
+    return raw
+
+
+__all__ = ["ALARM_EXIT_CODE", "GuardConfig", "OnAlarm"]
