@@ -280,3 +280,25 @@ def test_the_seed_command_reports_a_bad_option_as_an_error(standin: LocalStandIn
 
     assert done.returncode == 1
     assert "sdcguard: error: --nodes must be between 1 and 64" in done.stderr
+
+
+def test_the_pipelines_own_eks_client_cordons_a_seeded_node(
+    standin: LocalStandIn, seeded: dict[str, Any]
+) -> None:
+    from lambdas.cordon import TAINT_KEY, cordon_node, uncordon_node
+    from lambdas.eks_token import kubernetes_client
+
+    api = kubernetes_client(seeded["eks_cluster"], eks=standin.client("eks"), sts=standin.client("sts"))
+    node = seeded["nodes"][0]["node_name"]
+
+    cordon_node(api, node, "inc-seed-1")
+    cordoned = k8s.CoreV1Api(api).read_node(node)
+    uncordon_node(api, node, "inc-seed-1")
+    released = k8s.CoreV1Api(api).read_node(node)
+
+    assert cordoned.spec.unschedulable is True
+    assert [(t.key, t.value, t.effect) for t in cordoned.spec.taints] == [
+        (TAINT_KEY, "inc-seed-1", "NoSchedule")
+    ]
+    assert released.spec.unschedulable is False
+    assert not released.spec.taints
