@@ -49,6 +49,7 @@ module-level state is read-only tables, built once per device under a lock.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -62,11 +63,17 @@ BLOCK = 1024
 
 Part of the definition: changing it changes every fingerprint."""
 
-DEFAULT_CHUNK = 64 * BLOCK
-"""Elements per chunk (a multiple of ``BLOCK``).
+DEFAULT_CHUNK = 31 * BLOCK
+"""Elements per chunk (a multiple of ``BLOCK``): 31,744, just under torch's
+intra-op grain size (32,768 elements), so every op on a chunk runs on the
+calling thread.
 
-64K elements make a 512 KiB int64 scratch buffer, which stays in the L2 cache
-of the CPUs measured; see ``benchmarks/bench_fingerprint.py`` for the sweep."""
+Chunks at or above the grain size make each of the handful of ops per chunk a
+parallel region; on a loaded machine (other ranks, gloo threads, the DDP
+hook itself) each region waits for a descheduled thread. Measured on 4M fp32
+with 2 intra-op threads under load (``./dev bench fingerprint -- --sweep``):
+31K gave 0.46x memcpy, 32K 0.01x, 128K 0.005x. On one thread 31K is within
+~20% of the best chunk (128K-256K). The scratch buffer (248 KiB) stays in L2."""
 
 HEX_CHARS = 16 * LANES
 """Length of ``to_hex``'s output: the contract's Fingerprint format."""
@@ -195,6 +202,12 @@ def _blocks(tables: _Tables, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tables.blocks(n)
 
 
+@functools.lru_cache(maxsize=4096)
+def _descriptor_lanes(dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Shared and only ever read: callers add it into their own tensors.
+    return torch.tensor([signed64(d) for d in descriptor(dtype, shape)], dtype=torch.int64, device=device)
+
+
 class _Reducer:
     """One fingerprint in progress: a per-call scratch buffer and the per-block partial sums."""
 
@@ -287,10 +300,7 @@ class _Reducer:
         lane0 = rows.sum()
         lane1 = (rows * offsets).sum() + (self.column_sums * self.tables.column_weight).sum()
         lane2 = (squares * weights).sum()
-        desc = torch.tensor(
-            [signed64(d) for d in descriptor(dtype, shape)], dtype=torch.int64, device=rows.device
-        )
-        return torch.stack((lane0, lane1, lane2)).add_(desc)
+        return torch.stack((lane0, lane1, lane2)).add_(_descriptor_lanes(dtype, tuple(shape), rows.device))
 
 
 def _fingerprint(
@@ -321,19 +331,58 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int = DEFAULT_CH
     The tensors must share one device (the result lives there); an empty
     iterable gives a [0, 3] tensor on the CPU. Raises ValueError for mixed
     devices or a bad ``chunk``, TypeError for an unsupported dtype."""
-    rows: list[torch.Tensor] = []
-    scratch: torch.Tensor | None = None
-    device: torch.device | None = None
-    for t in tensors:
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")
-        lanes, scratch = _fingerprint(t, chunk, scratch)
-        rows.append(lanes)
-    if not rows:
+    if chunk <= 0 or chunk % BLOCK:
+        raise ValueError(f"fingerprint: chunk must be a positive multiple of {BLOCK}, got {chunk}")
+    tensors = list(tensors)
+    if not tensors:
         return torch.empty(0, LANES, dtype=torch.int64)
-    return torch.stack(rows)
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")
+    rows: list[torch.Tensor | None] = [None] * len(tensors)
+    # Tensors of at most one block (biases, norms, scalars) are done together:
+    # per tensor, one copy instead of a score of small ops.
+    small: dict[bool, list[int]] = {False: [], True: []}
+    scratch: torch.Tensor | None = None
+    for k, t in enumerate(tensors):
+        bits = bit_view(t.detach())
+        if bits.numel() <= BLOCK:
+            small[bits.element_size() == 8].append(k)
+            continue
+        rows[k], scratch = _fingerprint(t, chunk, scratch)
+    for wide, members in small.items():
+        if members:
+            lanes = _fingerprint_small([tensors[k] for k in members], wide, device)
+            for k, row in zip(members, lanes.unbind(0), strict=True):
+                rows[k] = row
+    return torch.stack([row for row in rows if row is not None])
+
+
+def _fingerprint_small(tensors: list[torch.Tensor], wide: bool, device: torch.device) -> torch.Tensor:
+    """Fingerprints [m, 3] of tensors of at most ``BLOCK`` elements each, in one padded [m, BLOCK] matrix."""
+    tables = _tables_for(device)
+    bits = [bit_view(t.detach()) for t in tensors]
+    lengths = [b.numel() for b in bits]
+    width = max(1, *lengths)
+    values = torch.zeros(len(tensors), width, dtype=torch.int64, device=device)
+    for k, b in enumerate(bits):
+        if lengths[k]:
+            values[k, : lengths[k]].copy_(b.reshape(-1))
+    # Padding is zero, which adds nothing to lanes 0 and 1; lane 2 masks it out.
+    column_weight = tables.column_weight[:width]
+    lane0 = values.sum(1)
+    lane1 = (values * column_weight).sum(1)
+    if wide:
+        values.bitwise_xor_(values >> 32)
+    values.bitwise_xor_(tables.position[:, :width])
+    values.mul_(values)
+    padding = column_weight > torch.tensor(lengths, dtype=torch.int64, device=device).unsqueeze(1)
+    values.masked_fill_(padding, 0)
+    _, weights = _blocks(tables, 1)
+    lane2 = values.sum(1) * weights
+    desc = torch.stack([_descriptor_lanes(t.dtype, tuple(t.shape), device) for t in tensors])
+    return torch.stack((lane0, lane1, lane2), dim=1).add_(desc)
 
 
 def combine(per_tensor: torch.Tensor) -> torch.Tensor:

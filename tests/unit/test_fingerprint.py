@@ -273,6 +273,26 @@ def test_many_and_combine() -> None:
     assert fingerprint_many([]).shape == (0, 3)
 
 
+def test_many_batches_small_tensors_without_changing_their_fingerprints() -> None:
+    base = sample(torch.float32, (40, 30))
+    tensors = [
+        sample(torch.float32, (7,)),
+        sample(torch.float64, (BLOCK,), 1),
+        torch.tensor(2.5),
+        torch.zeros(0, 3, dtype=torch.bfloat16),
+        base[:, ::3],
+        sample(torch.int64, (3, 5), 2),
+        sample(torch.bfloat16, (2 * BLOCK + 1,), 3),
+        sample(torch.bool, (BLOCK + 1,), 4),
+        sample(torch.uint8, (33,), 5),
+        sample(torch.complex64, (9,), 6),
+    ]
+    many = fingerprint_many(tensors, chunk=BLOCK)
+    for row, t in zip(many, tensors, strict=True):
+        assert to_hex(row) == reference_hex(t)
+        assert torch.equal(row, fingerprint(t))
+
+
 def test_hex_is_the_contract_fingerprint() -> None:
     text = to_hex(fingerprint(sample(torch.float32, (10,))))
     assert len(text) == 48
