@@ -1,0 +1,203 @@
+"""The operator CLI on the stand-in: incidents (table, JSON, show) and approve/reject through the decide machine.
+
+The decide machine is the real ``stepfunctions/decide.asl.json`` with its
+handler deployed as a Lambda function from this tree's code; the incident
+waits on a real task token of a running execution.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from contract import Alarm, Incident, IncidentState, ResolvedSuspect
+from infra.local.standin import LocalStandIn
+from lambdas.ledger import Ledger
+from sdcguard.cli import main
+from tests.events import load_event
+
+S = IncidentState
+ROOT = Path(__file__).resolve().parents[2]
+TO_WAITING = [S.RESOLVED, S.GUARDED, S.SUSPENDED, S.CORDONED, S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL]
+
+
+@dataclass
+class Setup:
+    standin: LocalStandIn
+    ledger: Ledger
+    table: str
+    machine: str
+
+
+def code_zip() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for package in ("lambdas", "contract", "lineage"):
+            for path in (ROOT / package).rglob("*"):
+                if path.is_file() and "__pycache__" not in path.parts:
+                    archive.write(path, path.relative_to(ROOT).as_posix())
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def setup(standin: LocalStandIn) -> Iterator[Setup]:
+    suffix = uuid.uuid4().hex[:6]
+    ddb = standin.client("dynamodb")
+    table = f"cli-ledger-{suffix}"
+    ddb.create_table(
+        TableName=table,
+        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    role = standin.client("iam").create_role(RoleName=f"decide-{suffix}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    function = standin.client("lambda").create_function(
+        FunctionName=f"decide-{suffix}",
+        Runtime="python3.11",
+        Role=role,
+        Handler="lambdas.handlers.decide.handler",
+        Code={"ZipFile": code_zip()},
+        Timeout=60,
+        Environment={
+            "Variables": {
+                "LEDGER_TABLE": table,
+                "IDEMPOTENCY_TABLE": f"unused-{suffix}",
+                "TOPIC_ARN": f"arn:aws:sns:us-east-1:123456789012:unused-{suffix}",
+                "HYPERPOD_CLUSTER": "ml-cluster",
+                "EKS_CLUSTER": "ml-eks",
+                "CHECKPOINT_BUCKET": "ckpt-bucket",
+                "POWERTOOLS_TRACE_DISABLED": "true",
+            }
+        },
+    )["FunctionArn"]
+    definition = (ROOT / "stepfunctions" / "decide.asl.json").read_text().replace("${DecideFunctionArn}", function)
+    machine = standin.client("stepfunctions").create_state_machine(
+        name=f"cli-{suffix}-decide", definition=definition, roleArn=role
+    )["stateMachineArn"]
+    saved = {k: os.environ.get(k) for k in standin.env}
+    os.environ.update(standin.env)
+    try:
+        yield Setup(standin, Ledger(table, standin.client("dynamodb")), table, machine)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def open_incident(setup: Setup, *, waiting: bool) -> str:
+    """An incident from the stored ring-audit alarm (in a window of its own), optionally waiting on a real token."""
+    detail = load_event("alarm_ring_audit")["detail"]
+    window = int(uuid.uuid4().int % 1_000_000)
+    detail["last_clean"] = {"ring_audit": window, "weight_fingerprint": window + 40}
+    detail["step"] = window + 50
+    incident, _ = setup.ledger.open(Alarm.model_validate(detail), mode="normal")
+    suspect = ResolvedSuspect(
+        global_rank=3, pod="gpt-pretrain-worker-1", node="hyperpod-i-0123456789abcdef0", instance_id="i-0123456789abcdef0"
+    )
+
+    def moved(state: IncidentState) -> Callable[[Incident], Incident]:
+        if state == S.RESOLVED:
+            return lambda i: i.advance(state, actor="test", suspects=[suspect])
+        return lambda i: i.advance(state, actor="test")
+
+    for state in TO_WAITING if waiting else TO_WAITING[:2]:
+        setup.ledger.update(incident.incident_id, moved(state))
+    if waiting:
+        setup.ledger.put_token(incident.incident_id, real_token(setup), expires_at=time.time() + 120)
+    return incident.incident_id
+
+
+def real_token(setup: Setup) -> str:
+    sqs = setup.standin.client("sqs")
+    queue = sqs.create_queue(QueueName=f"tok-{uuid.uuid4().hex[:8]}")["QueueUrl"]
+    sfn = setup.standin.client("stepfunctions")
+    definition = {
+        "StartAt": "Wait",
+        "States": {
+            "Wait": {
+                "Type": "Task",
+                "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken",
+                "Parameters": {"QueueUrl": queue, "MessageBody": {"token.$": "$$.Task.Token"}},
+                "TimeoutSeconds": 120,
+                "End": True,
+            }
+        },
+    }
+    machine = sfn.create_state_machine(
+        name=f"wait-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition), roleArn="arn:aws:iam::123456789012:role/sfn"
+    )["stateMachineArn"]
+    sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex, input="{}")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for m in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=1).get("Messages", []):
+            return str(json.loads(m["Body"])["token"])
+    raise AssertionError("the waiting execution never sent its token")
+
+
+def test_incidents_lists_as_json_and_as_a_table(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=False)
+    assert main(["incidents", "--json", "--table", setup.table]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[incident_id]["state"] == "GUARDED"
+    assert rows[incident_id]["detector"] == "ring_audit"
+    assert rows[incident_id]["instance_ids"] == ["i-0123456789abcdef0"]
+    assert main(["incidents", "--table", setup.table]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["ID", "STATE", "DETECTOR", "STEP", "JOB", "INSTANCES", "CREATED"]
+    assert any(line.startswith(incident_id) and "GUARDED" in line for line in table)
+
+
+def test_incidents_show_prints_the_timeline(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=False)
+    assert main(["incidents", "--table", setup.table, "show", incident_id]) == 0
+    out = capsys.readouterr().out
+    assert "state      GUARDED" in out
+    assert "instance i-0123456789abcdef0" in out
+    assert [line.split()[1] for line in out.split("timeline\n")[1].splitlines()] == ["RECORDED", "RESOLVED", "GUARDED"]
+    assert main(["incidents", "--table", setup.table, "show", "sdc-nosuchincident000"]) == 1
+    assert "no incident 'sdc-nosuchincident000'" in capsys.readouterr().err
+
+
+def test_approve_starts_the_decide_machine_as_the_caller(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=True)
+    caller = setup.standin.client("sts").get_caller_identity()["Arn"]
+    argv = ["approve", incident_id, "--reason", "Xid 79", "--table", setup.table, "--state-machine-arn", setup.machine]
+    assert main(argv) == 0
+    assert f"approved incident {incident_id} as {caller}" in capsys.readouterr().out
+    incident = setup.ledger.get(incident_id)
+    assert incident.state == S.APPROVED
+    assert incident.decision is not None
+    assert (incident.decision.reviewer, incident.decision.reason) == (caller, "Xid 79")
+
+    assert main(argv) == 1  # a second decision: a clear message, nothing changed
+    err = capsys.readouterr().err
+    assert f"incident {incident_id} is not waiting for approval (it is APPROVED)" in err
+    assert setup.ledger.get(incident_id).decision == incident.decision
+
+
+def test_reject_of_an_incident_that_never_waited_changes_nothing(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=False)
+    argv = ["reject", incident_id, "--reason", "noise", "--table", setup.table, "--state-machine-arn", setup.machine]
+    assert main(argv) == 1
+    assert "not waiting for approval (it is GUARDED)" in capsys.readouterr().err
+    assert setup.ledger.get(incident_id).state == S.GUARDED
+
+
+def test_an_expired_approval_is_reported_as_such(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=True)
+    setup.ledger.put_token(incident_id, "a-token-that-no-execution-holds", expires_at=time.time() + 60)
+    argv = ["approve", incident_id, "--reason", "late", "--table", setup.table, "--state-machine-arn", setup.machine]
+    assert main(argv) == 1
+    assert f"the approval request of incident {incident_id} has expired" in capsys.readouterr().err
+    assert setup.ledger.get(incident_id).state == S.AWAITING_APPROVAL
