@@ -1,0 +1,494 @@
+"""Checkpoints written and read by the training job, in the layout of ``contract.checkpoint``.
+
+A save (every rank calls it, at the same step) writes:
+
+- ``model.pt``, ``optimizer.pt`` and ``trainer.pt`` (step, data position and
+  the caller's extra dict): replicated DDP state, written by rank 0 alone;
+- ``rng-rank-NNNNN.pt``: each rank's own RNG states (torch CPU, CUDA when
+  present, Python's ``random``), written by that rank;
+- ``MANIFEST.json`` last, by rank 0, once every rank's object is stored: the
+  sha256 and size of every object, the fingerprint the replicas agreed on
+  before the save, and the last clean audit and fingerprint steps. Its
+  presence commits the checkpoint; then rank 0 advances the resume pointer
+  unless someone else (the pipeline) moved it since this job last saw it.
+
+A load reads the resume pointer (or, without one, takes the newest committed
+checkpoint), checks every object's sha256 before ``torch.load`` (always with
+``weights_only=True``), restores the state, and, given a fingerprint function,
+checks that the loaded state gives the manifest's fingerprint. Any failure on
+any rank makes every rank raise :class:`CheckpointCorrupt`: the job refuses to
+train from it.
+
+Only replicated state is supported (plain DDP with an unsharded optimizer).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import random
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from contract.checkpoint import CheckpointManifest, ObjectDigest, ResumePointer, checkpoint_dir
+from lineage.commit import commit, put_object, uncommit
+from lineage.errors import CheckpointCorrupt, LineageError, PointerConflict
+from lineage.listing import newest_committed
+from lineage.pointer import advance_pointer, read_pointer
+from lineage.store import ObjectStore, open_store, sha256_hex
+from lineage.verify import check_fingerprint, read_manifest, read_verified
+
+log = logging.getLogger(__name__)
+
+MODEL = "model.pt"
+OPTIMIZER = "optimizer.pt"
+TRAINER = "trainer.pt"
+
+# A hook that may alter an object's bytes after they were digested and before
+# they are stored (fault injection for drills: agent.inject.corrupt_checkpoint_bytes).
+Corrupter = Callable[..., bytes]
+
+
+def rng_name(rank: int) -> str:
+    """The name of ``rank``'s RNG object inside a checkpoint folder."""
+    return f"rng-rank-{rank:05d}.pt"
+
+
+class CheckpointSaveFailed(LineageError):
+    """A rank could not store its part of a checkpoint; the checkpoint was not committed."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save left behind."""
+
+    step: int
+    uri: str
+    manifest: CheckpointManifest | None
+    """The manifest on rank 0; None on the other ranks (they never see it)."""
+    pointer_etag: str | None
+    """The resume pointer's entity tag after the save (pass it to the next save)."""
+    pointer_advanced: bool
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint that verified and whose state is now in the model and optimizer."""
+
+    step: int
+    """The first step to run."""
+    uri: str
+    manifest: CheckpointManifest
+    source: Literal["pointer", "newest", "explicit"]
+    data_position: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+    pointer: ResumePointer | None = None
+    pointer_etag: str | None = None
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, *, name: str, where: str, map_location: Any) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        raise CheckpointCorrupt(f"{where}/{name}: torch.load(weights_only=True) refused it: {exc}") from exc
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU, every CUDA device (if any), Python's ``random``."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (CUDA states only where CUDA is present)."""
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    python = state["python"]
+    # torch.load turns the inner tuple into a list; random.setstate wants tuples.
+    random.setstate((python[0], tuple(python[1]), python[2]))
+
+
+def _status_all(failed: bool) -> bool:
+    """Whether any rank failed (a collective when distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _gather_digests(digest: ObjectDigest | None, world: int) -> list[ObjectDigest | None]:
+    """Every rank's RNG object digest (None where that rank failed), via one all-gather of int64s."""
+    row = torch.zeros(34, dtype=torch.int64)
+    if digest is not None:
+        row[0] = 1
+        row[1] = digest.size
+        row[2:] = torch.tensor(list(bytes.fromhex(digest.sha256)), dtype=torch.int64)
+    if world == 1:
+        rows = [row]
+    else:
+        device = _collective_device()
+        rows = [torch.empty_like(row, device=device) for _ in range(world)]
+        dist.all_gather(rows, row.to(device))
+    out: list[ObjectDigest | None] = []
+    for rank, r in enumerate(rows):
+        values = r.cpu().tolist()
+        if not values[0]:
+            out.append(None)
+            continue
+        out.append(ObjectDigest(name=rng_name(rank), sha256=bytes(values[2:]).hex(), size=values[1]))
+    return out
+
+
+def _put(store: ObjectStore, step: int, name: str, data: bytes, corrupt: Corrupter | None, rank: int) -> ObjectDigest:
+    if corrupt is None:
+        return put_object(store, step, name, data)
+    digest = ObjectDigest(name=name, sha256=sha256_hex(data), size=len(data))
+    store.put_bytes(f"{checkpoint_dir(step)}/{name}", corrupt(data, step=step, rank=rank))
+    return digest
+
+
+def save_checkpoint(
+    store: ObjectStore,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    fingerprint: str,
+    data_position: Any = None,
+    extra: dict[str, Any] | None = None,
+    last_clean_audit_step: int | None = None,
+    last_clean_fingerprint_step: int | None = None,
+    pointer_etag: str | None = None,
+    advance: bool = True,
+    written_by: str = "",
+    corrupt: Corrupter | None = None,
+) -> SaveResult:
+    """Save the state a resumed job needs to run ``step`` next; every rank calls it together.
+
+    ``fingerprint`` is the hex fingerprint all replicas agreed on just before
+    (the guard's weight check). ``data_position`` and ``extra`` must be plain
+    values (numbers, strings, tensors, lists, dicts). With ``advance``, rank 0
+    moves the resume pointer to this checkpoint if it is still at
+    ``pointer_etag`` (what this job last read or wrote); if someone else moved
+    it, it stays where they put it and a warning is logged.
+
+    Raises :class:`ValueError` for a negative step, :class:`CheckpointSaveFailed`
+    on every rank when any rank failed to store its part (nothing is
+    committed then), and store errors from rank 0's manifest write.
+    """
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    rank, world = _rank_world()
+    where = store.uri(checkpoint_dir(step))
+    problem: BaseException | None = None
+    own: ObjectDigest | None = None
+    replicated: list[ObjectDigest] = []
+    try:
+        if rank == 0:
+            # Uncommit first: a reader must never pair an old manifest with new objects.
+            uncommit(store, step)
+            module = _unwrap(model)
+            replicated.append(_put(store, step, MODEL, _to_bytes(module.state_dict()), corrupt, rank))
+            if optimizer is not None:
+                replicated.append(_put(store, step, OPTIMIZER, _to_bytes(optimizer.state_dict()), corrupt, rank))
+            trainer = {"step": step, "data_position": data_position, "extra": dict(extra or {})}
+            replicated.append(_put(store, step, TRAINER, _to_bytes(trainer), corrupt, rank))
+        own = _put(store, step, rng_name(rank), _to_bytes(rng_state()), corrupt, rank)
+    except Exception as exc:
+        problem = exc
+        log.error("rank %d could not store its part of %s: %s", rank, where, exc)
+        own = None
+    digests = _gather_digests(own, world)
+    # Every rank sees the same gathered digests, so every rank reaches the same verdict here.
+    failed_ranks = [r for r, d in enumerate(digests) if d is None]
+    if failed_ranks:
+        raise CheckpointSaveFailed(f"{where}: rank(s) {failed_ranks} failed to store their part; not committed") from problem
+    manifest: CheckpointManifest | None = None
+    etag_after = pointer_etag
+    advanced = False
+    if rank == 0:
+        try:
+            manifest = CheckpointManifest(
+                step=step,
+                world_size=world,
+                fingerprint=fingerprint,
+                objects=[*replicated, *(d for d in digests if d is not None)],
+                last_clean_audit_step=last_clean_audit_step,
+                last_clean_fingerprint_step=last_clean_fingerprint_step,
+                written_by=(written_by or f"sdcguard agent rank 0 on {socket.gethostname()}")[:256],
+            )
+            commit(store, manifest)
+        except Exception as exc:
+            problem = exc
+    if _status_all(problem is not None):
+        if problem is not None:
+            raise problem
+        raise CheckpointSaveFailed(f"{where}: rank 0 could not commit the manifest")
+    if rank == 0 and advance:
+        try:
+            _, etag_after = advance_pointer(
+                store,
+                step,
+                expected_etag=pointer_etag,
+                reason=f"checkpoint saved at step {step}",
+                written_by=manifest.written_by if manifest else "sdcguard agent",
+            )
+            advanced = True
+        except PointerConflict as exc:
+            log.warning("checkpoint %s saved, resume pointer left alone: %s", where, exc)
+    return SaveResult(step, where, manifest, etag_after, advanced)
+
+
+Source = Literal["pointer", "newest", "explicit"]
+_SOURCES: tuple[Source, ...] = ("pointer", "newest", "explicit")
+
+
+def _choose_step(store: ObjectStore, step: int | None) -> tuple[int | None, Source, ResumePointer | None, str | None]:
+    if step is not None:
+        return step, "explicit", None, None
+    pointer, etag = read_pointer(store)
+    if pointer is not None:
+        return pointer.step, "pointer", pointer, etag
+    return newest_committed(store), "newest", None, None
+
+
+def load_checkpoint(
+    store: ObjectStore,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    fingerprint_fn: Callable[[], str] | None = None,
+    restore_rng: bool = True,
+    map_location: Any = "cpu",
+) -> LoadedCheckpoint | None:
+    """Load the checkpoint to resume from into ``model`` and ``optimizer``; every rank calls it together.
+
+    The checkpoint is ``step`` if given, else the resume pointer's, else the
+    newest committed one; rank 0 decides and tells the others. Returns None
+    when there is no pointer and no committed checkpoint (a fresh start).
+    Every object is checked against the manifest's sha256 and size before it
+    is unpickled; ``fingerprint_fn`` (a collective, if it is one, called on
+    every rank after loading) must return the manifest's fingerprint.
+
+    Raises :class:`CheckpointCorrupt` on every rank if anything fails on any
+    rank: a missing manifest or object, changed bytes, a fingerprint that
+    differs. The model may be partly loaded then; do not train from it.
+    """
+    rank, world = _rank_world()
+    chosen: int | None = None
+    source: Source = "pointer"
+    pointer: ResumePointer | None = None
+    etag: str | None = None
+    if rank == 0:
+        chosen, source, pointer, etag = _choose_step(store, step)
+    if world > 1:
+        box = torch.tensor([-1 if chosen is None else chosen, _SOURCES.index(source)],
+                           dtype=torch.int64, device=_collective_device())
+        dist.broadcast(box, src=0)
+        value, kind = box.cpu().tolist()
+        chosen = None if value < 0 else int(value)
+        source = _SOURCES[kind]
+    if chosen is None:
+        return None
+    where = store.uri(checkpoint_dir(chosen))
+    problem: Exception | None = None
+    loaded: LoadedCheckpoint | None = None
+    try:
+        loaded = _load_verified(store, chosen, rank, world, model, optimizer, restore_rng, map_location, where)
+    except Exception as exc:
+        # Held until every rank has reported, so that no rank waits forever on one that gave up.
+        problem = exc
+    if _status_all(problem is not None):
+        raise problem or CheckpointCorrupt(f"{where}: another rank could not verify or load it; refusing to train")
+    assert loaded is not None
+    if fingerprint_fn is not None:
+        actual = fingerprint_fn()
+        try:
+            check_fingerprint(loaded.manifest, actual, where=where)
+        except CheckpointCorrupt as exc:
+            problem = exc
+        if _status_all(problem is not None):
+            raise problem or CheckpointCorrupt(f"{where}: another rank's loaded state has the wrong fingerprint")
+    log.info("resumed from %s (%s) at step %d", where, source, chosen)
+    return LoadedCheckpoint(
+        step=chosen,
+        uri=where,
+        manifest=loaded.manifest,
+        source=source,
+        data_position=loaded.data_position,
+        extra=loaded.extra,
+        pointer=pointer,
+        pointer_etag=etag,
+    )
+
+
+def _load_verified(
+    store: ObjectStore,
+    step: int,
+    rank: int,
+    world: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    restore_rng: bool,
+    map_location: Any,
+    where: str,
+) -> LoadedCheckpoint:
+    manifest = read_manifest(store, step)
+    by_name = {o.name: o for o in manifest.objects}
+    if rank == 0:
+        # Rank 0 vouches for the objects it does not load itself (the other ranks' RNG).
+        for digest in manifest.objects:
+            if digest.name.startswith("rng-rank-") and digest.name != rng_name(0):
+                read_verified(store, step, digest)
+
+    def load(name: str) -> Any:
+        if name not in by_name:
+            raise CheckpointCorrupt(f"{where}: the manifest lists no {name}")
+        return _from_bytes(read_verified(store, step, by_name[name]), name=name, where=where, map_location=map_location)
+
+    trainer = load(TRAINER)
+    if trainer.get("step") != step:
+        raise CheckpointCorrupt(f"{where}/{TRAINER}: holds step {trainer.get('step')}, not {step}")
+    try:
+        _unwrap(model).load_state_dict(load(MODEL))
+        if optimizer is not None:
+            optimizer.load_state_dict(load(OPTIMIZER))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointCorrupt(f"{where}: its state does not fit this model/optimizer: {exc}") from exc
+    if restore_rng:
+        if rng_name(rank) in by_name:
+            set_rng_state(load(rng_name(rank)))
+        else:
+            log.warning("%s was saved by %d ranks; rank %d keeps its own RNG state", where, manifest.world_size, rank)
+    if manifest.world_size != world:
+        log.warning("%s was saved by %d ranks, loading into %d", where, manifest.world_size, world)
+    return LoadedCheckpoint(
+        step=step,
+        uri=where,
+        manifest=manifest,
+        source="explicit",
+        data_position=trainer.get("data_position"),
+        extra=dict(trainer.get("extra") or {}),
+    )
+
+
+class CheckpointWriter:
+    """Saves and loads one job's checkpoints, remembering the resume pointer it last saw.
+
+    ``prefix`` is ``s3://bucket/prefix`` or a directory (or an ObjectStore);
+    ``client`` is the S3 client to use. Load before the first save, so that
+    the pointer this job resumed from is the one its saves may advance.
+    """
+
+    def __init__(
+        self,
+        prefix: str | ObjectStore,
+        *,
+        client: Any = None,
+        written_by: str = "",
+        advance_pointer: bool = True,
+        corrupt: Corrupter | None = None,
+    ) -> None:
+        self.store = prefix if isinstance(prefix, ObjectStore) else open_store(prefix, client=client)
+        self.written_by = written_by
+        self.advance_pointer = advance_pointer
+        self.corrupt = corrupt
+        self.pointer_etag: str | None = None
+        self._pointer_known = False
+
+    def load(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        fingerprint_fn: Callable[[], str] | None = None,
+        restore_rng: bool = True,
+    ) -> LoadedCheckpoint | None:
+        """:func:`load_checkpoint` on this job's prefix; remembers the pointer it found."""
+        loaded = load_checkpoint(
+            self.store, model=model, optimizer=optimizer, step=step, fingerprint_fn=fingerprint_fn,
+            restore_rng=restore_rng,
+        )
+        rank, _ = _rank_world()
+        if rank == 0:
+            self.pointer_etag = loaded.pointer_etag if loaded and loaded.source == "pointer" else read_pointer(self.store)[1]
+            self._pointer_known = True
+        return loaded
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        fingerprint: str,
+        data_position: Any = None,
+        extra: dict[str, Any] | None = None,
+        last_clean_audit_step: int | None = None,
+        last_clean_fingerprint_step: int | None = None,
+    ) -> SaveResult:
+        """:func:`save_checkpoint` on this job's prefix, advancing the pointer from the one last seen."""
+        rank, _ = _rank_world()
+        if rank == 0 and not self._pointer_known:
+            # A job that never loaded starts from whatever pointer exists now.
+            self.pointer_etag = read_pointer(self.store)[1]
+            self._pointer_known = True
+        result = save_checkpoint(
+            self.store, step, model=model, optimizer=optimizer, fingerprint=fingerprint,
+            data_position=data_position, extra=extra, last_clean_audit_step=last_clean_audit_step,
+            last_clean_fingerprint_step=last_clean_fingerprint_step, pointer_etag=self.pointer_etag,
+            advance=self.advance_pointer, written_by=self.written_by, corrupt=self.corrupt,
+        )
+        self.pointer_etag = result.pointer_etag
+        return result
+
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointSaveFailed",
+    "CheckpointWriter",
+    "LoadedCheckpoint",
+    "SaveResult",
+    "check_fingerprint",
+    "load_checkpoint",
+    "rng_name",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
