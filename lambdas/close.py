@@ -5,6 +5,7 @@ Every end is recorded in the ledger and announced on the reviewers' topic.
 
 from __future__ import annotations
 
+from datetime import UTC
 from typing import Any
 
 from kubernetes import client as k8s
@@ -23,6 +24,8 @@ S = IncidentState
 def timings(incident: Incident) -> dict[str, float]:
     """Seconds from the alarm to the cordon, the approval, and the resumed job (those that happened)."""
     start = incident.alarm.time
+    if start.tzinfo is None:  # an alarm time without a zone is UTC
+        start = start.replace(tzinfo=UTC)
     out: dict[str, float] = {}
     for label, state in (("alarm_to_cordon_s", S.CORDONED), ("alarm_to_approval_s", S.APPROVED), ("alarm_to_resumed_s", S.RESUMED)):
         at = incident.entered(state)

@@ -5,7 +5,8 @@ TTL attribute ``expires_at``. Item kinds:
 
 - the incident: ``incident_id``, ``kind="incident"``, ``version`` (N),
   ``state``, ``hyperpod_cluster``, ``created_at``, ``body`` (the
-  :class:`contract.Incident` as JSON);
+  :class:`contract.Incident` as JSON), ``duplicates`` (N, an atomic counter of
+  the alarms that collapsed into it, merged into ``duplicate_alarms`` on read);
 - its approval task token: ``incident_id="token#<id>"``, ``kind="token"``,
   ``token``, ``expires_at`` (epoch seconds, also the TTL).
 
@@ -85,13 +86,22 @@ class Ledger:
         except ClientError as exc:
             if _code(exc) != "ConditionalCheckFailedException":
                 raise
-        counted = self.update(
-            incident.incident_id,
-            lambda current: current.advance(
-                current.state, actor=actor, duplicate_alarms=current.duplicate_alarms + 1
-            ),
-        )
-        return counted, False
+        # An atomic counter, not a rewrite of the body: a storm of duplicates
+        # must not contend with each other or with the handlers' writes.
+        try:
+            item = self.client.update_item(
+                TableName=self.table,
+                Key={"incident_id": {"S": incident.incident_id}},
+                UpdateExpression="ADD duplicates :one",
+                ConditionExpression="attribute_exists(incident_id)",
+                ExpressionAttributeValues={":one": {"N": "1"}},
+                ReturnValues="ALL_NEW",
+            )["Attributes"]
+        except ClientError as exc:
+            if _code(exc) == "ConditionalCheckFailedException":
+                raise LedgerConflict(f"incident {incident.incident_id} vanished while counting a duplicate") from None
+            raise
+        return self._incident(item), False
 
     def get(self, incident_id: str) -> Incident:
         """The incident. Raises :class:`IncidentNotFound`."""
@@ -104,19 +114,24 @@ class Ledger:
         ).get("Item")
         if not item or item.get("kind", {}).get("S") != "incident":
             raise IncidentNotFound(f"no incident {incident_id!r} in the ledger {self.table}")
-        return Incident.model_validate_json(item["body"]["S"]), int(item["version"]["N"])
+        return self._incident(item), int(item["version"]["N"])
 
     def save(self, incident: Incident, expected_version: int) -> int:
         """Write ``incident`` if the item is still at ``expected_version``; returns the new version.
 
         Raises :class:`LedgerConflict` when someone else wrote it first.
         """
+        item = self._item(incident, expected_version + 1)
+        del item["incident_id"]
         try:
-            self.client.put_item(
+            # SET, not a whole-item put: the duplicates counter is someone else's.
+            self.client.update_item(
                 TableName=self.table,
-                Item=self._item(incident, expected_version + 1),
-                ConditionExpression="version = :v",
-                ExpressionAttributeValues={":v": {"N": str(expected_version)}},
+                Key={"incident_id": {"S": incident.incident_id}},
+                UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in item),
+                ConditionExpression="version = :expected",
+                ExpressionAttributeNames={f"#{k}": k for k in item},
+                ExpressionAttributeValues={**{f":{k}": v for k, v in item.items()}, ":expected": {"N": str(expected_version)}},
             )
         except ClientError as exc:
             if _code(exc) == "ConditionalCheckFailedException":
@@ -157,7 +172,7 @@ class Ledger:
             kwargs["ExpressionAttributeValues"][":c"] = {"S": hyperpod_cluster}
         out: list[Incident] = []
         for page in self.client.get_paginator("scan").paginate(**kwargs):
-            out.extend(Incident.model_validate_json(item["body"]["S"]) for item in page.get("Items", []))
+            out.extend(self._incident(item) for item in page.get("Items", []))
         return sorted(out, key=lambda i: i.created_at, reverse=True)
 
     # -- approval task tokens ---------------------------------------------------
@@ -186,6 +201,14 @@ class Ledger:
     def delete_token(self, incident_id: str) -> None:
         """Forget the token (it was answered)."""
         self.client.delete_item(TableName=self.table, Key={"incident_id": {"S": _TOKEN + incident_id}})
+
+    @staticmethod
+    def _incident(item: dict[str, Any]) -> Incident:
+        incident = Incident.model_validate_json(item["body"]["S"])
+        counted = int(item.get("duplicates", {}).get("N", "0"))
+        if counted > incident.duplicate_alarms:
+            incident = incident.model_copy(update={"duplicate_alarms": counted})
+        return incident
 
     @staticmethod
     def _item(incident: Incident, version: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -249,6 +250,27 @@ def test_record_opens_one_incident_and_counts_duplicates(world: World) -> None:
     assert incident.duplicate_alarms == 2
     assert states(incident) == ["RECORDED"]
     assert first["timeouts"]["approval_heartbeat_seconds"] == 300
+
+
+def test_a_storm_of_concurrent_duplicates_opens_one_incident(world: World) -> None:
+    event = alarm_event(world, 0)
+    storm = []
+    for rank in range(24):
+        copy_of = copy.deepcopy(event)
+        copy_of["id"] = str(uuid.uuid4())
+        copy_of["detail"].update(alarm_id=uuid.uuid4().hex, publisher_rank=rank % 6)
+        storm.append(copy_of)
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        results = list(pool.map(lambda e: record.handler(e, CTX), storm))
+
+    assert len({r["incident_id"] for r in results}) == 1
+    assert [r["duplicate"] for r in results].count(False) == 1
+    incident = world.ledger.get(results[0]["incident_id"])
+    assert incident.duplicate_alarms == 23
+    assert states(incident) == ["RECORDED"]
+    # the handlers' later writes keep the count
+    resolve.handler({"incident_id": incident.incident_id}, CTX)
+    assert world.ledger.get(incident.incident_id).duplicate_alarms == 23
 
 
 def test_a_malformed_event_or_another_cluster_writes_nothing(world: World) -> None:
