@@ -64,16 +64,37 @@ BLOCK = 1024
 Part of the definition: changing it changes every fingerprint."""
 
 DEFAULT_CHUNK = 31 * BLOCK
-"""Elements per chunk (a multiple of ``BLOCK``): 31,744, just under torch's
-intra-op grain size (32,768 elements), so every op on a chunk runs on the
-calling thread.
+"""Elements per chunk on a CPU with several intra-op threads (a multiple of
+``BLOCK``): 31,744, just under torch's intra-op grain size (32,768 elements),
+so every op on a chunk runs on the calling thread.
 
 Chunks at or above the grain size make each of the handful of ops per chunk a
 parallel region; on a loaded machine (other ranks, gloo threads, the DDP
-hook itself) each region waits for a descheduled thread. Measured on 4M fp32
+hook itself) each region waits for a descheduled thread. Measured on 16M fp32
 with 2 intra-op threads under load (``./dev bench fingerprint -- --sweep``):
-31K gave 0.46x memcpy, 32K 0.01x, 128K 0.005x. On one thread 31K is within
-~20% of the best chunk (128K-256K). The scratch buffer (248 KiB) stays in L2."""
+31K gave 0.18x memcpy, 32K and above 0.01-0.03x. The scratch buffer (248
+KiB) stays in L2."""
+
+SINGLE_THREAD_CHUNK = 128 * BLOCK
+"""Elements per chunk on a CPU with one intra-op thread: no parallel regions
+to fear, so larger chunks pay torch's fixed cost per op less often. Measured
+on one thread: 8K 0.15x memcpy, 32K 0.30x, 128K 0.39x, 256K 0.38x, 512K
+0.25x (out of a 2 MiB L2)."""
+
+ACCELERATOR_CHUNK = 1024 * BLOCK
+"""Elements per chunk on a GPU: kernels cost microseconds to launch, and 8 MiB
+of scratch fits a data-centre GPU's L2. Not measured here (no GPU); the
+result does not depend on it."""
+
+
+def default_chunk(device: torch.device) -> int:
+    """The chunk ``fingerprint`` uses on ``device`` when none is given.
+
+    Only speed depends on it: every chunk size gives the same fingerprint."""
+    if device.type != "cpu":
+        return ACCELERATOR_CHUNK
+    return SINGLE_THREAD_CHUNK if torch.get_num_threads() == 1 else DEFAULT_CHUNK
+
 
 HEX_CHARS = 16 * LANES
 """Length of ``to_hex``'s output: the contract's Fingerprint format."""
@@ -303,40 +324,48 @@ class _Reducer:
         return torch.stack((lane0, lane1, lane2)).add_(_descriptor_lanes(dtype, tuple(shape), rows.device))
 
 
+def _checked_chunk(chunk: int | None, device: torch.device) -> int:
+    if chunk is None:
+        return default_chunk(device)
+    if chunk <= 0 or chunk % BLOCK:
+        raise ValueError(f"fingerprint: chunk must be a positive multiple of {BLOCK}, got {chunk}")
+    return chunk
+
+
 def _fingerprint(
     t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if chunk <= 0 or chunk % BLOCK:
-        raise ValueError(f"fingerprint: chunk must be a positive multiple of {BLOCK}, got {chunk}")
     bits = bit_view(t.detach())
     reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, chunk, scratch)
     reducer.feed(bits)
     return reducer.finish(t.dtype, tuple(t.shape)), reducer.scratch
 
 
-def fingerprint(t: torch.Tensor, *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def fingerprint(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     """The fingerprint of ``t``: an int64 tensor of 3 lanes on ``t``'s device.
 
     Equal bits, dtype and shape give equal lanes on any device, thread count
-    or ``chunk``; see the module docstring for the exact definition. Does not
+    or ``chunk`` (elements per chunk; None picks ``default_chunk(t.device)``);
+    see the module docstring for the exact definition. Does not
     synchronise with the device. Raises ValueError if ``chunk`` is not a
     positive multiple of ``BLOCK``, TypeError for an unsupported dtype."""
-    lanes, _ = _fingerprint(t, chunk, None)
+    lanes, _ = _fingerprint(t, _checked_chunk(chunk, t.device), None)
     return lanes
 
 
-def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = None) -> torch.Tensor:
     """Fingerprints of several tensors: int64 [n, 3], row k for the k-th tensor.
 
     The tensors must share one device (the result lives there); an empty
     iterable gives a [0, 3] tensor on the CPU. Raises ValueError for mixed
     devices or a bad ``chunk``, TypeError for an unsupported dtype."""
-    if chunk <= 0 or chunk % BLOCK:
-        raise ValueError(f"fingerprint: chunk must be a positive multiple of {BLOCK}, got {chunk}")
+    if chunk is not None:
+        _checked_chunk(chunk, torch.device("cpu"))
     tensors = list(tensors)
     if not tensors:
         return torch.empty(0, LANES, dtype=torch.int64)
     device = tensors[0].device
+    chunk = _checked_chunk(chunk, device)
     for t in tensors:
         if t.device != device:
             raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")

@@ -7,7 +7,7 @@ into a preallocated buffer (memcpy), ``t.sum()`` and ``fingerprint(t)``, and
 reports medians and the throughput ratios ``memcpy time / fingerprint time``
 (1.0 = as fast as a memcpy; the target is >= 0.5) and ``sum time /
 fingerprint time``. ``--sweep`` also times every chunk size in ``--chunks``
-to show why ``DEFAULT_CHUNK`` was chosen.
+to show how the defaults (``default_chunk``) were chosen.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from agent.fingerprint import BLOCK, DEFAULT_CHUNK, fingerprint
+from agent.fingerprint import BLOCK, default_chunk, fingerprint
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {_label(DEFAULT_CHUNK)} elements"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, default chunk {_label(default_chunk(torch.device('cpu')))} elements"
     )
     print(
         f"{'dtype':<9} {'elements':>8} {'memcpy ms':>9} {'sum ms':>7} {'fp ms':>7} {'fp GB/s':>7} {'x memcpy':>8} {'x sum':>6}"

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from agent.fingerprint import (
     BLOCK,
     DEFAULT_CHUNK,
+    SINGLE_THREAD_CHUNK,
     block_weight,
     combine,
+    default_chunk,
     descriptor,
     fingerprint,
     fingerprint_many,
@@ -216,7 +218,7 @@ def test_thread_count_and_chunk_size_never_change_the_result(dtype: torch.dtype)
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for chunk in (BLOCK, 8 * BLOCK, DEFAULT_CHUNK, 256 * BLOCK, 1024 * BLOCK):
+            for chunk in (None, BLOCK, 8 * BLOCK, DEFAULT_CHUNK, SINGLE_THREAD_CHUNK, 1024 * BLOCK):
                 results.append(fingerprint(t, chunk=chunk))
     finally:
         torch.set_num_threads(saved)
@@ -300,6 +302,18 @@ def test_hex_is_the_contract_fingerprint() -> None:
     int(text, 16)
     assert FingerprintGroup(fingerprint=text, ranks=[0]).fingerprint == text
     assert to_hex(torch.tensor([-1, 0, 1])) == "f" * 16 + "0" * 16 + "0" * 15 + "1"
+
+
+def test_default_chunk_stays_below_the_intra_op_grain_with_several_threads() -> None:
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert default_chunk(torch.device("cpu")) == DEFAULT_CHUNK < 32768
+        torch.set_num_threads(1)
+        assert default_chunk(torch.device("cpu")) == SINGLE_THREAD_CHUNK
+    finally:
+        torch.set_num_threads(saved)
+    assert default_chunk(torch.device("cuda")) % BLOCK == 0
 
 
 def test_bad_input_is_refused_by_name() -> None:
