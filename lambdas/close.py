@@ -19,6 +19,8 @@ from lambdas.job import resume_job
 from lambdas.ledger import Ledger
 
 S = IncidentState
+GENERIC_PLACE = "Pipeline"
+"""What the state machine's shared NeedsAttention/Failed states send as ``state``."""
 
 
 def timings(incident: Incident) -> dict[str, float]:
@@ -107,13 +109,18 @@ def _stop(
     sns: Any,
     actor: str,
 ) -> Incident:
+    recorded: list[Failure] = []
+
     def change(current: Incident) -> Incident:
         if current.state.terminal:
             return current
-        return current.advance(target, actor=actor, note=f"{failure.state}: {failure.error}", failure=failure)
+        # The state machine reports a generic place; the ledger knows how far the incident got.
+        where = failure if failure.state != GENERIC_PLACE else failure.model_copy(update={"state": f"after {current.state.value}"})
+        recorded[:] = [where]
+        return current.advance(target, actor=actor, note=f"{where.state}: {where.error}", failure=where)
 
     stopped = ledger.update(incident_id, change)
-    if stopped.state == target and stopped.failure == failure:
+    if stopped.state == target and recorded and stopped.failure == recorded[0]:
         notify.publish(
             topic_arn,
             f"sdcguard: incident {incident_id} {target.value} ({failure.error})",

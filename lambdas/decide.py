@@ -43,6 +43,11 @@ def decide(
     record = Decision(decision=decision, reviewer=reviewer, reason=reason)
     incident = ledger.get(incident_id)
     stored = ledger.get_token(incident_id)
+    if incident.state == S.NEEDS_ATTENTION and incident.failure and "Timeout" in incident.failure.error:
+        raise ApprovalExpired(
+            f"incident {incident_id}: the approval request timed out ({incident.failure.error}); "
+            "the incident stopped safely for attention"
+        )
     if incident.state != S.AWAITING_APPROVAL or stored is None:
         raise IncidentNotWaiting(
             f"incident {incident_id} is {incident.state.value}, not waiting for approval"

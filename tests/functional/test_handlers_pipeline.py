@@ -573,7 +573,7 @@ def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
         {"incident_id": waiting, "state": "RequestApproval", "error": {"Error": "States.HeartbeatTimeout", "Cause": "no decision"}}, CTX
     )
     broken = drive(world, alarm_event(world, 0), through="resolve")
-    fail.handler({"incident_id": broken, "state": "SuspendJob", "error": {"Error": "KubernetesObjectMissing", "Cause": "gone"}}, CTX)
+    fail.handler({"incident_id": broken, "state": "Pipeline", "error": {"Error": "KubernetesObjectMissing", "Cause": "gone"}}, CTX)
 
     stopped = world.ledger.get(waiting)
     assert stopped.state == S.NEEDS_ATTENTION
@@ -583,10 +583,13 @@ def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
     failed = world.ledger.get(broken)
     assert failed.state == S.FAILED
     assert failed.failure is not None
-    assert failed.failure.error == "KubernetesObjectMissing"
+    assert (failed.failure.state, failed.failure.error) == ("after RESOLVED", "KubernetesObjectMissing")
     subjects = [m["Subject"] for m in world.messages()]
     assert any(waiting in s and "NEEDS_ATTENTION" in s for s in subjects)
     assert any(broken in s and "FAILED" in s for s in subjects)
+    with pytest.raises(ApprovalExpired, match="timed out"):  # a decision after the timeout
+        decide.handler({"incident_id": waiting, "decision": "approve", "reason": "late", "reviewer": "me"}, CTX)
+    assert world.ledger.get(waiting).state == S.NEEDS_ATTENTION
 
 
 def test_steps_out_of_order_change_nothing(world: World) -> None:
