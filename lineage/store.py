@@ -310,11 +310,11 @@ class LocalStore(ObjectStore):
         base = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
         if not base.is_dir():
             return []
-        return sorted(
-            f"{e.relative_to(self.root).as_posix()}/"
-            for e in base.iterdir()
-            if e.is_dir() and not e.name.startswith(".")
-        )
+        # scandir knows each entry's type from the directory itself: no stat per checkpoint.
+        rel = base.relative_to(self.root).as_posix()
+        lead = "" if rel == "." else f"{rel}/"
+        with os.scandir(base) as entries:
+            return sorted(f"{lead}{e.name}/" for e in entries if e.is_dir() and not e.name.startswith("."))
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
