@@ -96,9 +96,11 @@ def _list(store: ObjectStore, *, verify: bool, as_json: bool) -> int:
         }
         if folder.committed:
             try:
-                manifest = verify_checkpoint(store, folder.step) if verify else read_manifest(store, folder.step)
+                manifest = read_manifest(store, folder.step)
                 row.update(time=manifest.created_at.isoformat(), fingerprint=manifest.fingerprint)
-                row["verified"] = True if verify else None
+                if verify:
+                    verify_checkpoint(store, folder.step)
+                    row["verified"] = True
             except (CheckpointCorrupt, CheckpointIncomplete) as exc:
                 row.update(verified=False, problem=str(exc))
         else:
@@ -115,7 +117,7 @@ def _list(store: ObjectStore, *, verify: bool, as_json: bool) -> int:
         verified = "-" if row["verified"] is None else ("yes" if row["verified"] else "NO")
         print(
             f"{row['step']:>10}  {row['time'] or '-':<32}  {'yes' if row['committed'] else 'NO':<9}  "
-            f"{verified:<8}  {row['fingerprint'] or row['problem']}"
+            f"{verified:<8}  {row['problem'] or row['fingerprint']}"
         )
     return 0
 
@@ -173,6 +175,8 @@ def _print_selection(selection: Selection, pointer: dict[str, Any] | None, *, as
     for passed in selection.passed_over:
         print(f"  passed over step {passed.step}: {passed.reason}")
     if pointer and pointer["written"]:
-        print(f"resume pointer {pointer['uri']} now at step {pointer['step']} (was {pointer['previous_step']})")
+        was = "none before" if pointer["previous_step"] is None else f"was step {pointer['previous_step']}"
+        print(f"resume pointer {pointer['uri']} now at step {pointer['step']} ({was})")
     elif pointer:
-        print(f"resume pointer {pointer['uri']} unchanged (at step {pointer['step']})")
+        at = "no pointer yet" if pointer["step"] is None else f"at step {pointer['step']}"
+        print(f"resume pointer {pointer['uri']} unchanged ({at})")

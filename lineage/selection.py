@@ -100,8 +100,8 @@ def _why_nothing(store: ObjectStore, steps: list[int], trusted: int, passed: lis
         return f"nothing safe to resume from: no detector was ever clean (trusted step {trusted})"
     if trusted < steps[0]:
         return (
-            f"nothing safe to resume from: the suspect window starts at step {trusted}, "
-            f"before the first checkpoint (step {steps[0]}) under {where}"
+            f"nothing safe to resume from: the trusted step {trusted} is before the first checkpoint "
+            f"(step {steps[0]}) under {where}: the suspect window covers every checkpoint"
         )
     bad = sum(1 for p in passed if p.step <= trusted)
     return (

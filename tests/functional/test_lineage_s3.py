@@ -77,7 +77,7 @@ def test_empty_prefix_is_nothing_safe(store: S3Store) -> None:
 
 def test_suspect_window_before_the_first_checkpoint(store: S3Store) -> None:
     write_checkpoint(store, 100)
-    with pytest.raises(NoSafeCheckpoint, match=r"starts at step 40, before the first checkpoint \(step 100\)"):
+    with pytest.raises(NoSafeCheckpoint, match=r"trusted step 40 is before the first checkpoint \(step 100\)"):
         rewrite_pointer(store, trusted_through_step=40, reason="alarm", written_by="pipeline")
     assert not store.exists(POINTER_NAME)
 
