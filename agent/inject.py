@@ -175,8 +175,8 @@ class Injector:
             assert self.injection is not None
             out = output.clone()
             flat = out.view(-1)
-            # The last element: in a causal model it feeds every later position
-            # (the first one may be a query that attends only to itself).
+            # The last element: the guard hooks the model's last Linear, whose
+            # every output element reaches the loss.
             if self.injection.kind == "nan_activation":
                 flat[-1] = float("nan")
             else:

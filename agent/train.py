@@ -1,0 +1,314 @@
+"""The reference training job: a small GPT-style model on seeded synthetic data, guarded by SDCGuard.
+
+Under torchrun (one process per GPU, or gloo on CPU)::
+
+    torchrun --nproc-per-node 2 -m agent.train --steps 200 --audit-every 50
+
+or on one machine without torchrun, simulating 3 nodes of 2 ranks::
+
+    python -m agent.train --nproc 6 --ranks-per-node 2 --steps 200
+
+Exit status: 0 when training finished, ``ALARM_EXIT_CODE`` (87) when an alarm
+stopped it under the default ``on_alarm=stop``, 2 for bad arguments. Copy
+``build``/``batch_for``/``loss_fn`` and the loop in ``train`` into your own job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing
+import os
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from agent.config import GuardConfig
+from agent.guard import SDCGuard
+
+log = logging.getLogger("agent.train")
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, with dropout."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        attn = self.drop(scores.masked_fill(~causal, float("-inf")).softmax(dim=-1))
+        x = x + self.drop(self.proj((attn @ v).transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    """A small GPT: token and position embeddings, ``layers`` blocks, a language-model head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Sizes of the reference job."""
+
+    vocab: int = 64
+    dim: int = 32
+    heads: int = 2
+    layers: int = 2
+    seq: int = 16
+    batch: int = 8
+    dropout: float = 0.1
+    lr: float = 3e-3
+    seed: int = 0
+
+
+class SyntheticData:
+    """Seeded sequences from a fixed random Markov chain: learnable, and the same on every rank."""
+
+    def __init__(self, shape: JobShape, device: torch.device) -> None:
+        self.shape = shape
+        self.device = device
+        g = torch.Generator().manual_seed(shape.seed)
+        # Each token has a few likely successors, so the loss can fall.
+        logits = torch.randn(shape.vocab, shape.vocab, generator=g) * 3.0
+        self.transitions = logits.softmax(dim=-1)
+
+    def __call__(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch ``rank`` trains on at ``step``: (inputs, targets), each [batch, seq]."""
+        s = self.shape
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + step * 65_537 + rank)
+        tokens = torch.empty(s.batch, s.seq + 1, dtype=torch.int64)
+        tokens[:, 0] = torch.randint(s.vocab, (s.batch,), generator=g)
+        for i in range(1, s.seq + 1):
+            tokens[:, i] = torch.multinomial(self.transitions[tokens[:, i - 1]], 1, generator=g).squeeze(1)
+        tokens = tokens.to(self.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy."""
+    inputs, targets = batch
+    logits = module(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(shape: JobShape, device: torch.device, group: dist.ProcessGroup | None = None,
+          ) -> tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer]:
+    """The DDP-wrapped model (identical initial weights on every rank) and its AdamW optimizer."""
+    torch.manual_seed(shape.seed)
+    model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                              process_group=group)
+    return ddp, torch.optim.AdamW(ddp.parameters(), lr=shape.lr)
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+
+
+def train(steps: int, shape: JobShape, config: GuardConfig, *, checkpoint_every: int = 0,
+          on_step: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps in the initialised process group; returns a summary of the run.
+
+    An alarm under ``on_alarm="stop"`` exits the process (SystemExit with
+    ALARM_EXIT_CODE) after it is published.
+    """
+    device = _device()
+    ddp, optimizer = build(shape, device)
+    data = SyntheticData(shape, device)
+    guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config)
+    start = guard.resume_step() if checkpoint_every else 0
+    losses: list[float] = []
+    alarms = []
+    for step in range(start, steps):
+        result = guard.step(step)
+        losses.append(result.loss)
+        if on_step is not None:
+            on_step(result)
+        if result.alarm is not None:
+            alarms.append(result.alarm.model_dump(mode="json"))
+        elif checkpoint_every and (step + 1) % checkpoint_every == 0:
+            guard.save_checkpoint(step + 1)
+    summary = {
+        "rank": guard.topology.rank,
+        "first_step": start,
+        "steps": steps,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "alarms": alarms,
+    }
+    del guard, ddp, optimizer
+    return summary
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_process_group() -> None:
+    """Join the job's process group from torchrun's environment (NCCL on GPU, gloo on CPU)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly (a barrier first: gloo teardown could hang without it)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- a launcher for one machine (tests, benchmarks, trying it out) -----------------------------------
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(fn: Callable[..., Any], rank: int, env: Mapping[str, str], args: Sequence[Any]) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank % int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    fn(*args)
+
+
+def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Mapping[str, str] | None = None,
+           timeout: float | None = None) -> list[int | None]:
+    """Run ``fn(*args)`` in ``nproc`` spawned processes with torchrun's variables set; their exit codes.
+
+    ``env`` adds variables (per-rank ones may be given as ``NAME@RANK``).
+    A process still running after ``timeout`` seconds is terminated (exit
+    code None is reported for it).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc)}
+    extra = dict(env or {})
+    procs = []
+    for rank in range(nproc):
+        child_env = {**base, **{k: v for k, v in extra.items() if "@" not in k}}
+        child_env.update({k.split("@")[0]: v for k, v in extra.items() if k.endswith(f"@{rank}")})
+        p = ctx.Process(target=_child, args=(fn, rank, child_env, tuple(args)), daemon=False)
+        p.start()
+        procs.append(p)
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    return codes
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    """The reference job's arguments."""
+    p = argparse.ArgumentParser(prog="python -m agent.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    p.add_argument("--audit-every", type=int, default=None, help="ring audit cadence (default: GuardConfig's 100)")
+    p.add_argument("--fingerprint-every", type=int, default=None,
+                   help="weight fingerprint cadence (default: GuardConfig's 10)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="simulate nodes of this many ranks")
+    p.add_argument("--checkpoint-prefix", default=None, help="s3://bucket/prefix or a folder for checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--on-alarm", choices=["stop", "raise", "continue"], default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the replay")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--nproc", type=int, default=0,
+                   help="spawn this many local ranks (gloo) instead of running under torchrun")
+    return p
+
+
+def _config(args: argparse.Namespace) -> GuardConfig:
+    overrides = {k: v for k, v in {
+        "audit_every": args.audit_every,
+        "fingerprint_every": args.fingerprint_every,
+        "ranks_per_node": args.ranks_per_node,
+        "checkpoint_prefix": args.checkpoint_prefix,
+        "on_alarm": args.on_alarm,
+        "seed": args.seed,
+    }.items() if v is not None}
+    return GuardConfig.from_env(**overrides)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s rank%(process)d %(name)s: %(message)s")
+    init_process_group()
+    try:
+        shape = JobShape(dim=args.dim, layers=args.layers, batch=args.batch, seed=args.seed)
+        summary = train(args.steps, shape, _config(args), checkpoint_every=args.checkpoint_every)
+        if summary["rank"] == 0:
+            print(json.dumps(summary), flush=True)
+    except SystemExit:
+        # on_alarm="stop": skip the teardown collectives (the other ranks are stopping too).
+        raise
+    shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the reference job; returns the exit status (see the module docstring)."""
+    args = parser().parse_args(argv)
+    try:
+        _config(args)
+    except ValueError as exc:
+        print(f"agent.train: error: {exc}", file=sys.stderr)
+        return 2
+    if args.nproc:
+        codes = launch(args.nproc, _worker, (args,))
+        return max((c if c is not None else 1) for c in codes)
+    _worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
