@@ -63,17 +63,16 @@ def wait_until(check: Callable[[], bool], timeout: float = 15) -> None:
 
 
 @pytest.fixture
-def slow_phases() -> Iterator[hyperpod.Timings]:
-    """Phases long enough to observe (restored afterwards)."""
+def held_phases() -> Iterator[None]:
+    """Every HyperPod phase waits for ``hyperpod.advance()``; restored (and drained) afterwards."""
     saved = hyperpod.Timings(**vars(hyperpod.timings))
-    # Long enough for a poll on a busy machine to see each phase, short enough for a test.
-    hyperpod.timings.shutdown_seconds = 1.5
-    hyperpod.timings.pending_seconds = 1.0
-    hyperpod.timings.reboot_seconds = 2.0
-    hyperpod.timings.health_check_seconds = 2.0
-    yield hyperpod.timings
+    for name in vars(saved):
+        setattr(hyperpod.timings, name, None)
+    yield
     for name, value in vars(saved).items():
         setattr(hyperpod.timings, name, value)
+    while hyperpod.advance():
+        pass
 
 
 def test_nodes_have_instance_ids_and_addresses(standin: LocalStandIn) -> None:
@@ -87,9 +86,8 @@ def test_nodes_have_instance_ids_and_addresses(standin: LocalStandIn) -> None:
     assert details["PrivateDnsHostname"].endswith(".ec2.internal")
 
 
-def test_replacement_moves_through_its_phases_under_a_new_id(
-    standin: LocalStandIn, slow_phases: hyperpod.Timings
-) -> None:
+@pytest.mark.usefixtures("held_phases")
+def test_replacement_moves_through_its_phases_under_a_new_id(standin: LocalStandIn) -> None:
     cluster, ids = create_cluster(standin)
     old = ids[0]
     sagemaker = standin.client("sagemaker")
@@ -98,26 +96,21 @@ def test_replacement_moves_through_its_phases_under_a_new_id(
 
     assert response["Successful"] == [old]
     assert response.get("Failed", []) == []
-    seen: list[str] = []
-
-    def record_phase() -> bool:
-        now = statuses(standin, cluster)
-        phase = now.get(old) or next((s for i, s in now.items() if i not in ids), "gone")
-        if not seen or seen[-1] != phase:
-            seen.append(phase)
-        return len(now) == 3 and old not in now and all(s == "Running" for s in now.values())
-
-    wait_until(record_phase)
-    assert seen[0] == "ShuttingDown"
-    assert "Pending" in seen
-    assert seen[-1] == "Running"
-    [new] = set(statuses(standin, cluster)) - set(ids)
+    assert statuses(standin, cluster)[old] == "ShuttingDown"
+    hyperpod.advance()
+    now = statuses(standin, cluster)
+    assert old not in now
+    [new] = set(now) - set(ids)
     assert INSTANCE_ID.match(new)
+    assert now[new] == "Pending"
+    hyperpod.advance()
+    assert statuses(standin, cluster) == {ids[1]: "Running", ids[2]: "Running", new: "Running"}
     with pytest.raises(ClientError):
         sagemaker.describe_cluster_node(ClusterName=cluster, NodeId=old)
 
 
-def test_failed_entries_name_unknown_ids_and_ids_in_use(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+@pytest.mark.usefixtures("held_phases")
+def test_failed_entries_name_unknown_ids_and_ids_in_use(standin: LocalStandIn) -> None:
     cluster, ids = create_cluster(standin)
     sagemaker = standin.client("sagemaker")
     sagemaker.batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=[ids[0]])
@@ -133,7 +126,8 @@ def test_failed_entries_name_unknown_ids_and_ids_in_use(standin: LocalStandIn, s
     assert info.value.response["Error"]["Code"] == "ResourceNotFound"
 
 
-def test_reboot_keeps_the_id(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+@pytest.mark.usefixtures("held_phases")
+def test_reboot_keeps_the_id(standin: LocalStandIn) -> None:
     cluster, ids = create_cluster(standin)
     sagemaker = standin.client("sagemaker")
 
@@ -141,11 +135,12 @@ def test_reboot_keeps_the_id(standin: LocalStandIn, slow_phases: hyperpod.Timing
 
     assert response["Successful"] == [ids[1]]
     assert statuses(standin, cluster)[ids[1]] == "Pending"
-    wait_until(lambda: statuses(standin, cluster)[ids[1]] == "Running")
-    assert set(statuses(standin, cluster)) == set(ids)
+    hyperpod.advance()
+    assert statuses(standin, cluster) == dict.fromkeys(ids, "Running")
 
 
-def test_health_check_runs_then_returns_to_running(standin: LocalStandIn, slow_phases: hyperpod.Timings) -> None:
+@pytest.mark.usefixtures("held_phases")
+def test_health_check_runs_then_returns_to_running(standin: LocalStandIn) -> None:
     cluster, ids = create_cluster(standin)
     sagemaker = standin.client("sagemaker")
 
@@ -156,15 +151,26 @@ def test_health_check_runs_then_returns_to_running(standin: LocalStandIn, slow_p
         ],
     )
 
-    assert statuses(standin, cluster)[ids[2]] == "DeepHealthCheckInProgress"
-    assert statuses(standin, cluster)[ids[0]] == "Running"
-    wait_until(lambda: statuses(standin, cluster)[ids[2]] == "Running")
+    assert statuses(standin, cluster) == {ids[0]: "Running", ids[1]: "Running", ids[2]: "DeepHealthCheckInProgress"}
+    replaced = sagemaker.batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=[ids[2]])
+    assert replaced["Failed"][0]["ErrorCode"] == "InvalidInstanceStatus"
+    hyperpod.advance()
+    assert statuses(standin, cluster)[ids[2]] == "Running"
     with pytest.raises(ClientError) as info:
         sagemaker.start_cluster_health_check(
             ClusterName=cluster,
             DeepHealthCheckConfigurations=[{"InstanceGroupName": "nope", "DeepHealthChecks": ["InstanceStress"]}],
         )
     assert info.value.response["Error"]["Code"] == "ValidationException"
+
+
+def test_phases_end_on_their_own_with_timings(standin: LocalStandIn) -> None:
+    # The session's stand-in has 0-second phases: a replacement completes by itself.
+    cluster, ids = create_cluster(standin, nodes=1)
+
+    standin.client("sagemaker").batch_replace_cluster_nodes(ClusterName=cluster, NodeIds=ids)
+
+    wait_until(lambda: (now := statuses(standin, cluster)).keys() != set(ids) and set(now.values()) == {"Running"})
 
 
 def eks_cluster(standin: LocalStandIn) -> str:

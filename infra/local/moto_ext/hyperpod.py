@@ -12,8 +12,9 @@ digits) and a private DNS name, and three actions exist:
 - ``StartClusterHealthCheck``: the chosen nodes go DeepHealthCheckInProgress,
   then Running.
 
-Each phase lasts ``timings`` seconds (zero in tests); timers move the nodes
-on, so a poller sees what it would see on AWS. When a replacement reaches
+Each phase lasts ``timings`` seconds (zero in tests), or until ``advance()``
+when its timing is ``None``; timers move the nodes on, so a poller sees what
+it would see on AWS. When a replacement reaches
 Running, ``hooks.on_node_replaced(cluster, old_id, new_id)`` runs (the stand-in
 uses it to swap the Kubernetes node).
 
@@ -46,12 +47,16 @@ _original_describe_node = ClusterNode.describe
 
 @dataclass
 class Timings:
-    """Seconds each simulated phase lasts (AWS takes minutes; tests want zero)."""
+    """Seconds each simulated phase lasts (AWS takes minutes; tests want zero).
 
-    shutdown_seconds: float = 2.0
-    pending_seconds: float = 5.0
-    reboot_seconds: float = 3.0
-    health_check_seconds: float = 5.0
+    ``None`` holds the phase until ``advance()`` is called, so a test or a
+    drill can look at each phase for as long as it likes.
+    """
+
+    shutdown_seconds: float | None = 2.0
+    pending_seconds: float | None = 5.0
+    reboot_seconds: float | None = 3.0
+    health_check_seconds: float | None = 5.0
 
 
 @dataclass
@@ -109,10 +114,27 @@ def _cluster(backend: SageMakerModelBackend, name_or_arn: str) -> Cluster:
     return cluster
 
 
-def _later(seconds: float, step: Callable[[], None]) -> None:
+_held: list[Callable[[], None]] = []
+
+
+def _later(seconds: float | None, step: Callable[[], None]) -> None:
+    if seconds is None:
+        with _lock:
+            _held.append(step)
+        return
     timer = threading.Timer(max(0.0, seconds), step)
     timer.daemon = True
     timer.start()
+
+
+def advance() -> int:
+    """End every phase held by a ``None`` timing (one phase per call); returns how many ended."""
+    with _lock:
+        steps = list(_held)
+        _held.clear()
+    for step in steps:
+        step()
+    return len(steps)
 
 
 def _check(cluster: Cluster, node_ids: list[str]) -> tuple[list[str], list[dict[str, str]]]:
@@ -247,7 +269,7 @@ def start_cluster_health_check(
                 in_group = [n for n in in_group if n.instance_id in wanted]
             chosen.extend(n for n in in_group if n.status == "Running")
         for node in chosen:
-            _busy[(cluster.cluster_name, node.instance_id)] = "a deep health check"
+            # Not "in use": a replacement of this node fails on its status (InvalidInstanceStatus).
             node.status = "DeepHealthCheckInProgress"
             _later(timings.health_check_seconds, functools.partial(_back_to_running, cluster, node.instance_id))
         return str(cluster.arn)

@@ -77,8 +77,9 @@ class _CodeCache:
         self._root: Path | None = None
         self._lock = threading.Lock()
 
-    def directory_for(self, code: bytes) -> Path:
-        digest = hashlib.sha256(code).hexdigest()[:24]
+    def directory_for(self, code: bytes, digest: str) -> Path:
+        """The folder holding ``code`` unpacked; ``digest`` is its hex sha256."""
+        digest = digest[:24]
         with self._lock:
             if self._root is None:
                 self._root = Path(tempfile.mkdtemp(prefix="sdcguard-lambda-"))
@@ -271,10 +272,12 @@ def _worker_for(fn: LambdaFunction) -> FunctionWorker:
     code: bytes = fn.code_bytes
     if not code:
         raise _NoCode(f"function {fn.function_name} has no deployment package to run")
-    code_dir = _code_cache.directory_for(code)
+    # moto keeps the package's hex sha256: no need to hash megabytes per invocation.
+    digest = str(getattr(fn, "code_digest", "") or hashlib.sha256(code).hexdigest())
+    code_dir = _code_cache.directory_for(code, digest)
     env = _function_env(fn, code_dir, "local")
     fingerprint = hashlib.sha256(
-        json.dumps([hashlib.sha256(code).hexdigest(), fn.handler, env, fn.timeout], sort_keys=True).encode()
+        json.dumps([digest, fn.handler, env, fn.timeout], sort_keys=True).encode()
     ).hexdigest()
     with _workers_lock:
         worker = _workers.get(fn.function_arn)
