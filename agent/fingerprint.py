@@ -180,6 +180,19 @@ def bit_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(target)
 
 
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """``mix64`` on an int64 tensor (wrapping arithmetic; logical shifts by masking)."""
+    z = x + signed64(_GOLDEN)
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * signed64(_MIX1)
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * signed64(_MIX2)
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def block_weights(blocks: torch.Tensor) -> torch.Tensor:
+    """``block_weight`` for an int64 tensor of block indices, computed on its device."""
+    return _mix64(blocks * 2 + 1) | 1
+
+
 class _Tables:
     """Read-only per-device tables; built once, replaced (never mutated) when more blocks are needed."""
 
@@ -198,9 +211,7 @@ class _Tables:
         if index.numel() < n:
             size = max(n, 2 * index.numel(), 64)
             index = torch.arange(size, dtype=torch.int64, device=self.device) * BLOCK
-            weight = torch.tensor(
-                [signed64(block_weight(b)) for b in range(size)], dtype=torch.int64, device=self.device
-            )
+            weight = block_weights(torch.arange(size, dtype=torch.int64, device=self.device))
             # Readers hold the old pair until they finish; both stay valid.
             self.block_index, self.block_weight = index, weight
         return index[:n], weight[:n]

@@ -16,6 +16,7 @@ from agent.fingerprint import (
     DEFAULT_CHUNK,
     SINGLE_THREAD_CHUNK,
     block_weight,
+    block_weights,
     combine,
     default_chunk,
     descriptor,
@@ -302,6 +303,13 @@ def test_hex_is_the_contract_fingerprint() -> None:
     int(text, 16)
     assert FingerprintGroup(fingerprint=text, ranks=[0]).fingerprint == text
     assert to_hex(torch.tensor([-1, 0, 1])) == "f" * 16 + "0" * 16 + "0" * 15 + "1"
+
+
+def testblock_weights_for_large_tensors_follow_the_definition() -> None:
+    # The per-block weights are computed in torch for speed; they must equal the definition.
+    blocks = torch.tensor([0, 1, 2, 1000, 2**20 + 3, 2**40 + 5], dtype=torch.int64)
+    got = [w & MASK64 for w in block_weights(blocks).tolist()]
+    assert got == [block_weight(b) for b in blocks.tolist()]
 
 
 def test_default_chunk_stays_below_the_intra_op_grain_with_several_threads() -> None:
