@@ -28,6 +28,8 @@ class SuspectUnresolvable(Exception):
 
 def handler(event, context):
     print("handling", event)
+    if event.get("ping"):
+        return {{"marker": MARKER}}
     if event.get("fail"):
         raise SuspectUnresolvable("rank 3 has no node")
     if event.get("sleep"):
@@ -146,7 +148,7 @@ def test_timeout_ends_the_invocation_with_lambdas_error(standin: LocalStandIn, r
     assert response["FunctionError"] == "Unhandled"
     assert error["errorType"] == "Sandbox.Timedout"
     # and the next invocation gets a fresh worker
-    result, response = invoke(standin, name, {})
+    result, response = invoke(standin, name, {"ping": True})
     assert "FunctionError" not in response
     assert result["marker"] == "slow"
 
