@@ -120,23 +120,29 @@ def guard_incident(
     """Apply the blast-radius limits and the mode (RESOLVED -> GUARDED, or DRY_RUN).
 
     In dry-run mode the incident ends as DRY_RUN after the limits were
-    evaluated and recorded; nothing is touched. Idempotent. Raises
-    :class:`BlastRadiusExceeded`, recording nothing.
+    evaluated and recorded; nothing is touched. Idempotent. Concurrent
+    guards of one cluster are serialised by the ledger's cluster lock, so two
+    incidents are never admitted against the same count. Raises
+    :class:`BlastRadiusExceeded`, recording nothing, and :class:`LedgerConflict`.
     """
-    incident = ledger.get(incident_id)
-    if incident.state != S.RESOLVED:
-        return incident
-    verdict = check_blast_radius(
-        incident,
-        ledger.list(hyperpod_cluster=incident.alarm.job.hyperpod_cluster),
-        max_quarantined_nodes=max_quarantined_nodes,
-        max_replacements_per_day=max_replacements_per_day,
-        now=datetime.now(UTC),
-    )
-    if not verdict.allowed:
-        raise BlastRadiusExceeded(f"incident {incident_id}: {verdict.reason}")
-    target = S.DRY_RUN if mode == "dry_run" else S.GUARDED
-    note = verdict.reason + ("; dry run: nothing will be touched" if target == S.DRY_RUN else f"; mode {mode}")
-    return ledger.update(
-        incident_id, lambda current: current if current.state != S.RESOLVED else current.advance(target, actor=actor, note=note)
-    )
+    cluster = ledger.get(incident_id).alarm.job.hyperpod_cluster
+    # Under the cluster's lock: concurrent incidents are admitted one by one.
+    with ledger.locked(f"guard:{cluster}", owner=incident_id):
+        incident = ledger.get(incident_id)
+        if incident.state != S.RESOLVED:
+            return incident
+        verdict = check_blast_radius(
+            incident,
+            ledger.list(hyperpod_cluster=cluster),
+            max_quarantined_nodes=max_quarantined_nodes,
+            max_replacements_per_day=max_replacements_per_day,
+            now=datetime.now(UTC),
+        )
+        if not verdict.allowed:
+            raise BlastRadiusExceeded(f"incident {incident_id}: {verdict.reason}")
+        target = S.DRY_RUN if mode == "dry_run" else S.GUARDED
+        note = verdict.reason + ("; dry run: nothing will be touched" if target == S.DRY_RUN else f"; mode {mode}")
+        return ledger.update(
+            incident_id,
+            lambda current: current if current.state != S.RESOLVED else current.advance(target, actor=actor, note=note),
+        )

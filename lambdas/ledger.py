@@ -8,7 +8,11 @@ TTL attribute ``expires_at``. Item kinds:
   :class:`contract.Incident` as JSON), ``duplicates`` (N, an atomic counter of
   the alarms that collapsed into it, merged into ``duplicate_alarms`` on read);
 - its approval task token: ``incident_id="token#<id>"``, ``kind="token"``,
-  ``token``, ``expires_at`` (epoch seconds, also the TTL).
+  ``token``, ``expires_at`` (epoch seconds, also the TTL);
+- a lock per HyperPod cluster: ``incident_id="lock#<cluster>"``,
+  ``kind="lock"``, ``owner``, ``expires_at`` (a lease), held by the guard so
+  that two incidents are never admitted against the same count of
+  quarantined nodes.
 
 An incident's id is derived from its idempotency key (cluster, job, suspect
 nodes, suspect window), so duplicate alarms (many ranks, re-deliveries,
@@ -18,9 +22,10 @@ wins and the others only count themselves into ``duplicate_alarms``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
@@ -31,6 +36,7 @@ from lambdas.errors import IncidentNotFound, LedgerConflict
 
 UNLOCALISED = "unlocalised"
 _TOKEN = "token#"
+_LOCK = "lock#"
 _MAX_ATTEMPTS = 12
 
 
@@ -138,6 +144,56 @@ class Ledger:
                 raise LedgerConflict(f"incident {incident.incident_id} changed since version {expected_version}") from None
             raise
         return expected_version + 1
+
+    @contextlib.contextmanager
+    def locked(self, name: str, owner: str, *, lease_seconds: float = 30.0, wait_seconds: float = 20.0) -> Iterator[None]:
+        """Hold the lock item ``lock#<name>`` while the block runs.
+
+        Decisions that read many incidents (the blast radius) run under the
+        cluster's lock, so two of them never act on the same picture. A lease
+        that its holder never released (a crashed Lambda) expires after
+        ``lease_seconds``. Raises :class:`LedgerConflict` when the lock stays
+        taken for ``wait_seconds``.
+        """
+        key = {"incident_id": {"S": _LOCK + name}}
+        deadline = time.monotonic() + wait_seconds
+        delay = 0.02
+        while True:
+            now = time.time()
+            try:
+                self.client.put_item(
+                    TableName=self.table,
+                    Item={
+                        **key,
+                        "kind": {"S": "lock"},
+                        "owner": {"S": owner},
+                        "expires_at": {"N": str(now + lease_seconds)},
+                    },
+                    ConditionExpression="attribute_not_exists(incident_id) OR expires_at < :now",
+                    ExpressionAttributeValues={":now": {"N": str(now)}},
+                )
+                break
+            except ClientError as exc:
+                if _code(exc) != "ConditionalCheckFailedException":
+                    raise
+            if time.monotonic() > deadline:
+                raise LedgerConflict(f"lock {name} stayed taken for {wait_seconds:g} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        try:
+            yield
+        finally:
+            try:
+                self.client.delete_item(
+                    TableName=self.table,
+                    Key=key,
+                    ConditionExpression="#o = :me",
+                    ExpressionAttributeNames={"#o": "owner"},
+                    ExpressionAttributeValues={":me": {"S": owner}},
+                )
+            except ClientError as exc:
+                if _code(exc) != "ConditionalCheckFailedException":  # our lease expired and was taken over
+                    raise
 
     def update(self, incident_id: str, change: Callable[[Incident], Incident]) -> Incident:
         """Read, apply ``change``, write conditionally; re-read and re-apply on a conflict.

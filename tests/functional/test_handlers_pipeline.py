@@ -329,6 +329,47 @@ def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monk
     assert not our_taints(read_node(world, world.node(free)["node_name"]))
 
 
+def resolved_to(suspect: Any) -> Any:
+    return lambda i: i.advance(S.RESOLVED, actor="test", suspects=[suspect])
+
+
+def test_concurrent_incidents_are_admitted_one_by_one(world: World) -> None:
+    from contract import Alarm, ResolvedSuspect
+    from lambdas.guard import guard_incident
+
+    table = f"race-{uuid.uuid4().hex[:6]}"
+    world.standin.client("dynamodb").create_table(
+        TableName=table,
+        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
+        BillingMode="PAY_PER_REQUEST",
+    )
+    ledger = Ledger(table, world.standin.client("dynamodb"))
+    ids = []
+    for n in range(4):  # four incidents on four different nodes, resolved at once
+        detail = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
+        node = f"hyperpod-i-0{n}23456789abcdef0"
+        detail["suspects"][0]["node"] = node
+        incident, _ = ledger.open(Alarm.model_validate(detail), mode="normal")
+        suspect = ResolvedSuspect(global_rank=3, pod="p", node=node, instance_id=node.removeprefix("hyperpod-"))
+        ledger.update(incident.incident_id, resolved_to(suspect))
+        ids.append(incident.incident_id)
+
+    def admit(incident_id: str) -> str:
+        try:
+            return guard_incident(
+                ledger, incident_id, mode="normal", max_quarantined_nodes=2, max_replacements_per_day=10
+            ).state.value
+        except BlastRadiusExceeded:
+            return "refused"
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(pool.map(admit, ids))
+
+    assert sorted(outcomes) == ["GUARDED", "GUARDED", "refused", "refused"]
+    assert sorted(ledger.get(i).state.value for i in ids) == ["GUARDED", "GUARDED", "RESOLVED", "RESOLVED"]
+
+
 # -- containment -------------------------------------------------------------------
 
 
