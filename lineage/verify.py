@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
 from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, ObjectNotFound
-from lineage.store import ObjectStore, sha256_hex
+from lineage.store import ObjectStore
 
 
 def manifest_key(step: int) -> str:
@@ -68,10 +68,10 @@ def read_verified(store: ObjectStore, step: int, expected: ObjectDigest) -> byte
     """
     key = f"{checkpoint_dir(step)}/{expected.name}"
     try:
-        data, _ = store.get_bytes(key)
+        data, sha256 = store.get_with_sha256(key)
     except ObjectNotFound as exc:
         raise CheckpointCorrupt(f"{store.uri(key)}: listed in the manifest but missing") from exc
-    check_object(expected, sha256_hex(data), len(data), where=store.uri(key))
+    check_object(expected, sha256, len(data), where=store.uri(key))
     return data
 
 
