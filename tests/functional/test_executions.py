@@ -1,0 +1,462 @@
+"""Whole incidents on the stand-in: the template deployed by ``sdcguard deploy``, started by PutEvents.
+
+Each test publishes an alarm on the deployed bus, as the agent does, and lets
+the rule, the incident machine and the real handlers (run from the uploaded
+package) do the rest; a reviewer decides by starting the decide machine, as
+from the Step Functions console. The assertions are on what the pipeline
+leaves behind: the HyperPod instances, the Kubernetes node and PyTorchJob, the
+resume pointer, the ledger and the executions.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from contract import CheckpointManifest, Incident, IncidentState
+from infra.deploy import deploy
+from infra.local.moto_ext import hyperpod
+from infra.local.seed import seed
+from infra.local.standin import LocalStandIn
+from lambdas.cordon import TAINT_KEY
+from lambdas.eks_token import kubernetes_client
+from lambdas.ledger import Ledger
+from lineage.commit import commit, put_object
+from lineage.pointer import read_pointer
+from lineage.pointer import rewrite_pointer as point_at
+from lineage.store import open_store
+from tests.events import load_event
+
+pytestmark = pytest.mark.slow
+
+S = IncidentState
+NODES = 8
+RANKS_PER_NODE = 2  # as seeded
+
+
+@dataclass
+class Pipeline:
+    """One deployed stack guarding one seeded cluster."""
+
+    standin: LocalStandIn
+    stack: str
+    outputs: dict[str, str]
+    seeded: dict[str, Any]
+    ledger: Ledger
+
+    def node(self, index: int) -> dict[str, Any]:
+        return dict(self.seeded["nodes"][index])
+
+    @property
+    def prefix(self) -> str:
+        return str(self.seeded["job"])
+
+    def store(self) -> Any:
+        return open_store(f"s3://{self.seeded['bucket']}/{self.prefix}", client=self.standin.client("s3"))
+
+    def kube(self) -> k8s.ApiClient:
+        return kubernetes_client(self.seeded["eks_cluster"], eks=self.standin.client("eks"), sts=self.standin.client("sts"))
+
+    def read_node(self, name: str) -> Any:
+        return k8s.CoreV1Api(self.kube()).read_node(name)
+
+    def read_job(self) -> dict[str, Any]:
+        job: dict[str, Any] = k8s.CustomObjectsApi(self.kube()).get_namespaced_custom_object(
+            "kubeflow.org", "v1", self.seeded["namespace"], "pytorchjobs", self.seeded["job"]
+        )
+        return job
+
+    def job_running(self) -> None:
+        """Given: the job runs and no incident holds it."""
+        k8s.CustomObjectsApi(self.kube()).patch_namespaced_custom_object(
+            "kubeflow.org", "v1", self.seeded["namespace"], "pytorchjobs", self.seeded["job"],
+            {"metadata": {"annotations": {"sdcguard.io/suspended-by": None}}, "spec": {"runPolicy": {"suspend": False}}},
+        )  # fmt: skip
+
+    def alarm(self, node_index: int, *, ring_clean: int) -> dict[str, Any]:
+        """A ring-audit alarm (EventBridge detail) blaming one rank on node ``node_index``."""
+        detail = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
+        node = self.node(node_index)
+        detail.update(
+            alarm_id=uuid.uuid4().hex,
+            time=datetime.now(UTC).isoformat(),
+            job={
+                "hyperpod_cluster": self.seeded["hyperpod_cluster"],
+                "eks_cluster": self.seeded["eks_cluster"],
+                "namespace": self.seeded["namespace"],
+                "job_name": self.seeded["job"],
+            },
+            step=ring_clean + 50,
+            world_size=NODES * RANKS_PER_NODE,
+            ranks_per_node=RANKS_PER_NODE,
+            last_clean={
+                "nonfinite_grad": ring_clean + 49,
+                "ring_audit": ring_clean,
+                "weight_fingerprint": ring_clean + 40,
+                "reduced_grad": ring_clean + 49,
+            },
+            checkpoint_prefix=f"s3://{self.seeded['bucket']}/{self.prefix}",
+            resume_pointer=f"s3://{self.seeded['bucket']}/{self.prefix}/RESUME.json",
+            suspects=[
+                {
+                    "global_rank": node["ranks"][1],
+                    "local_rank": 1,
+                    "pod": node["pod"],
+                    "node": node["node_name"],
+                    "host": node["pod"],
+                }
+            ],
+        )
+        return dict(detail)
+
+    def publish(self, *details: dict[str, Any]) -> None:
+        """PutEvents on the deployed bus, as the agent does (10 entries per call)."""
+        events = self.standin.client("events")
+        entries = [
+            {
+                "EventBusName": self.outputs["EventBusName"],
+                "Source": "sdcguard.agent",
+                "DetailType": "SDC Alarm",
+                "Detail": json.dumps(d),
+            }
+            for d in details
+        ]
+        for i in range(0, len(entries), 10):
+            response = events.put_events(Entries=entries[i : i + 10])
+            assert response["FailedEntryCount"] == 0, response
+
+    def incident_for(self, alarm_id: str, *, timeout: float = 60) -> Incident:
+        return wait_for(
+            lambda: next((i for i in self.ledger.list() if i.alarm.alarm_id == alarm_id), None),
+            timeout=timeout,
+            what=f"the incident of alarm {alarm_id}",
+        )
+
+    def wait_state(self, incident_id: str, *states: IncidentState, timeout: float = 120) -> Incident:
+        def reached() -> Incident | None:
+            incident = self.ledger.get(incident_id)
+            return incident if incident.state in states else None
+
+        return wait_for(reached, timeout=timeout, what=f"{incident_id} in {', '.join(states)}")
+
+    def decide(self, incident_id: str, decision: str, reason: str) -> dict[str, Any]:
+        """Start the decide machine as a reviewer does from the console, and wait for it."""
+        sfn = self.standin.client("stepfunctions")
+        execution = sfn.start_execution(
+            stateMachineArn=self.outputs["DecideStateMachineArn"],
+            name=f"{decision}-{uuid.uuid4().hex[:12]}",
+            input=json.dumps({"incident_id": incident_id, "decision": decision, "reason": reason, "reviewer": "oncall@example.com"}),
+        )["executionArn"]
+        return self.execution_end(execution)
+
+    def executions(self) -> list[dict[str, Any]]:
+        sfn = self.standin.client("stepfunctions")
+        pages = sfn.get_paginator("list_executions").paginate(stateMachineArn=self.outputs["IncidentStateMachineArn"])
+        return [e for page in pages for e in page["executions"]]
+
+    def execution_of(self, incident_id: str, *, timeout: float = 60) -> str:
+        """The incident machine's execution that opened ``incident_id`` (not a duplicate)."""
+        sfn = self.standin.client("stepfunctions")
+
+        def find() -> str | None:
+            for e in self.executions():
+                for event in sfn.get_execution_history(executionArn=e["executionArn"])["events"]:
+                    details = event.get("stateEnteredEventDetails", {})
+                    if details.get("name") == "Resolve" and incident_id in details.get("input", ""):
+                        return str(e["executionArn"])
+            return None
+
+        return wait_for(find, timeout=timeout, what=f"the execution of {incident_id}")
+
+    def execution_end(self, arn: str, *, timeout: float = 180) -> dict[str, Any]:
+        sfn = self.standin.client("stepfunctions")
+
+        def ended() -> dict[str, Any] | None:
+            described: dict[str, Any] = sfn.describe_execution(executionArn=arn)
+            return described if described["status"] != "RUNNING" else None
+
+        return wait_for(ended, timeout=timeout, what=f"the end of {arn}")
+
+
+def wait_for(probe: Callable[[], Any], *, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.25)
+
+
+def write_checkpoints(p: Pipeline, steps: list[int]) -> None:
+    store = p.store()
+    for step in steps:
+        digest = put_object(store, step, "model.pt", f"weights at {step}".encode())
+        commit(store, CheckpointManifest(step=step, world_size=NODES * RANKS_PER_NODE, fingerprint="ab" * 24, objects=[digest]))
+
+
+def our_taints(node: Any) -> list[Any]:
+    return [t for t in (node.spec.taints or []) if t.key == TAINT_KEY]
+
+
+def hyperpod_nodes(p: Pipeline) -> dict[str, str]:
+    sm = p.standin.client("sagemaker")
+    summaries = sm.list_cluster_nodes(ClusterName=p.seeded["hyperpod_cluster"])["ClusterNodeSummaries"]
+    return {n["InstanceId"]: n["InstanceStatus"]["Status"] for n in summaries}
+
+
+def _deploy(standin: LocalStandIn, *, approval_timeout: int) -> Iterator[Pipeline]:
+    suffix = uuid.uuid4().hex[:6]
+    seeded = seed(standin, nodes=NODES, cluster=f"ex-{suffix}", job=f"job-{suffix}", minutes=30, faulty_node=1)
+    saved = {k: os.environ.get(k) for k in standin.env}
+    os.environ.update(standin.env)  # the deploy reaches the stand-in as `sdcguard local up` tells a shell to
+    try:
+        result = deploy(
+            f"ex-{suffix}",
+            {
+                "HyperPodClusterName": seeded["hyperpod_cluster"],
+                "EksClusterName": seeded["eks_cluster"],
+                "JobNamespace": seeded["namespace"],
+                "CheckpointBucket": seeded["bucket"],
+                "CheckpointPrefix": seeded["job"],
+                "EventBusName": f"bus-{suffix}",
+                "ApprovalTimeoutSeconds": str(approval_timeout),
+                "MaxQuarantinedNodes": str(NODES),
+                "MaxReplacementsPerDay": "20",
+                "ReplacementPollSeconds": "1",
+                "ReplacementMaxPolls": "30",
+            },
+            poll_seconds=0.1,
+        )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    yield Pipeline(
+        standin, result.stack_name, result.outputs, seeded, Ledger(result.outputs["LedgerTableName"], standin.client("dynamodb"))
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline(standin: LocalStandIn) -> Iterator[Pipeline]:
+    yield from _deploy(standin, approval_timeout=300)
+
+
+@pytest.fixture(scope="module")
+def impatient(standin: LocalStandIn) -> Iterator[Pipeline]:
+    """A second stack whose reviewers have 3 seconds."""
+    yield from _deploy(standin, approval_timeout=3)
+
+
+def test_the_approve_path_replaces_the_node_rolls_back_and_resumes(pipeline: Pipeline) -> None:
+    # Given a running job with checkpoints before and inside the suspect window,
+    p, node = pipeline, pipeline.node(2)
+    clean = 5000
+    p.job_running()
+    write_checkpoints(p, [clean - 1000, clean - 10, clean + 20])
+    point_at(p.store(), trusted_through_step=clean + 20, reason="latest", written_by="agent")
+
+    # when the agent publishes an alarm about node 2,
+    alarm = p.alarm(2, ring_clean=clean)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+
+    # the node is contained while the reviewers decide,
+    assert waiting.instance_ids == [node["instance_id"]]
+    assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
+    cordoned = p.read_node(node["node_name"])
+    assert cordoned.spec.unschedulable is True
+    assert [t.value for t in our_taints(cordoned)] == [incident.incident_id]
+
+    # and when a reviewer approves from the console,
+    decided = p.decide(incident.incident_id, "approve", "ring audit disagreed twice")
+    assert decided["status"] == "SUCCEEDED", decided
+
+    # the incident runs to its end:
+    execution = p.execution_end(p.execution_of(incident.incident_id))
+    assert execution["status"] == "SUCCEEDED", execution
+    closed = p.ledger.get(incident.incident_id)
+    assert closed.state == S.CLOSED
+    assert closed.decision is not None
+    assert (closed.decision.decision, closed.decision.reviewer) == ("approve", "oncall@example.com")
+    # a new instance replaced the old one, in HyperPod and in Kubernetes,
+    (replacement,) = closed.replacements
+    assert replacement.old_instance_id == node["instance_id"]
+    assert replacement.new_instance_id
+    instances = hyperpod_nodes(p)
+    assert node["instance_id"] not in instances
+    assert instances[replacement.new_instance_id] == "Running"
+    fresh = p.read_node(f"hyperpod-{replacement.new_instance_id}")
+    assert not fresh.spec.unschedulable
+    # the pointer is on the last checkpoint before the suspect window, the old one kept,
+    pointer, _ = read_pointer(p.store())
+    assert pointer is not None
+    assert (pointer.step, pointer.incident_id) == (clean - 10, incident.incident_id)
+    assert pointer.history[0].step == clean + 20
+    # and the job runs again.
+    assert not p.read_job()["spec"]["runPolicy"].get("suspend")
+    assert [t.state for t in closed.transitions][-4:] == [S.REPLACED, S.POINTER_REWRITTEN, S.RESUMED, S.CLOSED]
+
+
+def test_the_reject_path_releases_the_node_and_leaves_the_pointer(pipeline: Pipeline) -> None:
+    p, node = pipeline, pipeline.node(3)
+    clean = 7000
+    p.job_running()
+    write_checkpoints(p, [clean - 10, clean + 20])
+    point_at(p.store(), trusted_through_step=clean + 20, reason="latest", written_by="agent")
+    pointer_before, _ = read_pointer(p.store())
+
+    alarm = p.alarm(3, ring_clean=clean)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+
+    decided = p.decide(incident.incident_id, "reject", "known flaky test job")
+    assert decided["status"] == "SUCCEEDED", decided
+
+    execution = p.execution_end(p.execution_of(incident.incident_id))
+    assert execution["status"] == "SUCCEEDED", execution
+    assert p.ledger.get(incident.incident_id).state == S.FALSE_ALARM
+    released = p.read_node(node["node_name"])
+    assert not released.spec.unschedulable
+    assert our_taints(released) == []
+    assert hyperpod_nodes(p)[node["instance_id"]] == "Running"  # not replaced
+    assert not p.read_job()["spec"]["runPolicy"].get("suspend")
+    pointer_after, _ = read_pointer(p.store())
+    assert pointer_after == pointer_before
+
+
+def test_a_decision_for_an_incident_that_does_not_wait_fails_and_changes_nothing(pipeline: Pipeline) -> None:
+    before = len(pipeline.ledger.list())
+    decided = pipeline.decide("inc-does-not-exist-000", "approve", "typo")
+    assert decided["status"] == "FAILED"
+    assert len(pipeline.ledger.list()) == before
+
+
+def test_a_kubernetes_api_that_fails_transiently_then_recovers(pipeline: Pipeline) -> None:
+    p, node = pipeline, pipeline.node(4)
+    eks = p.standin.eks
+    assert eks is not None
+    p.job_running()
+    # Given the API server answers the next two patches of the node with 503,
+    eks.faults.fail_next("PATCH", "nodes", node["node_name"], status=503, times=2)
+    failed_before = [r for r in eks.requests if r.name == node["node_name"] and r.status == 503]
+
+    alarm = p.alarm(4, ring_clean=9000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+
+    # the cordon is retried and the incident still reaches the reviewers with the node contained.
+    waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED)
+    assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
+    failed = [r for r in eks.requests if r.name == node["node_name"] and r.status == 503]
+    assert len(failed) - len(failed_before) == 2
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+
+    # (released again, so the job is free for the next test)
+    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
+    assert p.execution_end(p.execution_of(incident.incident_id))["status"] == "SUCCEEDED"
+
+
+def test_a_replacement_that_fails_stops_safely_for_attention(pipeline: Pipeline) -> None:
+    p, node = pipeline, pipeline.node(5)
+    p.job_running()
+    alarm = p.alarm(5, ring_clean=11000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+
+    # Given HyperPod's own recovery holds the instance (a reboot in progress),
+    sm = p.standin.client("sagemaker")
+    saved = hyperpod.timings.reboot_seconds
+    hyperpod.timings.reboot_seconds = 60
+    try:
+        rebooting = sm.batch_reboot_cluster_nodes(ClusterName=p.seeded["hyperpod_cluster"], NodeIds=[node["instance_id"]])
+        assert rebooting["Successful"] == [node["instance_id"]]
+        # when a reviewer approves the replacement,
+        assert p.decide(incident.incident_id, "approve", "replace it")["status"] == "SUCCEEDED"
+        execution = p.execution_end(p.execution_of(incident.incident_id))
+    finally:
+        hyperpod.timings.reboot_seconds = saved
+
+    # the incident stops for attention: nothing replaced, node still cordoned, job still suspended.
+    assert execution["status"] == "FAILED", execution
+    stopped = p.ledger.get(incident.incident_id)
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert node["instance_id"] in hyperpod_nodes(p)
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+    assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_a_storm_of_duplicate_alarms_makes_one_incident(pipeline: Pipeline) -> None:
+    p, node = pipeline, pipeline.node(6)
+    eks = p.standin.eks
+    assert eks is not None
+    p.job_running()
+    alarm = p.alarm(6, ring_clean=13000)
+    # 100 ranks (and re-deliveries) report the same fault.
+    storm = [{**alarm, "alarm_id": uuid.uuid4().hex, "publisher_rank": i % (NODES * RANKS_PER_NODE)} for i in range(100)]
+    known = {e["executionArn"] for e in p.executions()}
+    patches_before = len([r for r in eks.requests if r.method == "PATCH" and r.name == node["node_name"]])
+
+    p.publish(*storm)
+
+    started = wait_for(
+        lambda: (new if len(new := [e for e in p.executions() if e["executionArn"] not in known]) >= 100 else None),
+        timeout=120,
+        what="100 executions",
+    )
+    assert len(started) == 100
+    ids = {a["alarm_id"] for a in storm}
+    incidents = wait_for(
+        lambda: [i for i in p.ledger.list() if i.alarm.alarm_id in ids] or None, timeout=60, what="the incident"
+    )
+    (incident,) = incidents
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+    opener = p.execution_of(incident.incident_id)
+    ended = [p.execution_end(e["executionArn"]) for e in started if e["executionArn"] != opener]
+    assert len(ended) == 99
+    assert {e["status"] for e in ended} == {"SUCCEEDED"}
+    assert all(json.loads(e["output"])["duplicate"] is True for e in ended)
+    assert p.ledger.get(incident.incident_id).duplicate_alarms == 99
+    patches = [r for r in eks.requests if r.method == "PATCH" and r.name == node["node_name"]]
+    assert len(patches) - patches_before == 1  # cordoned once
+
+    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
+    assert p.execution_end(opener)["status"] == "SUCCEEDED"
+
+
+def test_an_unanswered_approval_times_out_to_a_safe_stop(impatient: Pipeline) -> None:
+    p, node = impatient, impatient.node(2)
+    p.job_running()
+    alarm = p.alarm(2, ring_clean=15000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+
+    # Nobody answers within the 3 seconds.
+    execution = p.execution_end(p.execution_of(incident.incident_id), timeout=120)
+    assert execution["status"] == "FAILED", execution
+    stopped = p.ledger.get(incident.incident_id)
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert p.read_node(node["node_name"]).spec.unschedulable is True  # still contained
+    assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
+    assert node["instance_id"] in hyperpod_nodes(p)
+    # and a late decision is refused.
+    assert p.decide(incident.incident_id, "approve", "too late")["status"] == "FAILED"
+    assert p.ledger.get(incident.incident_id).state == S.NEEDS_ATTENTION
