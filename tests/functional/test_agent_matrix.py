@@ -33,7 +33,9 @@ from contract import Alarm
 from infra.local.standin import LocalStandIn
 from tests.functional import agent_scenarios
 
-pytestmark = pytest.mark.slow
+# One launch of 6 ranks carries the whole matrix; on 2 busy cores its set-up alone
+# has taken ~4 minutes, past the suite's default per-test timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_IDS = ["0aaaaaaaaaaaaaaa0", "0bbbbbbbbbbbbbbb1", "0ccccccccccccccc2"]
