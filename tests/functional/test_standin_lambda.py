@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -126,6 +127,18 @@ def test_worker_stays_warm_and_restarts_when_the_code_changes(standin: LocalStan
 
     assert third["marker"] == "v2"
     assert third["pid"] != first["pid"]
+
+
+def test_concurrent_invocations_run_side_by_side(standin: LocalStandIn, role_arn: str) -> None:
+    name = create(standin, role_arn, {"ZipFile": package("parallel")})
+    invoke(standin, name, {"ping": True})  # one warm worker to start from
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda _: invoke(standin, name, {"sleep": 3})[0], range(2)))
+
+    # Like Lambda, a second concurrent invocation gets a sandbox of its own.
+    assert results[0]["pid"] != results[1]["pid"]
+    assert {r["marker"] for r in results} == {"parallel"}
 
 
 def test_s3_code_runs(standin: LocalStandIn, role_arn: str) -> None:

@@ -102,7 +102,7 @@ _code_cache = _CodeCache()
 
 
 class FunctionWorker:
-    """One warm process serving one function's invocations, one at a time."""
+    """One warm process serving one function's invocations, one at a time (a Lambda sandbox)."""
 
     def __init__(self, fingerprint: str, code_dir: Path, handler: str, env: dict[str, str]) -> None:
         self.fingerprint = fingerprint
@@ -222,16 +222,72 @@ def _timeout_error(seconds: float, phase: str) -> dict[str, Any]:
     }
 
 
-_workers: dict[str, FunctionWorker] = {}
-_workers_lock = threading.Lock()
+class WorkerPool:
+    """The warm workers of one function configuration.
+
+    Lambda runs concurrent invocations in separate sandboxes: an invocation
+    takes an idle worker, or starts another while the pool is under its
+    limit, or waits for one to come free.
+    """
+
+    def __init__(self, fingerprint: str, code_dir: Path, handler: str, env: dict[str, str], limit: int) -> None:
+        self.fingerprint = fingerprint
+        self._spec = (code_dir, handler, env)
+        self._limit = max(1, limit)
+        self._idle: list[FunctionWorker] = []
+        self._all: list[FunctionWorker] = []
+        self._retired = False
+        self._cond = threading.Condition()
+
+    def acquire(self) -> FunctionWorker:
+        """An idle worker for this invocation (blocks while all ``limit`` are busy)."""
+        with self._cond:
+            while True:
+                if self._idle:
+                    return self._idle.pop()
+                if len(self._all) < self._limit:
+                    worker = FunctionWorker(self.fingerprint, *self._spec)
+                    self._all.append(worker)
+                    return worker
+                self._cond.wait()
+
+    def release(self, worker: FunctionWorker) -> None:
+        """Give ``worker`` back; a retired pool stops it instead."""
+        with self._cond:
+            if not self._retired:
+                self._idle.append(worker)
+                self._cond.notify()
+                return
+        worker.stop()
+
+    def retire(self) -> list[FunctionWorker]:
+        """Take the pool out of service; returns its idle workers (busy ones stop on release)."""
+        with self._cond:
+            self._retired = True
+            idle, self._idle = self._idle, []
+            return idle
+
+    @property
+    def size(self) -> int:
+        """How many workers the pool has started."""
+        with self._cond:
+            return len(self._all)
+
+
+# Concurrent invocations of one function beyond this wait for a free worker:
+# each worker is a Python process, and a laptop has only so many cores.
+MAX_WORKERS_PER_FUNCTION = 4
+_pools: dict[str, WorkerPool] = {}
+_pools_lock = threading.Lock()
 
 
 def stop_all() -> None:
     """Stop every warm worker and remove the unpacked packages."""
-    with _workers_lock:
-        workers = list(_workers.values())
-        _workers.clear()
-    # All at once: each worker takes a moment to exit, and there is one per function.
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    workers = [worker for pool in pools for worker in pool.retire()]
+    # All at once: each worker takes a moment to exit.
     for worker in workers:
         worker.ask_to_stop()
     for worker in workers:
@@ -268,7 +324,7 @@ def _function_env(fn: LambdaFunction, code_dir: Path, log_stream: str) -> dict[s
     return env
 
 
-def _worker_for(fn: LambdaFunction) -> FunctionWorker:
+def _pool_for(fn: LambdaFunction) -> WorkerPool:
     code: bytes = fn.code_bytes
     if not code:
         raise _NoCode(f"function {fn.function_name} has no deployment package to run")
@@ -279,16 +335,18 @@ def _worker_for(fn: LambdaFunction) -> FunctionWorker:
     fingerprint = hashlib.sha256(
         json.dumps([digest, fn.handler, env, fn.timeout], sort_keys=True).encode()
     ).hexdigest()
-    with _workers_lock:
-        worker = _workers.get(fn.function_arn)
-        if worker is not None and worker.fingerprint == fingerprint:
-            return worker
-        if worker is not None:
-            with worker.lock:
-                worker.stop()
-        worker = FunctionWorker(fingerprint, code_dir, str(fn.handler), env)
-        _workers[fn.function_arn] = worker
-        return worker
+    reserved = fn.reserved_concurrency
+    limit = min(MAX_WORKERS_PER_FUNCTION, int(reserved)) if reserved else MAX_WORKERS_PER_FUNCTION
+    with _pools_lock:
+        pool = _pools.get(fn.function_arn)
+        if pool is not None and pool.fingerprint == fingerprint:
+            return pool
+        stale = pool.retire() if pool is not None else []
+        pool = WorkerPool(fingerprint, code_dir, str(fn.handler), env, limit)
+        _pools[fn.function_arn] = pool
+    for worker in stale:
+        worker.stop()
+    return pool
 
 
 class _NoCode(Exception):
@@ -300,7 +358,7 @@ def invoke_lambda(self: LambdaFunction, event: Any = None) -> tuple[str, bool, s
     event_text = event if isinstance(event, str) else json.dumps({} if event is None else event)
     request_id = str(uuid.uuid4())
     try:
-        worker = _worker_for(self)
+        pool = _pool_for(self)
     except (_NoCode, zipfile.BadZipFile) as exc:
         error = {"errorType": "Runtime.InvalidEntrypoint", "errorMessage": str(exc), "stackTrace": []}
         self.save_logs(f"{error['errorType']}: {exc}")
@@ -315,7 +373,11 @@ def invoke_lambda(self: LambdaFunction, event: Any = None) -> tuple[str, bool, s
         "log_stream_name": "local",
     }
     started = time.monotonic()
-    payload, errored, output = worker.invoke(event_text, context, float(self.timeout or 3))
+    worker = pool.acquire()
+    try:
+        payload, errored, output = worker.invoke(event_text, context, float(self.timeout or 3))
+    finally:
+        pool.release(worker)
     elapsed_ms = (time.monotonic() - started) * 1000
     logs = (
         f"START RequestId: {request_id} Version: $LATEST\n"
