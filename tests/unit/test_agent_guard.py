@@ -1,0 +1,97 @@
+"""SDCGuard in a one-rank gloo world: the update is skipped on an alarm and each policy does what it says."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard
+from agent.config import OnAlarm
+from agent.inject import Injection
+from agent.publisher import Publisher, PublishOutcome
+from agent.train import JobShape, SyntheticData, build, loss_fn
+from agent.weights import state_fingerprint_hex
+from contract import Alarm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world() -> Iterator[None]:
+    threads = torch.get_num_threads()  # the guard pins 1; give the rest of the session its own back
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+class Recorder(Publisher):
+    """Keeps what it was asked to publish instead of sending it."""
+
+    def __init__(self) -> None:
+        super().__init__(GuardConfig())
+        self.sent: list[Alarm] = []
+
+    def publish(self, alarm: Alarm) -> PublishOutcome:
+        self.sent.append(alarm)
+        return PublishOutcome(delivered=True, event_id="recorded")
+
+
+def guard_for(tmp_path: Path, on_alarm: OnAlarm, inject: str | None) -> tuple[SDCGuard, Recorder]:
+    shape = JobShape(dim=16, layers=1, seq=8, batch=2)
+    ddp, optimizer = build(shape, torch.device("cpu"))
+    recorder = Recorder()
+    config = GuardConfig(on_alarm=on_alarm, audit_every=1, fingerprint_every=1, spool_dir=str(tmp_path),
+                         checkpoint_prefix=str(tmp_path / "ckpt"))
+    guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=SyntheticData(shape, torch.device("cpu")),
+                     config=config, publisher=recorder, injection=Injection.parse(inject) if inject else None)
+    return guard, recorder
+
+
+def test_clean_steps_update_and_pass(tmp_path: Path) -> None:
+    guard, recorder = guard_for(tmp_path, "raise", None)
+    before = state_fingerprint_hex(guard.params, guard.optimizer)
+    results = [guard.step(s) for s in range(3)]
+    assert all(r.updated and r.alarm is None and r.weights_checked for r in results)
+    # One rank is one node: nobody to audit.
+    assert not any(r.audited for r in results)
+    assert state_fingerprint_hex(guard.params, guard.optimizer) != before
+    assert guard.last_clean["nonfinite_grad"] == 2
+    assert guard.last_clean["weight_fingerprint"] == 2
+    assert recorder.sent == []
+
+
+def test_raise_carries_the_alarm_and_skips_the_update(tmp_path: Path) -> None:
+    guard, recorder = guard_for(tmp_path, "raise", "kind=nan_activation,rank=0,step=1")
+    guard.step(0)
+    before = state_fingerprint_hex(guard.params, guard.optimizer)
+    with pytest.raises(GuardAlarm) as caught:
+        guard.step(1)
+    assert caught.value.alarm.detector.value == "nonfinite_grad"
+    assert caught.value.alarm.step == 1
+    assert recorder.sent == [caught.value.alarm]
+    assert state_fingerprint_hex(guard.params, guard.optimizer) == before
+
+
+def test_stop_exits_with_the_alarm_code(tmp_path: Path) -> None:
+    guard, recorder = guard_for(tmp_path, "stop", "kind=nan_activation,rank=0,step=0")
+    with pytest.raises(SystemExit) as caught:
+        guard.step(0)
+    assert caught.value.code == ALARM_EXIT_CODE == 87
+    assert len(recorder.sent) == 1
+
+
+def test_continue_returns_the_alarm_and_keeps_going(tmp_path: Path) -> None:
+    guard, recorder = guard_for(tmp_path, "continue", "kind=nan_activation,rank=0,step=1")
+    results = [guard.step(s) for s in range(3)]
+    assert [r.alarm is not None for r in results] == [False, True, False]
+    assert [r.updated for r in results] == [True, False, True]
+    assert len(recorder.sent) == 1
+
+
+def test_a_model_that_is_not_ddp_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^model:"):
+        SDCGuard(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),  # type: ignore[arg-type]
+                 loss_fn=loss_fn, batch_for=lambda s, r: None, config=GuardConfig())
