@@ -266,6 +266,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--nproc", type=int, default=0,
                    help="spawn this many local ranks (gloo) instead of running under torchrun")
+    p.add_argument("--node-names", default="",
+                   help="with --nproc: comma-separated NODE_NAME of each simulated node (node i holds ranks "
+                        "i*ranks_per_node ...); each rank's POD_NAME/HOSTNAME become <job>-worker-<rank>")
     return p
 
 
@@ -295,6 +298,22 @@ def _worker(args: argparse.Namespace) -> None:
     shutdown()
 
 
+def _node_env(args: argparse.Namespace) -> dict[str, str]:
+    """Per-rank NODE_NAME/POD_NAME/HOSTNAME for ``--node-names`` (ValueError naming the flag if they do not fit)."""
+    names = [n.strip() for n in args.node_names.split(",") if n.strip()]
+    if not names:
+        return {}
+    per_node = args.ranks_per_node or args.nproc
+    if per_node * len(names) != args.nproc:
+        raise ValueError(f"--node-names: {len(names)} node(s) x {per_node} rank(s) per node is not --nproc {args.nproc}")
+    job = _config(args).job_name
+    env = {}
+    for rank in range(args.nproc):
+        env[f"NODE_NAME@{rank}"] = names[rank // per_node]
+        env[f"POD_NAME@{rank}"] = env[f"HOSTNAME@{rank}"] = f"{job}-worker-{rank}"
+    return env
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the reference job; returns the exit status (see the module docstring)."""
     args = parser().parse_args(argv)
@@ -304,7 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"agent.train: error: {exc}", file=sys.stderr)
         return 2
     if args.nproc:
-        codes = launch(args.nproc, _worker, (args,))
+        try:
+            env = _node_env(args)
+        except ValueError as exc:
+            print(f"agent.train: error: {exc}", file=sys.stderr)
+            return 2
+        codes = launch(args.nproc, _worker, (args,), env=env)
         return max((c if c is not None else 1) for c in codes)
     _worker(args)
     return 0

@@ -281,7 +281,8 @@ def test_reference_job_stops_with_the_alarm_exit_code(tmp_path: Path, standin: L
            "SDCGUARD_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "agent.train", "--nproc", "2", "--ranks-per-node", "1", "--steps", "6",
-         "--audit-every", "2", "--fingerprint-every", "2", "--checkpoint-prefix", str(tmp_path / "ckpt")],
+         "--audit-every", "2", "--fingerprint-every", "2", "--checkpoint-prefix", str(tmp_path / "ckpt"),
+         "--node-names", f"{node_name(0)},{node_name(1)}"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == ALARM_EXIT_CODE, done.stderr[-3000:]
@@ -292,3 +293,11 @@ def test_reference_job_stops_with_the_alarm_exit_code(tmp_path: Path, standin: L
     assert alarm.detector.value == "nonfinite_grad"
     assert alarm.step == 3
     assert alarm.suspect_ranks == [1]
+    assert alarm.suspect_nodes == [node_name(1)]
+    assert [s.pod for s in alarm.suspects] == ["gpt-stop-worker-1"]
+
+
+def test_reference_job_refuses_node_names_that_do_not_fit() -> None:
+    from agent.train import main
+
+    assert main(["--nproc", "4", "--ranks-per-node", "2", "--node-names", "a,b,c"]) == 2
