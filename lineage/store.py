@@ -111,14 +111,37 @@ def _check_sha(data: bytes, sha256: str | None) -> str:
     return actual
 
 
-class S3Store(ObjectStore):
-    """Objects under ``s3://bucket/prefix/``. The bucket should have versioning on."""
+# One PutObject takes at most 5 GiB; bigger objects go up in parts (at most
+# 10,000 of them, each but the last at least 5 MiB).
+MULTIPART_THRESHOLD = 4 * 1024**3
+PART_SIZE = 512 * 1024**2
 
-    def __init__(self, bucket: str, prefix: str = "", client: S3Client | None = None):
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix/``. The bucket should have versioning on.
+
+    Objects above ``multipart_threshold`` bytes are uploaded in parts of
+    ``part_size``, each with its own SHA256 checksum that S3 checks; the
+    manifest still records the sha256 of the whole object.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        client: S3Client | None = None,
+        *,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
+        part_size: int = PART_SIZE,
+    ):
         if not bucket:
             raise InvalidStoreUri("s3 location: the bucket name is empty")
+        if part_size < 5 * 1024**2 or multipart_threshold < part_size:
+            raise ValueError("part_size: must be >= 5 MiB and <= multipart_threshold")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
         if client is None:
             import boto3
 
@@ -141,6 +164,10 @@ class S3Store(ObjectStore):
         if_none_match: bool = False,
     ) -> str:
         digest = _check_sha(data, sha256)
+        if len(data) > self.multipart_threshold:
+            if if_match is not None or if_none_match:
+                raise ValueError(f"key: {key!r} is too large for a conditional write ({len(data)} bytes)")
+            return self._put_parts(_check_key(key), data)
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": self._full(_check_key(key)),
@@ -162,6 +189,29 @@ class S3Store(ObjectStore):
                 raise PreconditionFailed(f"conditional write to {self.uri(key)} lost: {exc}") from exc
             raise
         return str(response["ETag"])
+
+    def _put_parts(self, key: str, data: bytes) -> str:
+        full = self._full(key)
+        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256")
+        upload_id = upload["UploadId"]
+        parts = []
+        try:
+            for number, start in enumerate(range(0, len(data), self.part_size), start=1):
+                chunk = data[start : start + self.part_size]
+                checksum = base64.b64encode(hashlib.sha256(chunk).digest()).decode()
+                response = self.client.upload_part(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk,
+                    ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum,
+                )
+                parts.append({"PartNumber": number, "ETag": response["ETag"], "ChecksumSHA256": checksum})
+            done = self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            # Leave no half-uploaded parts behind (they are billed and invisible).
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            raise
+        return str(done["ETag"])
 
     def get_bytes(self, key: str) -> tuple[bytes, str]:
         try:

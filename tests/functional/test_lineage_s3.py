@@ -130,3 +130,17 @@ def test_a_manifest_that_does_not_parse_is_passed_over(store: S3Store) -> None:
     chosen = select_checkpoint(store, 500)
     assert chosen.step == 100
     assert "manifest does not parse" in chosen.passed_over[0].reason
+
+
+def test_large_objects_go_up_in_parts_and_verify(s3: Any, bucket: str) -> None:
+    store = S3Store(bucket, "jobs/big", client=s3, multipart_threshold=6 * 1024**2, part_size=5 * 1024**2)
+    big = bytes(range(256)) * (13 * 1024 * 1024 // 256)  # 13 MiB: three parts
+    write_checkpoint(store, 100, objects={"model.pt": big})
+    head = s3.head_object(Bucket=bucket, Key=f"jobs/big/{object_key(100)}", ChecksumMode="ENABLED")
+    assert head["ContentLength"] == len(big)
+    assert head["ETag"].endswith('-3"')
+    assert select_checkpoint(store, 100).step == 100
+    assert store.get_with_sha256(object_key(100)) == (big, sha256_hex(big))
+    with pytest.raises(ValueError, match="too large for a conditional write"):
+        store.put_bytes("RESUME.json", big, if_none_match=True)
+    assert not store.exists("RESUME.json")

@@ -103,3 +103,10 @@ def test_open_store_refuses_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(InvalidStoreUri, match="not a directory"):
         open_store(str(tmp_path / "f"))
+
+
+def test_s3_part_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="part_size"):
+        S3Store("bucket-name", client=object(), part_size=1024)
+    with pytest.raises(ValueError, match="part_size"):
+        S3Store("bucket-name", client=object(), multipart_threshold=6 * 1024**2, part_size=8 * 1024**2)
