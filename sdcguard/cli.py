@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "incidents": ("lambdas.ops_cli", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
     "approve": ("lambdas.ops_cli", "approve an incident's node replacement (starts the decision machine)"),
     "reject": ("lambdas.ops_cli", "reject an incident as a false alarm: release the node, resume the job"),
+    "drill": ("infra.drill.cli", "the incident drill on the local stand-in: fault, alarm, approval, replacement, recovery"),
 }
 
 

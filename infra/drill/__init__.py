@@ -1,0 +1,1 @@
+"""The incident drill: the whole system, end to end, on the local stand-in (``sdcguard drill``)."""

@@ -1,0 +1,142 @@
+"""``sdcguard drill``: the whole system, end to end, on the local stand-in, from one command.
+
+1. start the local stand-in, seed a 3-node HyperPod cluster, deploy the stack
+   (the code path of ``sdcguard deploy``);
+2. run the reference job fault-free (3 nodes x 2 ranks, gloo, CPU);
+3. run it again with a fault on one rank's hardware: the agent detects it,
+   skips the update, publishes the alarm and stops;
+4. follow the incident pipeline state by state, show the incident waiting
+   with its evidence, and approve it through ``sdcguard approve`` (or reject,
+   or ask the person at the keyboard);
+5. restart the job from the resume pointer on the nodes the cluster has now;
+6. compare the recovered run's final fingerprint with the fault-free one;
+7. print the timeline and the verdict; write the report directory.
+
+Exit status 0 when the drill passed, 1 when a step failed (the message names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from infra.drill.flow import FAULTS, Decision, DrillFailed, DrillOptions, prepare, run_drill, timeline
+from infra.drill.job_run import Trainer, TrainerError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Options of ``sdcguard drill``."""
+    defaults = DrillOptions()
+    parser.add_argument("--fault", choices=FAULTS, default=defaults.fault,
+                        help="the silent fault to inject (default %(default)s: only the ring audit sees it)")
+    parser.add_argument("--fault-rank", type=int, default=defaults.fault_rank,
+                        help="the rank whose GPU is faulty (default %(default)s; ranks 0-5 on 3 nodes of 2)")
+    parser.add_argument("--fault-step", type=int, default=defaults.fault_step,
+                        help="the first step the fault fires (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps (default %(default)s)")
+    decision = parser.add_mutually_exclusive_group()
+    decision.add_argument("--interactive", action="store_true",
+                          help="ask the person at the keyboard to approve or reject")
+    decision.add_argument("--reject", action="store_true",
+                          help="reject the incident as a false alarm (node released, pointer kept, job resumed)")
+    parser.add_argument("--report", metavar="DIR", type=Path,
+                        help="write the report here (default: a new temporary folder)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--quiet", action="store_true", help="print only the timeline and the verdict")
+    output.add_argument("--json", action="store_true",
+                        help="print only the JSON summary on stdout (progress goes to stderr)")
+    parser.add_argument("--port", type=int, default=0, help="the stand-in's port (default: a free one)")
+
+
+def _options(args: argparse.Namespace) -> DrillOptions:
+    decision: Decision = "ask" if args.interactive else "reject" if args.reject else "approve"
+    return DrillOptions(fault=args.fault, fault_rank=args.fault_rank, fault_step=args.fault_step,
+                        steps=args.steps, decision=decision)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the drill; 0 when it passed, 1 when a step failed. CommandError for bad options."""
+    from infra.local.standin import LocalStandIn, StandInError
+    from sdcguard.cli import CommandError
+
+    # moto warns about every template resource it skips; the drill's reader wants the drill.
+    logging.getLogger("moto").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"moto\.")
+
+    options = _options(args)
+    try:
+        options.validate()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if args.interactive and not sys.stdin.isatty():
+        raise CommandError("--interactive needs a terminal to ask on")
+    report = args.report or Path(tempfile.mkdtemp(prefix="sdcguard-drill-"))
+    stream = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(line, file=stream, flush=True)
+
+    began = time.monotonic()
+    summary: dict[str, Any] = {}
+    failed: DrillFailed | None = None
+    seconds: dict[str, float] = {}
+    say("[1/7] starting the local stand-in (moto + the local EKS API server)")
+    try:
+        with LocalStandIn(port=args.port, replace_seconds=0.5) as standin:
+            say(f"  stand-in at {standin.endpoint_url}, EKS API at {standin.eks.url if standin.eks else '?'} "
+                f"({standin.startup_seconds:.1f} s)")
+            # The launcher imports torch while the cluster is seeded and the stack deployed.
+            trainer = Trainer(standin.env, report / "ranks.log")
+            try:
+                stage = prepare(standin, say=say)
+                trainer.wait_ready()
+                seconds["set_up"] = round(time.monotonic() - began, 2)
+                say(f"  set-up done in {seconds['set_up']:.1f} s")
+                drill_began = time.monotonic()
+                try:
+                    summary = run_drill(stage, options, report, trainer=trainer, say=say)
+                finally:
+                    seconds["drill_after_set_up"] = round(time.monotonic() - drill_began, 2)
+            except DrillFailed as exc:
+                failed = exc
+                summary = exc.summary or {"verdict": "FAILED", "failed_step": exc.step, "failure": exc.message}
+            except TrainerError as exc:
+                failed = DrillFailed("set-up", str(exc))
+                summary = {"verdict": "FAILED", "failed_step": "set-up", "failure": str(exc)}
+            finally:
+                trainer.close()
+    except StandInError as exc:
+        raise CommandError(str(exc)) from None
+    summary.setdefault("drill_seconds", {}).update(seconds)
+    (report / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    else:
+        _verdict(summary, failed)
+    return 1 if failed else 0
+
+
+def _verdict(summary: dict[str, Any], failed: DrillFailed | None) -> None:
+    print("[7/7] timeline (seconds after the alarm):")
+    for row in timeline(summary):
+        print(row)
+    seconds = summary.get("drill_seconds", {})
+    print("  drill     " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    if failed is not None:
+        print(f"verdict: FAILED at {failed.step}: {failed.message}")
+        print(f"report: {summary.get('report_dir', '-')}")
+        return
+    exact = summary.get("recovered_bit_exact")
+    print(f"verdict: PASSED  fault {summary['fault']} on rank {summary['fault_rank']} at step {summary['fault_step']}"
+          f" -> {summary['detector']} alarm at step {summary['alarm_step']}, suspects {summary['suspect_instances']}"
+          f" (localized correctly: {summary['localized_correctly']}); incident {summary['incident_state']}; resumed"
+          f" from step {summary['resumed_from_step']}; recovered bit-exact: {str(exact).lower()}")
+    print(f"report: {summary.get('report_dir', '-')}")
