@@ -9,7 +9,10 @@ the unpadded base64url of a presigned ``GetCallerIdentity`` URL that signs the
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -62,12 +65,16 @@ def kubernetes_client(cluster: str, *, eks: Any = None, sts: Any = None) -> k8s.
     eks = eks or boto3.client("eks")
     described = eks.describe_cluster(name=cluster)["cluster"]
     ca_pem = base64.b64decode(described["certificateAuthority"]["data"])
-    # The kubernetes client wants the CA as a file; a Lambda may write /tmp.
-    with tempfile.NamedTemporaryFile("wb", prefix="eks-ca-", suffix=".pem", delete=False) as ca_file:
-        ca_file.write(ca_pem)
+    # The kubernetes client wants the CA as a file; a Lambda may write its
+    # temporary directory. One file per CA, so warm invocations reuse it.
+    ca_path = Path(tempfile.gettempdir()) / f"eks-ca-{hashlib.sha256(ca_pem).hexdigest()[:16]}.pem"
+    if not ca_path.exists():
+        partial = ca_path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(ca_pem)
+        partial.replace(ca_path)
     config = k8s.Configuration()
     config.host = described["endpoint"]
-    config.ssl_ca_cert = ca_file.name
+    config.ssl_ca_cert = str(ca_path)
     config.verify_ssl = True
     config.api_key = {"BearerToken": eks_token(cluster, sts)}
     config.api_key_prefix = {"BearerToken": "Bearer"}

@@ -143,8 +143,9 @@ def replacement_status(
     """
     incident = ledger.get(incident_id)
     if incident.state != S.REPLACING:
-        done = incident.state not in (S.APPROVED,)
-        return ReplacementProgress(done=done, failed=False, pending=[])
+        # Already recorded as replaced (a retried poll), or stopped meanwhile.
+        done = incident.entered(S.REPLACED) is not None
+        return ReplacementProgress(done=done, failed=not done and incident.state.terminal, pending=[])
     nodes = list_cluster_nodes(hyperpod_cluster, sagemaker)
     successors = find_successors(incident, nodes)
     failed = any(n is not None and n.status == "Failure" for n in successors.values()) or any(

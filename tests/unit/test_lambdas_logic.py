@@ -316,3 +316,33 @@ def test_the_pointer_is_only_rewritten_under_the_allowed_prefix() -> None:
     assert not allowed_prefix("s3://ckpt-bucket/jobsX/a", bucket="ckpt-bucket", prefix="jobs")
     assert not allowed_prefix("s3://other/jobs/a", bucket="ckpt-bucket", prefix="jobs")
     assert not allowed_prefix("/local/dir", bucket="ckpt-bucket", prefix="")
+
+
+# -- the EKS token ---------------------------------------------------------------------
+
+
+def test_the_eks_token_is_a_presigned_get_caller_identity_signing_the_cluster() -> None:
+    import base64
+    from urllib.parse import parse_qs, urlparse
+
+    import boto3
+
+    from lambdas.eks_token import eks_token
+
+    sts = boto3.client(
+        "sts", region_name="us-east-1", aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="secret", endpoint_url="https://sts.us-east-1.amazonaws.com"
+    )
+    token = eks_token("ml-eks", sts)
+
+    assert token.startswith("k8s-aws-v1.")
+    assert "=" not in token
+    body = token.removeprefix("k8s-aws-v1.")
+    url = urlparse(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode())
+    query = parse_qs(url.query)
+    assert url.netloc == "sts.us-east-1.amazonaws.com"
+    assert query["Action"] == ["GetCallerIdentity"]
+    assert query["X-Amz-Expires"] == ["60"]
+    assert "x-k8s-aws-id" in query["X-Amz-SignedHeaders"][0].split(";")
+    # the hooks are gone: the client presigns plain URLs again
+    plain = sts.generate_presigned_url("get_caller_identity", ExpiresIn=60)
+    assert "x-k8s-aws-id" not in plain
