@@ -255,6 +255,30 @@ class _Log:
             print(f"package: {message}", file=sys.stderr, flush=True)
 
 
+KEEP_ZIPS = 6
+"""Built zips kept in the cache; older ones are removed (each source change makes a new one)."""
+
+
+def prune_cache(cache: Path = CACHE, keep: int = KEEP_ZIPS) -> list[Path]:
+    """Remove all but the ``keep`` most recently used zips from ``cache``; returns what was removed.
+
+    The dependency folders stay: they are slow to rebuild and change only with the pins.
+    """
+    zips = sorted(cache.glob("*.zip"), key=_mtime, reverse=True)
+    removed = []
+    for old in zips[keep:]:
+        old.unlink(missing_ok=True)
+        removed.append(old)
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed by a concurrent build's pruning
+        return 0.0
+
+
 def build_package(target: Target = LAMBDA_TARGET, *, cache: Path = CACHE, progress: bool = False) -> Package:
     """Build (or reuse) the deployment package for ``target``.
 
@@ -268,6 +292,11 @@ def build_package(target: Target = LAMBDA_TARGET, *, cache: Path = CACHE, progre
     key = package_key(target, reqs)
     zip_path = cache / f"{key[:32]}.zip"
     cached = zip_path.exists()
+    if cached:
+        try:
+            os.utime(zip_path)  # most recently used: kept by prune_cache
+        except FileNotFoundError:
+            cached = False  # pruned by another build just now
     if not cached:
         cache.mkdir(parents=True, exist_ok=True)
         deps = cache / f"deps-{dependencies_key(target, reqs)[:32]}"
@@ -276,6 +305,7 @@ def build_package(target: Target = LAMBDA_TARGET, *, cache: Path = CACHE, progre
         else:
             log(f"dependencies for {target} from the cache")
         _write_zip(zip_path, deps, compile_sources=target.compiles)
+        prune_cache(cache)
     data = zip_path.read_bytes()
     package = Package(
         path=zip_path,

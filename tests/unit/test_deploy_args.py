@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from infra.cfn_yaml import load_template
 from infra.deploy import TEMPLATE, DeployError, check_overrides, default_target, deploy, parse_overrides
-from infra.package import LAMBDA_TARGET, Target, local_target, package_key, requirements
+from infra.package import LAMBDA_TARGET, Target, local_target, package_key, prune_cache, requirements
 from sdcguard.cli import main
 
 
@@ -106,3 +108,15 @@ def test_the_package_carries_the_lambda_dependencies_but_not_boto3() -> None:
     assert {"pydantic", "aws-lambda-powertools", "kubernetes"} <= names
     assert "boto3" not in names
     assert not any("torch" in n for n in names)
+
+
+def test_the_package_cache_keeps_the_most_recently_used_zips(tmp_path: Path) -> None:
+    for i in range(9):
+        zip_file = tmp_path / f"{i:032x}.zip"
+        zip_file.write_bytes(b"zip")
+        os.utime(zip_file, (1_000_000 + i, 1_000_000 + i))
+    (tmp_path / "deps-x").mkdir()
+    removed = prune_cache(tmp_path, keep=6)
+    assert sorted(p.name for p in removed) == [f"{i:032x}.zip" for i in range(3)]
+    assert sorted(p.name for p in tmp_path.glob("*.zip")) == [f"{i:032x}.zip" for i in range(3, 9)]
+    assert (tmp_path / "deps-x").is_dir()
