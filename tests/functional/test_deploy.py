@@ -13,6 +13,7 @@ import time
 import uuid
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
@@ -175,3 +176,37 @@ def test_the_cli_deploys_prints_json_and_destroys(aws: LocalStandIn, capsys: pyt
     assert not _stack_exists(aws, name)
     with pytest.raises(DestroyError, match="no stack named"):
         destroy(name)
+
+
+def test_an_alarm_the_rule_cannot_deliver_lands_in_the_dead_letter_queue(aws: LocalStandIn) -> None:
+    name = f"dlq-{uuid.uuid4().hex[:8]}"
+    outputs = deploy(name, _overrides(name), poll_seconds=0.1).outputs
+    # Given the incident machine is gone (deleted by hand, say),
+    aws.client("stepfunctions").delete_state_machine(stateMachineArn=outputs["IncidentStateMachineArn"])
+    detail = {"schema_version": "1", "alarm_id": uuid.uuid4().hex}
+
+    # when the agent publishes an alarm,
+    aws.client("events").put_events(
+        Entries=[
+            {
+                "EventBusName": outputs["EventBusName"],
+                "Source": "sdcguard.agent",
+                "DetailType": "SDC Alarm",
+                "Detail": json.dumps(detail),
+            }
+        ]
+    )
+
+    # the event is kept in the dead-letter queue, with the reason.
+    sqs = aws.client("sqs")
+    deadline = time.monotonic() + 30
+    messages: list[dict[str, str]] = []
+    while not messages and time.monotonic() < deadline:
+        messages = sqs.receive_message(
+            QueueUrl=outputs["DeadLetterQueueUrl"], MessageAttributeNames=["All"], WaitTimeSeconds=1
+        ).get("Messages", [])
+    (message,) = messages
+    assert json.loads(message["Body"])["detail"] == detail
+    attributes: Any = message["MessageAttributes"]
+    assert attributes["TARGET_ARN"]["StringValue"] == outputs["IncidentStateMachineArn"]
+    destroy(name, poll_seconds=0.1)
