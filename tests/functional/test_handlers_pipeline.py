@@ -633,6 +633,41 @@ def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
     assert world.ledger.get(waiting).state == S.NEEDS_ATTENTION
 
 
+def test_dry_run_decides_and_records_but_touches_nothing(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = world.node(1)
+    taints_before = our_taints(read_node(world, node["node_name"]))
+    monkeypatch.setenv("MODE", "dry_run")
+    get_settings.cache_clear()
+    try:
+        incident_id = drive(world, alarm_event(world, 1), through="resolve")
+        result = guard.handler({"incident_id": incident_id}, CTX)
+    finally:
+        get_settings.cache_clear()
+    assert result["action"] == "dry_run"
+    incident = world.ledger.get(incident_id)
+    assert incident.state == S.DRY_RUN
+    assert incident.mode == "dry_run"
+    assert "nothing will be touched" in incident.transitions[-1].note
+    assert our_taints(read_node(world, node["node_name"])) == taints_before
+
+
+def test_cordon_only_contains_and_stops_for_a_human(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = world.node(0)
+    monkeypatch.setenv("MODE", "cordon_only")
+    get_settings.cache_clear()
+    try:
+        incident_id = drive(world, alarm_event(world, 0), through="evidence")
+        result = close.handler({"incident_id": incident_id}, CTX)
+    finally:
+        get_settings.cache_clear()
+    assert result["state"] == "CONTAINED"
+    incident = world.ledger.get(incident_id)
+    assert incident.mode == "cordon_only"
+    assert states(incident)[-2:] == ["EVIDENCE_COLLECTED", "CONTAINED"]
+    assert read_node(world, node["node_name"]).spec.unschedulable is True
+    assert read_job(world)["spec"]["runPolicy"]["suspend"] is True
+
+
 def test_steps_out_of_order_change_nothing(world: World) -> None:
     incident_id = drive(world, alarm_event(world, 0), through="guard")
     with pytest.raises(IncidentNotWaiting):
