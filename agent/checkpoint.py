@@ -28,6 +28,7 @@ import io
 import logging
 import pickle
 import random
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from lineage.verify import check_fingerprint, read_manifest, read_verified
 log = logging.getLogger(__name__)
 
 MODEL = "model.pt"
+_FINGERPRINT = re.compile(r"[0-9a-f]{16,128}")
 OPTIMIZER = "optimizer.pt"
 TRAINER = "trainer.pt"
 
@@ -212,6 +214,8 @@ def save_checkpoint(
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
+    if not _FINGERPRINT.fullmatch(fingerprint):
+        raise ValueError(f"fingerprint: {fingerprint!r} is not 16-128 lowercase hex digits")
     rank, world = _rank_world()
     where = store.uri(checkpoint_dir(step))
     problem: BaseException | None = None
@@ -314,15 +318,24 @@ def load_checkpoint(
     source: Source = "pointer"
     pointer: ResumePointer | None = None
     etag: str | None = None
+    unreadable: Exception | None = None
     if rank == 0:
-        chosen, source, pointer, etag = _choose_step(store, step)
+        try:
+            chosen, source, pointer, etag = _choose_step(store, step)
+        except Exception as exc:
+            # Told to the others below, so that no rank waits forever on rank 0.
+            unreadable = exc
     if world > 1:
-        box = torch.tensor([-1 if chosen is None else chosen, _SOURCES.index(source)],
-                           dtype=torch.int64, device=_collective_device())
+        code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
+        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
         dist.broadcast(box, src=0)
         value, kind = box.cpu().tolist()
+        if value == -2 and unreadable is None:
+            raise CheckpointCorrupt(f"{store.uri()}: rank 0 could not read the resume pointer or the listing")
         chosen = None if value < 0 else int(value)
         source = _SOURCES[kind]
+    if unreadable is not None:
+        raise unreadable
     if chosen is None:
         return None
     where = store.uri(checkpoint_dir(chosen))

@@ -12,7 +12,7 @@ from torch import nn
 
 from agent.checkpoint import CheckpointWriter, load_checkpoint, rng_name, save_checkpoint
 from contract.checkpoint import checkpoint_dir
-from lineage.errors import CheckpointCorrupt
+from lineage.errors import CheckpointCorrupt, PointerCorrupt
 from lineage.pointer import read_pointer, rewrite_pointer
 from lineage.store import ObjectStore, open_store
 from lineage.verify import manifest_key, read_manifest, verify_checkpoint
@@ -163,8 +163,18 @@ def test_writer_advances_again_after_resuming_from_the_rewrite(store: ObjectStor
     assert read_pointer(store)[0].step == 20  # type: ignore[union-attr]
 
 
-def test_negative_step_is_refused(store: ObjectStore) -> None:
+def test_bad_arguments_are_refused_before_anything_is_written(store: ObjectStore) -> None:
     model, opt = trained()
     with pytest.raises(ValueError, match="step"):
         save_checkpoint(store, -1, model=model, optimizer=opt, fingerprint="ab" * 24)
+    with pytest.raises(ValueError, match="fingerprint"):
+        save_checkpoint(store, 10, model=model, optimizer=opt, fingerprint="not hex")
     assert store.list() == []
+
+
+def test_an_unreadable_pointer_is_refused(store: ObjectStore) -> None:
+    model, opt = trained()
+    save(store, 10, model, opt)
+    store.put_bytes("RESUME.json", b"garbage")
+    with pytest.raises(PointerCorrupt, match="not a valid resume pointer"):
+        load_checkpoint(store, model=model, optimizer=opt)
