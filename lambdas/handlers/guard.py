@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from contract import IncidentState
 from lambdas.guard import guard_incident
 from lambdas.inputs import IncidentRef, parse_input
@@ -27,5 +29,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         max_replacements_per_day=settings.max_replacements_per_day,
     )
     action = "dry_run" if incident.state == IncidentState.DRY_RUN else "proceed"
+    metrics.add_metric(name="DryRuns" if action == "dry_run" else "IncidentsAdmitted", unit=MetricUnit.Count, value=1)
     logger.info("guarded", extra={"action": action, "mode": settings.mode})
     return {"incident_id": incident.incident_id, "action": action, "mode": settings.mode}

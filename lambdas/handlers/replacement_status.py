@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from lambdas.inputs import StatusPoll, parse_input
 from lambdas.ledger import Ledger
 from lambdas.replace import replacement_status
@@ -32,5 +34,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         "exhausted": not progress.done and attempt >= settings.replacement_max_polls,
         "pending": progress.pending,
     }
+    metrics.add_metric(name="ReplacementPolls", unit=MetricUnit.Count, value=1)
     logger.info("replacement status", extra=result)
     return result

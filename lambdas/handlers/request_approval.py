@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from lambdas.approval import request_approval
 from lambdas.idempotency import run_once
 from lambdas.inputs import ApprovalRequest, parse_input
@@ -32,5 +34,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"incident_id": incident.incident_id, "state": incident.state.value}
 
     result = run_once(ask, {"incident_id": request.incident_id, "task_token": request.task_token}, settings=settings, context=context)
+    metrics.add_metric(name="ApprovalsRequested", unit=MetricUnit.Count, value=1)
     logger.info("approval requested", extra=result)
     return result

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from lambdas.inputs import IncidentRef, parse_input
 from lambdas.ledger import Ledger
 from lambdas.resolve import resolve_incident
@@ -19,5 +21,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     settings = get_settings()
     ref = parse_input(IncidentRef, event)
     incident = resolve_incident(Ledger(settings.ledger_table), ref.incident_id)
+    metrics.add_metric(name="SuspectsResolved", unit=MetricUnit.Count, value=len(incident.instance_ids))
     logger.info("resolved", extra={"instance_ids": incident.instance_ids})
     return {"incident_id": incident.incident_id, "instance_ids": incident.instance_ids}

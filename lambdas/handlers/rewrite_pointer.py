@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from lambdas.idempotency import run_once
 from lambdas.inputs import IncidentRef, parse_input
 from lambdas.ledger import Ledger
@@ -38,5 +40,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         }
 
     result = run_once(rewrite, ref.model_dump(), settings=settings, context=context)
+    metrics.add_metric(name="PointersRewritten", unit=MetricUnit.Count, value=1)
     logger.info("resume pointer rewritten", extra=result)
     return result

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aws_lambda_powertools.metrics import MetricUnit
+
 from lambdas.eks_token import kubernetes_client
 from lambdas.idempotency import run_once
 from lambdas.inputs import IncidentRef, parse_input
@@ -26,5 +28,6 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
         return {"incident_id": ref.incident_id, "job": change.job, "changed": change.changed}
 
     result = run_once(suspend, ref.model_dump(), settings=settings, context=context)
+    metrics.add_metric(name="JobsSuspended", unit=MetricUnit.Count, value=1 if result["changed"] else 0)
     logger.info("job suspended", extra=result)
     return result
