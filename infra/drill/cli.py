@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                 summary = {"verdict": "FAILED", "failed_step": "set-up", "failure": str(exc)}
             finally:
                 trainer.close()
+                stopping = time.monotonic()
+        seconds["stand_in_stop"] = round(time.monotonic() - stopping, 2)
     except StandInError as exc:
         raise CommandError(str(exc)) from None
     summary.setdefault("drill_seconds", {}).update(seconds)

@@ -482,10 +482,13 @@ def run_drill(stage: Stage, options: DrillOptions, work_dir: Path, *, trainer: T
 
 
 def _write(work_dir: Path, outcome: Outcome, say: Say) -> None:
+    began = time.monotonic()
+    plot = work_dir / "losses.png"
+    if outcome.curves:
+        plot_losses(plot, outcome.curves, outcome.marks)
+    outcome.seconds["report"] = round(time.monotonic() - began, 2)
     written = write_report(work_dir, outcome.summary, outcome.documents)
     if outcome.curves:
-        plot = work_dir / "losses.png"
-        plot_losses(plot, outcome.curves, outcome.marks)
         written.append(plot)
     say(f"report: {work_dir} ({', '.join(p.name for p in written)})")
 
@@ -595,6 +598,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     if not (cordoned and suspended):
         raise DrillFailed("pipeline", f"containment incomplete: cordoned={cordoned}, suspended={suspended}", summary)
     stack = ["--stack-name", stage.stack_name]
+    began = time.monotonic()
     with aws_environment(stage.env):
         _, shown = _operator(["incidents", *stack, "show", watch.incident_id])
     say(f"  the incident waits for a reviewer (sdcguard incidents show {watch.incident_id}):")
@@ -614,6 +618,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
         say(f"    | {line}")
     if status != 0:
         raise DrillFailed("decision", f"sdcguard {decision} exited {status}: {' '.join(answer)}", summary)
+    seconds["review_and_decision"] = round(time.monotonic() - began, 2)
 
     # 5. Replacement, pointer, resume (or release).
     began = time.monotonic()
@@ -676,9 +681,15 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     # 6. The comparison.
     summary["recovered_fingerprint"] = recovered_print
     summary["recovered_bit_exact"] = recovered_print == clean_print
-    say(f"[6/7] fingerprints: clean {clean_print}\n"
-        f"                    recovered {recovered_print}  -> "
-        f"{'bit-identical' if recovered_print == clean_print else 'DIFFERENT'}")
+    if recovered_print == clean_print:
+        verdict = "bit-identical"
+    elif decision == "approve":
+        verdict = "DIFFERENT"
+    else:
+        verdict = (f"different, as expected after a rejection: the checkpoint of step {expected_start} "
+                   "keeps whatever the fault did before the alarm")
+    say(f"[6/7] fingerprints: clean     {clean_print}\n"
+        f"                    recovered {recovered_print}  -> {verdict}")
     if decision == "approve":
         summary["recovery_claim"] = "bit-exact: the recovered run must equal the fault-free run"
         if not summary["recovered_bit_exact"]:
