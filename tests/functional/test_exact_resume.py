@@ -10,11 +10,10 @@ restarted processes find it through the resume pointer alone.
 
 from __future__ import annotations
 
-import importlib
 import json
+import multiprocessing
 import os
 import random
-import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,6 @@ N = 6
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _batch(position: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * position + rank)
     x = torch.randn(4, 8, generator=g)
@@ -58,10 +51,11 @@ def _state_hex(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return fp.to_hex(fp.combine(fp.fingerprint_many(tensors)))
 
 
-def _worker(rank: int, mode: str, port: int, prefix: str, env: dict[str, str], out: str) -> None:
+def _worker(rank: int, mode: str, prefix: str, env: dict[str, str], out: str) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # A file rendezvous: no port to pick, so no race with other servers of the suite.
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous-{mode}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(
@@ -103,11 +97,14 @@ def _worker(rank: int, mode: str, port: int, prefix: str, env: dict[str, str], o
 
 
 def _run(mode: str, prefix: str, env: dict[str, str], out: Path) -> list[dict[str, Any]]:
-    # DDP's constructor imports torch._dynamo (seconds); importing it once here
-    # lets every forked rank inherit it instead of paying for it again.
-    importlib.import_module("torch._dynamo")
-    # fork, not spawn: a spawned rank re-imports torch, ~20 s on a busy 2-core machine.
-    mp.start_processes(_worker, args=(mode, _free_port(), prefix, env, str(out)), nprocs=WORLD, start_method="fork")
+    # forkserver: the ranks fork from a fresh single-threaded server that
+    # imported torch (and torch._dynamo, which DDP's constructor pulls in) once,
+    # so they start in a fraction of a second without inheriting the threads
+    # and locks of this process (the stand-in's servers run here); spawn would
+    # re-import torch in every rank, ~20 s each on a busy 2-core machine.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch._dynamo", "boto3", __name__])
+    mp.start_processes(_worker, args=(mode, prefix, env, str(out)), nprocs=WORLD, start_method="forkserver")
     return [json.loads((out / f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
 
 
