@@ -137,8 +137,10 @@ def _verdict(summary: dict[str, Any], failed: DrillFailed | None) -> None:
         print(f"report: {summary.get('report_dir', '-')}")
         return
     exact = summary.get("recovered_bit_exact")
+    recovery = (f"recovered bit-exact: {str(exact).lower()}" if summary.get("decision") == "approve"
+                else "no bit-exact claim after a rejection")
     print(f"verdict: PASSED  fault {summary['fault']} on rank {summary['fault_rank']} at step {summary['fault_step']}"
           f" -> {summary['detector']} alarm at step {summary['alarm_step']}, suspects {summary['suspect_instances']}"
           f" (localized correctly: {summary['localized_correctly']}); incident {summary['incident_state']}; resumed"
-          f" from step {summary['resumed_from_step']}; recovered bit-exact: {str(exact).lower()}")
+          f" from step {summary['resumed_from_step']}; {recovery}")
     print(f"report: {summary.get('report_dir', '-')}")

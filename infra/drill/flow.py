@@ -361,7 +361,7 @@ def _prompt(question: str) -> str:
     return line.strip()
 
 
-def _ask(incident: Incident, say: Say) -> tuple[str, str]:
+def _ask(incident: Incident) -> tuple[str, str]:
     """Ask the person at the keyboard to approve or reject; (decision, reason)."""
     instances = ", ".join(incident.instance_ids) or "?"
     while True:
@@ -372,7 +372,7 @@ def _ask(incident: Incident, say: Say) -> tuple[str, str]:
         if answer in ("r", "reject", "n", "no"):
             decision = "reject"
             break
-        say("please answer a or r")
+        sys.stderr.write("please answer a (approve) or r (reject)\n")
     reason = _prompt("reason (recorded in the ledger): ") or REVIEWER_REASON
     return decision, reason
 
@@ -609,7 +609,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     decision: str = options.decision
     reason = options.reason
     if decision == "ask":
-        decision, reason = _ask(waiting, say)
+        decision, reason = _ask(waiting)
     summary["decision"] = decision
     say(f"  reviewer: sdcguard {decision} {watch.incident_id} --reason {json.dumps(reason)}")
     with aws_environment(stage.env):
