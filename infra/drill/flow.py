@@ -212,6 +212,7 @@ def prepare(standin: Any, *, name: str = "sdcguard-demo", nodes: int = 3, ranks_
     say(f"deployed stack {result.stack_name} ({result.status}) in {seconds['deploy']:.1f} s: "
         f"bus {result.outputs['EventBusName']}, ledger {result.outputs['LedgerTableName']}")
     stage = Stage(standin, seeded, result.stack_name, result.outputs, seconds)
+    say("warming the stack's Lambda functions (one cold start each on the stand-in) ...")
     began = time.monotonic()
     warmed = warm_functions(stage)
     seconds["warm_functions"] = round(time.monotonic() - began, 2)
