@@ -15,6 +15,8 @@ final fingerprint against the fault-free one.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,8 @@ from lineage.store import open_store
 from sdcguard.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SHORT = DrillOptions(steps=20, fault_step=12, audit_every=5, fingerprint_every=5, checkpoint_every=5)
 
@@ -178,3 +182,31 @@ def test_the_command_refuses_options_it_cannot_play_before_starting_anything(
 ) -> None:
     assert main(["drill", *argv]) == 1
     assert message in capsys.readouterr().err
+
+
+REQUIRED_KEYS = {
+    "fault", "detector", "fault_rank", "fault_step", "alarm_step", "suspect_ranks", "suspect_instances",
+    "localized_correctly", "old_instances", "new_instances", "resumed_from_step", "recovered_bit_exact",
+    "incident_state", "phase_seconds",
+}
+
+
+def test_the_command_runs_a_whole_drill_and_prints_only_the_summary_with_json(tmp_path: Path) -> None:
+    # The command as `./dev drill` runs it, in a process of its own (it starts its own stand-in).
+    report = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "sdcguard", "drill", "--json", "--steps", "30", "--fault-step", "12",
+         "--report", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)  # nothing but the summary on stdout
+    assert set(summary) >= REQUIRED_KEYS
+    assert (summary["verdict"], summary["incident_state"], summary["recovered_bit_exact"]) == ("PASSED", "CLOSED", True)
+    assert (summary["alarm_step"], summary["resumed_from_step"]) == (20, 10)
+    assert set(summary["phase_seconds"]) == {"alarm", "cordon", "approval", "replaced", "resumed"}
+    _phases_in_order(summary, ["alarm", "cordon", "approval", "replaced", "resumed"])
+    assert "[6/7] fingerprints" in done.stderr  # the progress went to stderr
+    assert json.loads((report / "summary.json").read_text())["recovered_fingerprint"] == summary["clean_fingerprint"]
+    assert (report / "losses.png").exists()
