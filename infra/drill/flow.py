@@ -578,6 +578,12 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     say("[4/7] incident pipeline (EventBridge rule -> Step Functions -> Lambda handlers), from the ledger:")
     began = time.monotonic()
     watch = IncidentWatch(stage, alarm, say)
+
+    def keep(incident: Incident | None) -> None:
+        """Put the incident as it stands (and its evidence) into the report, failed or not."""
+        if incident is not None:
+            documents["incident"] = incident.model_dump(mode="json")
+            documents["evidence"] = incident.evidence
     summary["incident_id"] = watch.incident_id
     from lineage.pointer import read_pointer
     from lineage.store import open_store
@@ -586,7 +592,9 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     try:
         waiting = watch.wait(frozenset({WAITING}), timeout=240)
     except TimeoutError as exc:
+        keep(watch.current())
         raise DrillFailed("pipeline", str(exc), summary) from exc
+    keep(waiting)
     summary["incident_state"] = waiting.state.value
     if waiting.state != WAITING:
         raise DrillFailed("pipeline", f"incident ended {waiting.state.value} before approval: {waiting.failure}", summary)
@@ -626,10 +634,10 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     try:
         ended = watch.wait(frozenset(ENDS), timeout=240)
     except TimeoutError as exc:
+        keep(watch.current())
         raise DrillFailed("pipeline", str(exc), summary) from exc
     seconds["pipeline_after_decision"] = round(time.monotonic() - began, 2)
-    documents["incident"] = ended.model_dump(mode="json")
-    documents["evidence"] = ended.evidence
+    keep(ended)
     summary["incident_state"] = ended.state.value
     want = S.CLOSED if decision == "approve" else S.FALSE_ALARM
     if ended.state != want:
