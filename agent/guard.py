@@ -131,6 +131,7 @@ class SDCGuard:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        _settle_buckets(model, loss_fn, batch_for(0, dist.get_rank(group)))
         if isinstance(injection, str):
             injection = injection_from_env()
         self.injector = Injector(injection, self.topology.rank, self.topology.node)
@@ -411,3 +412,32 @@ class SDCGuard:
         if self.topology.world_size > 1:
             dist.broadcast(mine, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         return int(mine.item())
+
+
+def _settle_buckets(model: torch.nn.parallel.DistributedDataParallel, loss_fn: LossFn, batch: Any) -> None:
+    """One forward and backward that changes nothing, so every real step reduces with DDP's final buckets.
+
+    DDP all-reduces its first backward with buckets in parameter order, then
+    rebuilds them in the order the gradients became ready. Where an element
+    sits in the flat buffer decides the order in which the all-reduce sums it
+    across ranks, so with three or more ranks a job resumed from a checkpoint
+    (a fresh DDP, on its first layout) and one that never stopped (on the
+    rebuilt layout) round differently at the resumed step, and the resume is
+    not bit-exact. Settling the layout here, before any real step, makes the
+    first step of every start use the layout of every later one. It runs before
+    the communication hook and fault injection are installed, leaves no
+    gradient, and restores the random state and the module's buffers (batch
+    norm statistics), so the weights, optimizer and data are untouched.
+    """
+    buffers = [b.detach().clone() for b in model.module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    loss_fn(model, batch).backward()
+    for param in model.parameters():
+        param.grad = None
+    with torch.no_grad():
+        for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)

@@ -34,6 +34,7 @@ from torch import nn
 
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
+from agent.weights import state_fingerprint_hex
 
 log = logging.getLogger("agent.train")
 
@@ -172,6 +173,7 @@ def train(steps: int, shape: JobShape, config: GuardConfig, *, checkpoint_every:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "alarms": alarms,
+        "final_fingerprint": state_fingerprint_hex(guard.params, guard.optimizer),
     }
     del guard, ddp, optimizer
     return summary

@@ -26,6 +26,7 @@ from lambdas.errors import IncidentNotFound
 from lambdas.ledger import Ledger
 
 DEFAULT_STACK = "sdcguard"
+PAST_TENSE = {"approve": "approved", "reject": "rejected"}
 FAILURE_MESSAGES = {
     "IncidentNotWaiting": "incident {id} is not waiting for approval{state}; nothing changed",
     "ApprovalExpired": "the approval request of incident {id} has expired{state}: the incident stopped safely "
@@ -178,7 +179,7 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
             raise CommandError(f"the decision machine is still running after {args.wait:g} s: {execution}")
         time.sleep(0.5)
     if described["status"] == "SUCCEEDED":
-        print(f"{decision}d incident {args.incident_id} as {reviewer}: {args.reason}")
+        print(f"{PAST_TENSE[decision]} incident {args.incident_id} as {reviewer}: {args.reason}")
         return 0
     error = described.get("error", "")
     template = FAILURE_MESSAGES.get(error)

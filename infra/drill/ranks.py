@@ -44,26 +44,6 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def settle_buckets(ddp: Any, loss_fn: Any, batch: Any) -> None:
-    """One forward and backward that updates nothing, so every real step all-reduces with DDP's final buckets.
-
-    DDP all-reduces the first backward with buckets in parameter order and
-    then rebuilds them in the order the gradients became ready. The ring
-    all-reduce sums each element in an order that depends on where it sits in
-    its bucket, so a job resumed from a checkpoint (fresh DDP: first layout)
-    and one that never stopped (rebuilt layout) round differently at the
-    resumed step. Settling the layout before any real step makes a resumed
-    run bit-identical to an uninterrupted one. The weights are untouched (no
-    optimizer step); the guard reseeds every step's random state.
-    """
-    import torch
-
-    loss_fn(ddp, batch).backward()
-    for p in ddp.parameters():
-        p.grad = None
-    torch.manual_seed(0)
-
-
 def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
     """One rank, ended with ``os._exit``: its record is written, and nothing at exit may hang it.
 
@@ -105,7 +85,6 @@ def _train(rank: int, spec: dict[str, Any], port: int) -> None:
     device = torch.device("cpu")
     ddp, optimizer = build(shape, device)
     data = SyntheticData(shape, device)
-    settle_buckets(ddp, loss_fn, data(0, rank))
     guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data,
                      config=GuardConfig.from_env(**spec["guard"]))
     out: dict[str, Any] = {"rank": rank, "node": guard.topology.node, "losses": [], "alarm": None,

@@ -24,6 +24,7 @@ from infra.local.standin import LocalStandIn
 from lambdas.ledger import Ledger
 from sdcguard.cli import main
 from tests.events import load_event
+from tests.functional.task_token import waiting_token
 
 S = IncidentState
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,30 +120,7 @@ def open_incident(setup: Setup, *, waiting: bool) -> str:
 
 
 def real_token(setup: Setup) -> str:
-    sqs = setup.standin.client("sqs")
-    queue = sqs.create_queue(QueueName=f"tok-{uuid.uuid4().hex[:8]}")["QueueUrl"]
-    sfn = setup.standin.client("stepfunctions")
-    definition = {
-        "StartAt": "Wait",
-        "States": {
-            "Wait": {
-                "Type": "Task",
-                "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken",
-                "Parameters": {"QueueUrl": queue, "MessageBody": {"token.$": "$$.Task.Token"}},
-                "TimeoutSeconds": 120,
-                "End": True,
-            }
-        },
-    }
-    machine = sfn.create_state_machine(
-        name=f"wait-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition), roleArn="arn:aws:iam::123456789012:role/sfn"
-    )["stateMachineArn"]
-    sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex, input="{}")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for m in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=1).get("Messages", []):
-            return str(json.loads(m["Body"])["token"])
-    raise AssertionError("the waiting execution never sent its token")
+    return waiting_token(setup.standin)[0]
 
 
 def test_incidents_lists_as_json_and_as_a_table(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,6 +162,18 @@ def test_approve_starts_the_decide_machine_as_the_caller(setup: Setup, capsys: p
     err = capsys.readouterr().err
     assert f"incident {incident_id} is not waiting for approval (it is APPROVED)" in err
     assert setup.ledger.get(incident_id).decision == incident.decision
+
+
+def test_reject_records_the_decision_and_says_so(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    incident_id = open_incident(setup, waiting=True)
+    argv = ["reject", incident_id, "--reason", "known flaky test job", "--table", setup.table,
+            "--state-machine-arn", setup.machine]
+    assert main(argv) == 0
+    assert f"rejected incident {incident_id} as " in capsys.readouterr().out
+    incident = setup.ledger.get(incident_id)
+    assert incident.state == S.REJECTED
+    assert incident.decision is not None
+    assert incident.decision.decision == "reject"
 
 
 def test_reject_of_an_incident_that_never_waited_changes_nothing(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,6 +60,7 @@ from lineage.pointer import read_pointer
 from lineage.pointer import rewrite_pointer as point_at
 from lineage.store import open_store
 from tests.events import load_event
+from tests.functional.task_token import waiting_token
 
 S = IncidentState
 
@@ -443,31 +444,7 @@ def test_request_approval_stores_the_token_and_tells_the_reviewers_how_to_answer
 def waiting_with_real_token(world: World) -> tuple[str, str]:
     """An incident waiting for approval whose token belongs to a real waiting execution."""
     incident_id = drive(world, alarm_event(world, 0), through="evidence")
-    sqs = world.standin.client("sqs")
-    queue = sqs.create_queue(QueueName=f"tokens-{uuid.uuid4().hex[:8]}")["QueueUrl"]
-    sfn = world.standin.client("stepfunctions")
-    definition = {
-        "StartAt": "Wait",
-        "States": {
-            "Wait": {
-                "Type": "Task",
-                "Resource": "arn:aws:states:::sqs:sendMessage.waitForTaskToken",
-                "Parameters": {"QueueUrl": queue, "MessageBody": {"token.$": "$$.Task.Token"}},
-                "TimeoutSeconds": 120,
-                "End": True,
-            }
-        },
-    }
-    machine = sfn.create_state_machine(
-        name=f"approval-{uuid.uuid4().hex[:8]}", definition=json.dumps(definition), roleArn="arn:aws:iam::123456789012:role/sfn"
-    )["stateMachineArn"]
-    execution = sfn.start_execution(stateMachineArn=machine, name=uuid.uuid4().hex, input="{}")["executionArn"]
-    token = None
-    deadline = time.monotonic() + 30
-    while token is None and time.monotonic() < deadline:
-        for m in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=1).get("Messages", []):
-            token = json.loads(m["Body"])["token"]
-    assert token, "the waiting execution never sent its token"
+    token, execution = waiting_token(world.standin)
     request_approval.handler({"incident_id": incident_id, "task_token": token, "timeout_seconds": 120}, CTX)
     return incident_id, execution
 
