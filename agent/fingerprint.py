@@ -33,14 +33,20 @@ shape) constant), so a reinterpretation or a reshape of the same bits has a
 different fingerprint, and an empty tensor has a defined one.
 
 Integer sums are exact and independent of order, so the result does not
-depend on the thread count, the chunk size, the kernel or the device. The
-implementation makes one pass over the tensor in chunks (a multiple of ``P``
-elements) that stay in cache: each chunk is widened into a per-call int64
-scratch buffer (the only copy; a non-contiguous tensor is gathered there
-chunk by chunk, never copied whole), reduced by rows and columns for lanes 0
-and 1, xored, squared and row-reduced for lane 2. Per-block partial sums stay
-on the tensor's device; the lanes are finished with a few small ops at the
-end and nothing is read back to the host (``to_hex`` does that, once).
+depend on the thread count, the chunk size, the kernel or the device.
+
+Two implementations compute it. On the CPU a C kernel (``agent/csrc``, built
+and loaded by ``agent.native``) reads the tensor in place in one vectorised
+pass; it runs at a good fraction of memory bandwidth, where torch's CPU int64
+multiply is not vectorised. Everywhere else (GPUs, or a CPU without a C
+compiler) the torch implementation makes one pass over the tensor in chunks
+(a multiple of ``P`` elements) that stay in cache: each chunk is widened into
+a per-call int64 scratch buffer (the only copy; a non-contiguous tensor is
+gathered there chunk by chunk, never copied whole), reduced by rows and
+columns for lanes 0 and 1, xored, squared and row-reduced for lane 2.
+Per-block partial sums stay on the tensor's device; the lanes are finished
+with a few small ops at the end and nothing is read back to the host
+(``to_hex`` does that, once). Tests hold both to a pure-Python reference.
 
 Scratch buffers belong to a call, never to the module: the DDP communication
 hook may fingerprint buckets concurrently from gloo threads. The only
@@ -49,11 +55,15 @@ module-level state is read-only tables, built once per device under a lock.
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import functools
 import threading
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from agent import native
 
 LANES = 3
 """Lanes per fingerprint."""
@@ -240,26 +250,11 @@ def _descriptor_lanes(dtype: torch.dtype, shape: tuple[int, ...], device: torch.
     return torch.tensor([signed64(d) for d in descriptor(dtype, shape)], dtype=torch.int64, device=device)
 
 
-class _Reducer:
-    """One fingerprint in progress: a per-call scratch buffer and the per-block partial sums."""
+class _Feeder:
+    """Walks a tensor's elements in logical (row-major) order, in pieces of at most ``chunk`` elements."""
 
-    def __init__(
-        self, numel: int, wide: bool, device: torch.device, chunk: int, scratch: torch.Tensor | None
-    ):
-        self.chunk = min(chunk, max(BLOCK, -(-numel // BLOCK) * BLOCK))
-        self.wide = wide
-        self.tables = _tables_for(device)
-        if scratch is None or scratch.numel() < self.chunk or scratch.device != device:
-            scratch = torch.empty(self.chunk, dtype=torch.int64, device=device)
-        self.scratch = scratch
-        self.shifted = torch.empty(self.chunk, dtype=torch.int64, device=device) if wide else None
-        n_blocks = -(-numel // BLOCK)
-        self.row_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
-        self.square_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
-        self.column_sums = torch.zeros(BLOCK, dtype=torch.int64, device=device)
-        self.column_part = torch.empty(BLOCK, dtype=torch.int64, device=device)
-        self.fill = 0
-        self.block = 0
+    chunk: int
+    fill: int
 
     def feed(self, x: torch.Tensor) -> None:
         """Append ``x``'s elements in logical (row-major) order, any strides."""
@@ -287,6 +282,31 @@ class _Reducer:
             rows = min(rows, x.shape[0] - index)
             self._put(x[index : index + rows])
             index += rows
+
+    def _put(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _Reducer(_Feeder):
+    """One fingerprint in progress (torch implementation): a per-call scratch buffer and the per-block partial sums."""
+
+    def __init__(
+        self, numel: int, wide: bool, device: torch.device, chunk: int, scratch: torch.Tensor | None
+    ):
+        self.chunk = min(chunk, max(BLOCK, -(-numel // BLOCK) * BLOCK))
+        self.wide = wide
+        self.tables = _tables_for(device)
+        if scratch is None or scratch.numel() < self.chunk or scratch.device != device:
+            scratch = torch.empty(self.chunk, dtype=torch.int64, device=device)
+        self.scratch = scratch
+        self.shifted = torch.empty(self.chunk, dtype=torch.int64, device=device) if wide else None
+        n_blocks = -(-numel // BLOCK)
+        self.row_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
+        self.square_sums = torch.empty(n_blocks, dtype=torch.int64, device=device)
+        self.column_sums = torch.zeros(BLOCK, dtype=torch.int64, device=device)
+        self.column_part = torch.empty(BLOCK, dtype=torch.int64, device=device)
+        self.fill = 0
+        self.block = 0
 
     def _put(self, x: torch.Tensor) -> None:
         n = x.numel()
@@ -343,9 +363,17 @@ def _checked_chunk(chunk: int | None, device: torch.device) -> int:
     return chunk
 
 
+def _kernel_for(device: torch.device) -> native.Kernel | None:
+    """The C kernel when ``device`` is the CPU and the kernel is in use; else None (torch implementation)."""
+    return native.kernel() if device.type == "cpu" else None
+
+
 def _fingerprint(
     t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kernel = _kernel_for(t.device)
+    if kernel is not None:
+        return fingerprint_native(t, kernel, chunk=chunk), scratch
     bits = bit_view(t.detach())
     reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, chunk, scratch)
     reducer.feed(bits)
@@ -357,11 +385,92 @@ def fingerprint(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
 
     Equal bits, dtype and shape give equal lanes on any device, thread count
     or ``chunk`` (elements per chunk; None picks ``default_chunk(t.device)``);
-    see the module docstring for the exact definition. Does not
-    synchronise with the device. Raises ValueError if ``chunk`` is not a
+    see the module docstring for the exact definition. On the CPU the C kernel
+    (``agent.native``) does the work when it is available, else torch. Does
+    not synchronise with the device. Raises ValueError if ``chunk`` is not a
     positive multiple of ``BLOCK``, TypeError for an unsupported dtype."""
     lanes, _ = _fingerprint(t, _checked_chunk(chunk, t.device), None)
     return lanes
+
+
+def fingerprint_torch(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
+    """``fingerprint`` by the torch implementation, whatever the device and the kernel setting."""
+    bits = bit_view(t.detach())
+    reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, _checked_chunk(chunk, t.device), None)
+    reducer.feed(bits)
+    return reducer.finish(t.dtype, tuple(t.shape))
+
+
+PARALLEL_MIN = 1 << 22
+"""Elements from which the C kernel splits a contiguous tensor across torch's
+intra-op threads (a piece per thread; the lanes are sums, so pieces add)."""
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _thread_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sdcguard-fingerprint")
+        return _pool
+
+
+class _NativeFeeder(_Feeder):
+    """A strided tensor for the C kernel: gathered chunk by chunk into a same-type scratch buffer."""
+
+    def __init__(self, kernel: native.Kernel, bits: torch.Tensor, chunk: int, out: torch.Tensor) -> None:
+        self.kernel = kernel
+        self.chunk = chunk
+        self.fill = 0  # pieces go to the kernel at once: the scratch is never part-filled between calls
+        self.kind = native.kind_of(bits.element_size(), bits.dtype in (torch.uint8, torch.bool))
+        self.scratch = torch.empty(chunk, dtype=bits.dtype)
+        self.index = 0
+        self.out = out
+
+    def _put(self, x: torch.Tensor) -> None:
+        n = x.numel()
+        if not x.is_contiguous():
+            x = self.scratch[:n].view(x.shape).copy_(x)
+        self.kernel.segment(x.data_ptr(), n, self.kind, self.index, self.out.data_ptr())
+        self.index += n
+
+
+def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | None = None) -> torch.Tensor:
+    """``fingerprint`` of a CPU tensor by the C kernel ``kernel`` (``agent.native.kernel()``).
+
+    A contiguous tensor is read in place (split across torch's intra-op
+    threads from ``PARALLEL_MIN`` elements); a strided one is gathered
+    ``chunk`` elements at a time. Raises ValueError for a tensor not on the CPU."""
+    if t.device.type != "cpu":
+        raise ValueError(f"fingerprint_native: the C kernel reads CPU memory, not {t.device}")
+    bits = bit_view(t.detach())
+    n = bits.numel()
+    kind = native.kind_of(bits.element_size(), bits.dtype in (torch.uint8, torch.bool))
+    threads = torch.get_num_threads()
+    if n and not bits.is_contiguous():
+        out = torch.zeros(LANES, dtype=torch.int64)
+        _NativeFeeder(kernel, bits, _checked_chunk(chunk, t.device), out).feed(bits)
+    elif n >= PARALLEL_MIN and threads > 1:
+        pieces = torch.zeros(threads, LANES, dtype=torch.int64)
+        step = -(-n // threads)
+        base, size = bits.data_ptr(), bits.element_size()
+
+        def piece(k: int) -> None:
+            start = k * step
+            kernel.segment(base + start * size, min(step, n - start), kind, start, pieces[k].data_ptr())
+
+        jobs = [_thread_pool(threads - 1).submit(piece, k) for k in range(1, threads)]
+        piece(0)
+        for job in jobs:
+            job.result()
+        out = pieces.sum(0)  # int64 sums wrap mod 2**64, as the lanes do
+    else:
+        out = torch.zeros(LANES, dtype=torch.int64)
+        if n:
+            kernel.segment(bits.data_ptr(), n, kind, 0, out.data_ptr())
+    return out.add_(_descriptor_lanes(t.dtype, tuple(t.shape), t.device))
 
 
 def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = None) -> torch.Tensor:
@@ -380,6 +489,9 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = Non
     for t in tensors:
         if t.device != device:
             raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")
+    kernel = _kernel_for(device)
+    if kernel is not None:
+        return _many_native(tensors, kernel, chunk)
     rows: list[torch.Tensor | None] = [None] * len(tensors)
     # Tensors of at most one block (biases, norms, scalars) are done together:
     # per tensor, one copy instead of a score of small ops.
@@ -397,6 +509,75 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = Non
             for k, row in zip(members, lanes.unbind(0), strict=True):
                 rows[k] = row
     return torch.stack([row for row in rows if row is not None])
+
+
+def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int) -> torch.Tensor:
+    """``fingerprint_many`` on the CPU: the contiguous tensors in one kernel call, the others one by one."""
+    out = torch.zeros(len(tensors), LANES, dtype=torch.int64)
+    batch: list[int] = []
+    for k, t in enumerate(tensors):
+        bits = bit_view(t.detach())
+        if bits.is_contiguous() and bits.numel() < PARALLEL_MIN:
+            batch.append(k)
+        else:
+            out[k] = fingerprint_native(t, kernel, chunk=chunk)
+    if batch:
+        views = [bit_view(tensors[k].detach()) for k in batch]
+        count = len(batch)
+        data = (ctypes.c_void_p * count)(*(v.data_ptr() for v in views))
+        sizes = (ctypes.c_int64 * count)(*(v.numel() for v in views))
+        kinds = (ctypes.c_int32 * count)(
+            *(native.kind_of(v.element_size(), v.dtype in (torch.uint8, torch.bool)) for v in views)
+        )
+        lanes = torch.empty(count, LANES, dtype=torch.int64)
+        kernel.many(data, sizes, kinds, lanes.data_ptr())
+        lanes.add_(_descriptors(tuple((tensors[k].dtype, tuple(tensors[k].shape)) for k in batch)))
+        out[batch] = lanes
+    return out
+
+
+def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = None) -> torch.Tensor:
+    """``fingerprint(torch.cat([t.reshape(-1) for t in tensors]))``, without making the concatenation.
+
+    The tensors must share one dtype and one device and there must be at
+    least one. Both implementations stream the pieces at their offsets (the
+    lanes are sums over elements). Raises ValueError for mixed dtypes or
+    devices or no tensors, TypeError for an unsupported dtype."""
+    if not tensors:
+        raise ValueError("fingerprint_concat: no tensors")
+    dtype, device = tensors[0].dtype, tensors[0].device
+    for t in tensors:
+        if t.dtype != dtype or t.device != device:
+            raise ValueError(
+                f"fingerprint_concat: {dtype} on {device} and {t.dtype} on {t.device}; use one dtype and device"
+            )
+    chunk = _checked_chunk(chunk, device)
+    total = sum(t.numel() for t in tensors)
+    bits = [bit_view(t.detach()) for t in tensors]
+    kernel = _kernel_for(device)
+    if kernel is None:
+        reducer = _Reducer(sum(b.numel() for b in bits), bits[0].element_size() == 8, device, chunk, None)
+        for b in bits:
+            reducer.feed(b)
+        return reducer.finish(dtype, (total,))
+    out = torch.zeros(LANES, dtype=torch.int64)
+    kind = native.kind_of(bits[0].element_size(), bits[0].dtype in (torch.uint8, torch.bool))
+    if all(b.is_contiguous() for b in bits):
+        count = len(bits)
+        data = (ctypes.c_void_p * count)(*(b.data_ptr() for b in bits))
+        sizes = (ctypes.c_int64 * count)(*(b.numel() for b in bits))
+        kernel.concat(data, sizes, kind, out.data_ptr())
+    else:
+        feeder = _NativeFeeder(kernel, bits[0], chunk, out)
+        for b in bits:
+            feeder.feed(b)
+    return out.add_(_descriptor_lanes(dtype, (total,), device))
+
+
+@functools.lru_cache(maxsize=256)
+def _descriptors(keys: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> torch.Tensor:
+    # Shared and only ever read, like _descriptor_lanes: a model's parameter list repeats every step.
+    return torch.tensor([[signed64(d) for d in descriptor(dtype, shape)] for dtype, shape in keys], dtype=torch.int64)
 
 
 def _fingerprint_small(tensors: list[torch.Tensor], wide: bool, device: torch.device) -> torch.Tensor:

@@ -53,9 +53,9 @@ def packed_fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
         if t.numel() >= PACK_BELOW:
             rows.append(fp.fingerprint(t).to(device))
         else:
-            small.setdefault((t.dtype, t.device), []).append(t.reshape(-1))
+            small.setdefault((t.dtype, t.device), []).append(t)
     for group in small.values():
-        rows.append(fp.fingerprint(torch.cat(group)).to(device))
+        rows.append(fp.fingerprint_concat(group).to(device))
     if not rows:
         return torch.zeros(0, 3, dtype=torch.int64, device=device)
     return torch.stack(rows)

@@ -3,11 +3,13 @@
 ``./dev bench fingerprint [-- --elements 16M,64M --dtypes float32,bfloat16 --repeats 7 --sweep]``
 
 For each tensor it times, interleaved in the same run, ``buffer.copy_(t)``
-into a preallocated buffer (memcpy), ``t.sum()`` and ``fingerprint(t)``, and
-reports medians and the throughput ratios ``memcpy time / fingerprint time``
-(1.0 = as fast as a memcpy; the target is >= 0.5) and ``sum time /
-fingerprint time``. ``--sweep`` also times every chunk size in ``--chunks``
-to show how the defaults (``default_chunk``) were chosen.
+into a preallocated buffer (memcpy), ``t.sum()``, ``fingerprint(t)`` (the C
+kernel when it is in use, see ``agent.native``) and ``fingerprint_torch(t)``
+(the torch implementation, which GPUs use), and reports medians and the
+throughput ratios ``memcpy time / fingerprint time`` (1.0 = as fast as a
+memcpy; the target is >= 0.5) and ``sum time / fingerprint time``.
+``--sweep`` also times the torch implementation at every chunk size in
+``--chunks`` to show how its defaults (``default_chunk``) were chosen.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from agent.fingerprint import BLOCK, default_chunk, fingerprint
+from agent import native
+from agent.fingerprint import BLOCK, default_chunk, fingerprint, fingerprint_torch
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -109,11 +112,15 @@ def main(argv: list[str]) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    kernel = native.kernel()
+    implementation = f"C kernel ({kernel.isa_name})" if kernel else "torch (no C kernel: see the warning above)"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, default chunk {_label(default_chunk(torch.device('cpu')))} elements"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; fingerprint: {implementation}; "
+        f"torch implementation's chunk {_label(default_chunk(torch.device('cpu')))} elements"
     )
     print(
         f"{'dtype':<9} {'elements':>8} {'memcpy ms':>9} {'sum ms':>7} {'fp ms':>7} {'fp GB/s':>7} {'x memcpy':>8} {'x sum':>6}"
+        f" {'torch fp ms':>11} {'x memcpy':>8}"
     )
     for dtype in args.dtypes:
         for n in args.elements:
@@ -124,18 +131,19 @@ def main(argv: list[str]) -> int:
                     "memcpy": functools.partial(buffer.copy_, t),
                     "sum": t.sum,
                     "fingerprint": functools.partial(fingerprint, t),
+                    "torch": functools.partial(fingerprint_torch, t),
                 },
                 args.repeats,
             )
-            memcpy, total, fp = got["memcpy"], got["sum"], got["fingerprint"]
+            memcpy, total, fp, slow = got["memcpy"], got["sum"], got["fingerprint"], got["torch"]
             gbs = t.numel() * t.element_size() / fp / 1e9
             print(
                 f"{str(dtype).removeprefix('torch.'):<9} {_label(n):>8} {memcpy * 1e3:9.1f} {total * 1e3:7.1f} "
-                f"{fp * 1e3:7.1f} {gbs:7.2f} {memcpy / fp:8.2f} {total / fp:6.2f}"
+                f"{fp * 1e3:7.1f} {gbs:7.2f} {memcpy / fp:8.2f} {total / fp:6.2f} {slow * 1e3:11.1f} {memcpy / slow:8.2f}"
             )
             if args.sweep:
                 for chunk in args.chunks:
-                    seconds = _median_seconds(functools.partial(fingerprint, t, chunk=chunk), args.repeats)
+                    seconds = _median_seconds(functools.partial(fingerprint_torch, t, chunk=chunk), args.repeats)
                     print(
                         f"    chunk {_label(chunk):>5}: {seconds * 1e3:7.1f} ms, x memcpy {memcpy / seconds:5.2f}"
                     )

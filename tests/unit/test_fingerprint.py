@@ -22,6 +22,7 @@ from agent.fingerprint import (
     descriptor,
     fingerprint,
     fingerprint_many,
+    fingerprint_torch,
     position_word,
     to_hex,
 )
@@ -92,6 +93,9 @@ def test_matches_the_reference_definition(dtype: torch.dtype, shape: tuple[int, 
     t = sample(dtype, shape)
     assert to_hex(fingerprint(t, chunk=BLOCK)) == reference_hex(t)
     assert to_hex(fingerprint(t)) == reference_hex(t)
+    # The torch implementation (what a GPU runs) as well as the C kernel the CPU uses.
+    assert to_hex(fingerprint_torch(t, chunk=BLOCK)) == reference_hex(t)
+    assert to_hex(fingerprint_torch(t)) == reference_hex(t)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8], ids=str)
@@ -103,6 +107,7 @@ def test_non_contiguous_tensors_match_the_reference(dtype: torch.dtype) -> None:
         assert to_hex(fingerprint(view, chunk=BLOCK)) == expected
         assert to_hex(fingerprint(view, chunk=2 * BLOCK)) == expected
         assert to_hex(fingerprint(view.contiguous())) == expected
+        assert to_hex(fingerprint_torch(view, chunk=BLOCK)) == expected
 
 
 @PROPERTY
@@ -221,6 +226,7 @@ def test_thread_count_and_chunk_size_never_change_the_result(dtype: torch.dtype)
             torch.set_num_threads(threads)
             for chunk in (None, BLOCK, 8 * BLOCK, DEFAULT_CHUNK, SINGLE_THREAD_CHUNK, 1024 * BLOCK):
                 results.append(fingerprint(t, chunk=chunk))
+                results.append(fingerprint_torch(t, chunk=chunk))
     finally:
         torch.set_num_threads(saved)
     assert all(torch.equal(r, results[0]) for r in results)

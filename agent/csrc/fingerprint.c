@@ -1,0 +1,352 @@
+/* The fingerprint's three lanes in one fused pass over a CPU tensor's bits.
+ *
+ * The definition is agent/fingerprint.py's (its module docstring); this file
+ * computes exactly the same lanes, without the per-(dtype, shape) descriptor,
+ * which Python adds. Writing v_i for element i sign-extended to 64 bits
+ * (uint8 and bool zero-extended), P = 1024, b = i / P, j = i % P:
+ *
+ *   lane 0 = sum v_i
+ *   lane 1 = sum (i + 1) v_i
+ *   lane 2 = sum w(b) sq(u_i ^ T[j])      u_i = v_i, or v_i ^ (v_i >> 32) for 64-bit elements
+ *
+ * all mod 2**64. Per block the loop keeps three sums (s = sum v, c = sum
+ * (j + 1) v, q = sum sq) and folds them in with the block's constants:
+ * lane 1 += c + b P s, lane 2 += w(b) q. Every term is per element, so a
+ * tensor may be fed in pieces at any element offset (``start``).
+ *
+ * The runs are vectorised by hand on x86-64 (AVX-512 or AVX2, picked at run
+ * time by sdc_fp_init, so one build serves every machine of a cluster) and
+ * plain C elsewhere; see the comment above the vector runs. Compilers did not
+ * vectorise the plain loop well: they emulate a full 64 x 64 multiply where
+ * two 32 x 32 -> 64 multiplies do.
+ *
+ * Pure C11 (plus x86 intrinsics), no Python or torch headers: the loader (agent/native.py) builds
+ * it with the system C compiler and calls it through ctypes, which releases
+ * the GIL for the call. Reentrant: the only shared state is the position
+ * table and the CPU's instruction sets, filled once by sdc_fp_init() before
+ * any other call.
+ */
+
+#include <stdint.h>
+
+#define SDC_FP_ABI 2
+#define BLOCK 1024
+
+enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
+
+static uint64_t position[BLOCK];
+
+static uint64_t mix64(uint64_t x)
+{
+    uint64_t z = x + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t block_weight(uint64_t b) { return mix64(2 * b + 1) | 1; }
+
+/* One block run, the plain way: elements x[0..m) at positions j0..j0+m of a
+ * block (m <= BLOCK); the sums s, c, q are added to acc[0..3). Used on every
+ * machine for the tail of a run, and for the whole run where no vector code
+ * below applies. */
+#define SCALAR_RUN(NAME, TYPE, WIDE)                                                           \
+    static void NAME(const void *data, uint32_t m, uint32_t j0, uint64_t *acc)                 \
+    {                                                                                          \
+        const TYPE *x = (const TYPE *)data;                                                    \
+        uint64_t s = 0, c = 0, q = 0;                                                          \
+        for (uint32_t k = 0; k < m; k++) {                                                     \
+            int64_t v = (int64_t)x[k];                                                         \
+            uint64_t y = (uint64_t)v ^ position[j0 + k];                                       \
+            if (WIDE)                                                                          \
+                y ^= (uint64_t)(v >> 32);                                                      \
+            s += (uint64_t)v;                                                                  \
+            c += (uint64_t)(j0 + k + 1) * (uint64_t)v;                                         \
+            q += y * y;                                                                        \
+        }                                                                                      \
+        acc[0] += s;                                                                           \
+        acc[1] += c;                                                                           \
+        acc[2] += q;                                                                           \
+    }
+
+SCALAR_RUN(scalar_i8, int8_t, 0)
+SCALAR_RUN(scalar_u8, uint8_t, 0)
+SCALAR_RUN(scalar_i16, int16_t, 0)
+SCALAR_RUN(scalar_i32, int32_t, 0)
+SCALAR_RUN(scalar_i64, int64_t, 1)
+
+/* Vector runs (x86-64: AVX2 and AVX-512, chosen at run time). W lanes of 64
+ * bits; lane l takes elements k = W t + l, t = 0..T-1. Per lane the loop keeps
+ * S_l = sum_t v, F_l = sum_t (T - t) v (Fletcher's running sum of running
+ * sums: one add, no multiply) and Q_l = sum_t sq(y). Then, with S = sum S_l
+ * and F = sum F_l,
+ *
+ *   c = sum_k (j0 + k + 1) v_k = (j0 + 1) S + W (T S - F) + sum_l l S_l.
+ *
+ * The square mod 2**64 of y = hi 2**32 + lo is lo lo + (lo hi << 33): two
+ * unsigned 32 x 32 -> 64 multiplies (vpmuludq). Elements left over after T W
+ * go to the scalar run. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SDC_FP_SCALAR_ONLY)
+#include <immintrin.h>
+#include <string.h>
+#define SDC_FP_X86 1
+
+static void fold(const uint64_t *lane_s, const uint64_t *lane_f, const uint64_t *lane_q, int w,
+                 uint64_t t, uint32_t j0, uint64_t *acc)
+{
+    uint64_t s = 0, f = 0, q = 0, ls = 0;
+    for (int l = 0; l < w; l++) {
+        s += lane_s[l];
+        f += lane_f[l];
+        q += lane_q[l];
+        ls += (uint64_t)l * lane_s[l];
+    }
+    acc[0] += s;
+    acc[1] += ((uint64_t)j0 + 1) * s + (uint64_t)w * (t * s - f) + ls;
+    acc[2] += q;
+}
+
+#define AVX2_RUN(NAME, TYPE, LOAD, WIDE)                                                       \
+    __attribute__((target("avx2"))) static void NAME(const void *data, uint32_t m,            \
+                                                     uint32_t j0, uint64_t *acc)               \
+    {                                                                                          \
+        const TYPE *x = (const TYPE *)data;                                                    \
+        const uint32_t t_count = m / 4;                                                        \
+        __m256i s = _mm256_setzero_si256(), f = s, q = s;                                      \
+        for (uint32_t t = 0; t < t_count; t++) {                                               \
+            const TYPE *p = x + 4 * t;                                                         \
+            __m256i v = LOAD;                                                                  \
+            s = _mm256_add_epi64(s, v);                                                        \
+            f = _mm256_add_epi64(f, s);                                                        \
+            __m256i y = _mm256_xor_si256(                                                      \
+                v, _mm256_loadu_si256((const __m256i *)(position + j0 + 4 * t)));              \
+            if (WIDE) {                                                                        \
+                /* v >> 32, arithmetic: AVX2 has no 64-bit arithmetic shift. */                \
+                __m256i sign = _mm256_shuffle_epi32(_mm256_srai_epi32(v, 31), 0xF5);           \
+                __m256i high = _mm256_srli_epi64(v, 32);                                       \
+                y = _mm256_xor_si256(                                                          \
+                    y, _mm256_or_si256(high, _mm256_slli_epi64(sign, 32)));                    \
+            }                                                                                  \
+            __m256i cross = _mm256_mul_epu32(y, _mm256_srli_epi64(y, 32));                     \
+            q = _mm256_add_epi64(q, _mm256_add_epi64(_mm256_mul_epu32(y, y),                   \
+                                                     _mm256_slli_epi64(cross, 33)));           \
+        }                                                                                      \
+        uint64_t ls[4], lf[4], lq[4];                                                          \
+        _mm256_storeu_si256((__m256i *)ls, s);                                                 \
+        _mm256_storeu_si256((__m256i *)lf, f);                                                 \
+        _mm256_storeu_si256((__m256i *)lq, q);                                                 \
+        fold(ls, lf, lq, 4, t_count, j0, acc);                                                 \
+    }
+
+/* AVX-512 takes 16 elements a step, as two sets of 8 lanes (lane l of the
+ * second set is lane 8 + l of 16), which keeps both vector ports busy. */
+#define AVX512_STEP(P, S, F, Q, OFFSET, LOAD, WIDE)                                            \
+    do {                                                                                       \
+        const void *at = (P);                                                                  \
+        __m512i v = LOAD(at);                                                                  \
+        S = _mm512_add_epi64(S, v);                                                            \
+        F = _mm512_add_epi64(F, S);                                                            \
+        __m512i y = _mm512_xor_si512(v, _mm512_loadu_si512(position + (OFFSET)));              \
+        if (WIDE)                                                                              \
+            y = _mm512_xor_si512(y, _mm512_srai_epi64(v, 32));                                 \
+        __m512i cross = _mm512_mul_epu32(y, _mm512_srli_epi64(y, 32));                         \
+        Q = _mm512_add_epi64(Q, _mm512_add_epi64(_mm512_mul_epu32(y, y),                       \
+                                                 _mm512_slli_epi64(cross, 33)));               \
+    } while (0)
+
+#define AVX512_RUN(NAME, TYPE, LOAD, WIDE)                                                     \
+    __attribute__((target("avx512f"))) static void NAME(const void *data, uint32_t m,         \
+                                                        uint32_t j0, uint64_t *acc)            \
+    {                                                                                          \
+        const TYPE *x = (const TYPE *)data;                                                    \
+        const uint32_t t_count = m / 16;                                                       \
+        __m512i s0 = _mm512_setzero_si512(), f0 = s0, q0 = s0, s1 = s0, f1 = s0, q1 = s0;      \
+        for (uint32_t t = 0; t < t_count; t++) {                                               \
+            AVX512_STEP(x + 16 * t, s0, f0, q0, j0 + 16 * t, LOAD, WIDE);                      \
+            AVX512_STEP(x + 16 * t + 8, s1, f1, q1, j0 + 16 * t + 8, LOAD, WIDE);              \
+        }                                                                                      \
+        uint64_t ls[16], lf[16], lq[16];                                                       \
+        _mm512_storeu_si512(ls, s0);                                                           \
+        _mm512_storeu_si512(ls + 8, s1);                                                       \
+        _mm512_storeu_si512(lf, f0);                                                           \
+        _mm512_storeu_si512(lf + 8, f1);                                                       \
+        _mm512_storeu_si512(lq, q0);                                                           \
+        _mm512_storeu_si512(lq + 8, q1);                                                       \
+        fold(ls, lf, lq, 16, t_count, j0, acc);                                                \
+    }
+
+static inline int32_t load4(const void *p)
+{
+    int32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+#define LOAD512_I8(p) _mm512_cvtepi8_epi64(_mm_loadl_epi64((const __m128i *)(p)))
+#define LOAD512_U8(p) _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(p)))
+#define LOAD512_I16(p) _mm512_cvtepi16_epi64(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD512_I32(p) _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD512_I64(p) _mm512_loadu_si512(p)
+
+AVX2_RUN(avx2_i8, int8_t, _mm256_cvtepi8_epi64(_mm_cvtsi32_si128(load4(p))), 0)
+AVX2_RUN(avx2_u8, uint8_t, _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(load4(p))), 0)
+AVX2_RUN(avx2_i16, int16_t, _mm256_cvtepi16_epi64(_mm_loadl_epi64((const __m128i *)p)), 0)
+AVX2_RUN(avx2_i32, int32_t, _mm256_cvtepi32_epi64(_mm_loadu_si128((const __m128i *)p)), 0)
+AVX2_RUN(avx2_i64, int64_t, _mm256_loadu_si256((const __m256i *)p), 1)
+AVX512_RUN(avx512_i8, int8_t, LOAD512_I8, 0)
+AVX512_RUN(avx512_u8, uint8_t, LOAD512_U8, 0)
+AVX512_RUN(avx512_i16, int16_t, LOAD512_I16, 0)
+AVX512_RUN(avx512_i32, int32_t, LOAD512_I32, 0)
+AVX512_RUN(avx512_i64, int64_t, LOAD512_I64, 1)
+#endif
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static int best_isa = ISA_SCALAR;
+
+typedef void (*run_fn)(const void *, uint32_t, uint32_t, uint64_t *);
+
+/* The vector run for ``kind`` at instruction set ``isa`` and its lane count W;
+ * none (W = 0) without one. */
+static run_fn vector_run(int kind, int isa, uint32_t *w)
+{
+#ifdef SDC_FP_X86
+    if (isa == ISA_AVX512) {
+        *w = 16;
+        switch (kind) {
+        case KIND_I8: return avx512_i8;
+        case KIND_U8: return avx512_u8;
+        case KIND_I16: return avx512_i16;
+        case KIND_I32: return avx512_i32;
+        case KIND_I64: return avx512_i64;
+        }
+    }
+    if (isa == ISA_AVX2) {
+        *w = 4;
+        switch (kind) {
+        case KIND_I8: return avx2_i8;
+        case KIND_U8: return avx2_u8;
+        case KIND_I16: return avx2_i16;
+        case KIND_I32: return avx2_i32;
+        case KIND_I64: return avx2_i64;
+        }
+    }
+#endif
+    (void)kind;
+    (void)isa;
+    *w = 0;
+    return 0;
+}
+
+static run_fn scalar_run(int kind)
+{
+    switch (kind) {
+    case KIND_I8: return scalar_i8;
+    case KIND_U8: return scalar_u8;
+    case KIND_I16: return scalar_i16;
+    case KIND_I32: return scalar_i32;
+    case KIND_I64: return scalar_i64;
+    default: return 0;
+    }
+}
+
+/* Bytes per element of ``kind``, 0 for an unknown kind. */
+static int element_size(int kind)
+{
+    switch (kind) {
+    case KIND_I8:
+    case KIND_U8: return 1;
+    case KIND_I16: return 2;
+    case KIND_I32: return 4;
+    case KIND_I64: return 8;
+    default: return 0;
+    }
+}
+
+int sdc_fp_abi(void) { return SDC_FP_ABI; }
+
+/* The widest instruction set this CPU has: 0 scalar, 1 AVX2, 2 AVX-512. */
+int sdc_fp_best_isa(void) { return best_isa; }
+
+/* Fills the position table and finds the CPU's instruction sets. Call once,
+ * before any other call. */
+void sdc_fp_init(void)
+{
+    for (uint32_t j = 0; j < BLOCK; j++)
+        position[j] = mix64(2 * (uint64_t)j);
+    best_isa = ISA_SCALAR;
+#ifdef SDC_FP_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        best_isa = ISA_AVX512;
+    else if (__builtin_cpu_supports("avx2"))
+        best_isa = ISA_AVX2;
+#endif
+}
+
+/* Adds to out[0..3) the lanes of n elements at data, the first being element
+ * ``start`` of the tensor, using instruction set ``isa`` (at most the best).
+ * Returns 0, or -1 for an unknown kind. */
+int sdc_fp_segment(const void *data, int64_t n, int kind, uint64_t start, int isa, uint64_t *out)
+{
+    int size = element_size(kind);
+    if (size == 0)
+        return -1;
+    uint32_t w;
+    run_fn vector = vector_run(kind, isa < best_isa ? isa : best_isa, &w), scalar = scalar_run(kind);
+    const char *p = (const char *)data;
+    uint64_t lane0 = 0, lane1 = 0, lane2 = 0;
+    uint64_t i = start;
+    while (n > 0) {
+        uint64_t b = i / BLOCK;
+        uint32_t j0 = (uint32_t)(i % BLOCK);
+        uint32_t m = BLOCK - j0;
+        if ((int64_t)m > n)
+            m = (uint32_t)n;
+        uint64_t acc[3] = {0, 0, 0};
+        uint32_t done = 0;
+        if (vector && m >= w) {
+            done = m - m % w;
+            vector(p, done, j0, acc);
+        }
+        if (done < m)
+            scalar(p + (size_t)done * size, m - done, j0 + done, acc);
+        lane0 += acc[0];
+        lane1 += acc[1] + b * BLOCK * acc[0];
+        lane2 += block_weight(b) * acc[2];
+        p += (size_t)m * size;
+        i += m;
+        n -= m;
+    }
+    out[0] += lane0;
+    out[1] += lane1;
+    out[2] += lane2;
+    return 0;
+}
+
+/* Lanes of ``count`` whole contiguous tensors: out[3 k .. 3 k + 3) for tensor
+ * k, overwritten. Returns 0, or -1 (and stops) at an unknown kind. */
+int sdc_fp_many(int64_t count, const void *const *data, const int64_t *n, const int32_t *kind,
+                int isa, uint64_t *out)
+{
+    for (int64_t k = 0; k < count; k++) {
+        out[3 * k] = out[3 * k + 1] = out[3 * k + 2] = 0;
+        if (sdc_fp_segment(data[k], n[k], kind[k], 0, isa, out + 3 * k) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Lanes of the concatenation of ``count`` contiguous pieces of one kind, as if
+ * they were one tensor (piece k starts where piece k - 1 ends), added to
+ * out[0..3). Returns 0, or -1 (and stops) at an unknown kind. */
+int sdc_fp_concat(int64_t count, const void *const *data, const int64_t *n, int kind, int isa,
+                  uint64_t *out)
+{
+    uint64_t start = 0;
+    for (int64_t k = 0; k < count; k++) {
+        if (sdc_fp_segment(data[k], n[k], kind, start, isa, out) != 0)
+            return -1;
+        start += (uint64_t)n[k];
+    }
+    return 0;
+}
