@@ -42,7 +42,7 @@ from agent.checkpoint import CheckpointWriter, LoadedCheckpoint, SaveResult
 from agent.config import ALARM_EXIT_CODE, GuardConfig
 from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
 from agent.inject import from_env as injection_from_env
-from agent.nonfinite import SUMMARY_WIDTH, GradientHook, judge_nonfinite, reduced_fingerprints
+from agent.nonfinite import REDUCED_FP, SUMMARY_WIDTH, GradientHook, judge_nonfinite, reduced_fingerprints
 from agent.publisher import Publisher, PublishOutcome
 from agent.ring_audit import (
     Recomputation,
@@ -251,8 +251,9 @@ class SDCGuard:
             self.overflow_streak = 0
             self.last_clean[Detector.NONFINITE_GRAD.value] = step
         if cfg.reduced_grad:
-            ballot = vote(reduced_fingerprints(summaries))
-            if not ballot.unanimous:
+            lanes = summaries[:, REDUCED_FP]
+            ballot = vote(reduced_fingerprints(summaries)) if not bool((lanes == lanes[0]).all()) else None
+            if ballot is not None and not ballot.unanimous:
                 suspects = ballot.dissenters
                 return self._alarm(step, Detector.REDUCED_GRAD, suspects, ballot.majority is not None,
                                    fingerprint_evidence("reduced_grad", ballot.groups, ballot.majority,

@@ -185,6 +185,10 @@ class Injector:
 
         return hook
 
+    def wants_local_gradients(self) -> bool:
+        """Whether ``local_gradients`` may corrupt something this step (else the hook need not list them)."""
+        return self._on("grad_bitflip")
+
     def local_gradients(self, names: list[str], grads: list[torch.Tensor]) -> None:
         """grad_bitflip: flip a bit of the first local gradient of a bucket, before the all-reduce."""
         if self._on("grad_bitflip") and grads and self.grad_target is None:

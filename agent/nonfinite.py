@@ -16,12 +16,14 @@ its own dictionary entry and no scratch buffer is shared.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from agent import fingerprint as fp
+from agent import native
 from agent.inject import Injector
 
 # Bucket masks are one int64 word each; buckets beyond this still count in the
@@ -34,15 +36,27 @@ REDUCED_FP = slice(5, 8)
 SUMMARY_WIDTH = 8
 
 
+_CPU_FLAGS = (torch.zeros((), dtype=torch.bool), torch.ones((), dtype=torch.bool))
+"""Shared, read-only answers of the CPU path (callers only stack and reduce them)."""
+
+
 def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim bool tensor on ``t``'s device: does ``t`` hold a NaN or an infinity?
 
-    ``aminmax`` is exact for this (a NaN propagates into both results, an
-    infinity shows as an extreme) and ran ~13x faster than ``isfinite().all()``
-    on CPU. No host synchronisation.
+    On the CPU, for a contiguous fp16/bf16/fp32/fp64 tensor, the C kernel
+    scans the raw bits (exponent all ones) in one pass; measured ~1 ms less
+    per step on the reference job than the five torch ops below. Elsewhere
+    ``aminmax`` does it (a NaN propagates into both results, an infinity shows
+    as an extreme; ~13x faster than ``isfinite().all()`` on CPU), with no host
+    synchronisation.
     """
     if t.numel() == 0 or not t.is_floating_point():
         return torch.zeros((), dtype=torch.bool, device=t.device)
+    if t.device.type == "cpu" and t.is_contiguous():
+        float_format = native.FLOAT_FORMATS.get(str(t.dtype).removeprefix("torch."))
+        kernel = native.kernel() if float_format else None
+        if kernel is not None and float_format is not None:
+            return _CPU_FLAGS[kernel.nonfinite(t.data_ptr(), t.numel(), float_format)]
     lo, hi = torch.aminmax(t.detach().reshape(-1))
     return ~(torch.isfinite(lo) & torch.isfinite(hi))
 
@@ -87,10 +101,11 @@ class GradientHook:
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Check and fingerprint the local gradients, all-reduce (mean), then check the result."""
         index = bucket.index()
-        grads = bucket.gradients()
-        params = bucket.parameters()
-        names = [self.names.get(id(p), f"bucket{index}.{i}") for i, p in enumerate(params)]
-        self.injector.local_gradients(names, grads)
+        if self.record_params or self.injector.wants_local_gradients():
+            # Listing a bucket's gradients and parameters costs per parameter: only when needed.
+            grads = bucket.gradients()
+            names = [self.names.get(id(p), f"bucket{index}.{i}") for i, p in enumerate(bucket.parameters())]
+            self.injector.local_gradients(names, grads)
         buffer = bucket.buffer()
         if self.check_nonfinite:
             self._local[index] = nonfinite_flag(buffer)
@@ -100,7 +115,7 @@ class GradientHook:
             self.bucket_names[index] = names
             copies = [g.detach().clone() for g in grads]
             self.bucket_copies[index] = copies
-            self.bucket_fingerprints[index] = fp.fingerprint(flat_gradients(copies))
+            self.bucket_fingerprints[index] = gradients_fingerprint(copies)
         buffer.div_(self.world_size)
         future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
@@ -116,41 +131,53 @@ class GradientHook:
         return future.then(after)
 
     def summary(self, loss: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """This step's findings as an int64 vector of SUMMARY_WIDTH (see the layout constants), on ``device``."""
-        out = torch.zeros(SUMMARY_WIDTH, dtype=torch.int64, device=device)
-        if self._local:
-            out[LOCAL_ANY] = torch.stack(list(self._local.values())).any().to(torch.int64)
-            out[LOCAL_MASK] = _mask(self._local, device)
-        if self._reduced:
-            out[REDUCED_ANY] = torch.stack(list(self._reduced.values())).any().to(torch.int64)
-            out[REDUCED_MASK] = _mask(self._reduced, device)
-        out[LOSS_NONFINITE] = nonfinite_flag(loss).to(torch.int64)
+        """This step's findings as an int64 vector of SUMMARY_WIDTH (see the layout constants), on ``device``.
+
+        The any-flags hold counts (non-zero means some bucket was non-finite).
+        A handful of ops whatever the bucket count: the flags are stacked once
+        and spread into the five flag fields by one cached weight matrix."""
+        local = sorted(self._local)
+        reduced = sorted(self._reduced)
+        flags = torch.stack([*(self._local[i] for i in local), *(self._reduced[i] for i in reduced),
+                             nonfinite_flag(loss).to(device)]).to(torch.int64)
+        fields = (flags.unsqueeze(1) * _flag_weights(tuple(local), tuple(reduced), device)).sum(0)
         if self._reduced_fp:
             rows = torch.stack([self._reduced_fp[i] for i in sorted(self._reduced_fp)])
-            out[REDUCED_FP] = fp.combine(rows).to(device)
-        return out
+            lanes = fp.combine(rows).to(device)
+        else:
+            lanes = torch.zeros(fp.LANES, dtype=torch.int64, device=device)
+        return torch.cat([fields, lanes])
 
 
-def flat_gradients(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The gradients of a bucket as one flat tensor, in the bucket's order (what both audit sides fingerprint)."""
+@functools.lru_cache(maxsize=64)
+def _flag_weights(local: tuple[int, ...], reduced: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[len(local) + len(reduced) + 1, 5]`` int64: how each flag (local buckets, reduced buckets, the
+    loss) adds into LOCAL_ANY, REDUCED_ANY, LOCAL_MASK, REDUCED_MASK and LOSS_NONFINITE.
+
+    Shared and only ever read. Bucket i sets bit i of its mask (buckets at or
+    past MASK_BUCKETS count only in the any-flags)."""
+    rows = []
+    for index in local:
+        rows.append([1, 0, 1 << index if index < MASK_BUCKETS else 0, 0, 0])
+    for index in reduced:
+        rows.append([0, 1, 0, 1 << index if index < MASK_BUCKETS else 0, 0])
+    rows.append([0, 0, 0, 0, 1])
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def gradients_fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The fingerprint of a bucket's gradients laid end to end, in the bucket's order (what both audit sides compare).
+
+    The gradients are not concatenated: ``fingerprint_concat`` streams them."""
     if not grads:
-        return torch.zeros(0)
-    return torch.cat([g.reshape(-1) for g in grads])
+        return fp.fingerprint(torch.zeros(0))
+    return fp.fingerprint_concat(grads)
 
 
 def _comm_hook(state, bucket):
     # Deliberately unannotated: DDP compares the annotations of ``bucket`` and
     # the return value with the real classes, and postponed annotations are strings.
     return state.on_bucket(bucket)
-
-
-def _mask(flags: dict[int, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Bit i set when bucket i's flag is set (buckets below MASK_BUCKETS)."""
-    indices = [i for i in sorted(flags) if i < MASK_BUCKETS]
-    if not indices:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    weights = torch.tensor([1 << i for i in indices], dtype=torch.int64, device=device)
-    return (torch.stack([flags[i] for i in indices]).to(torch.int64) * weights).sum()
 
 
 def buckets_of(mask: int) -> list[int]:
@@ -182,8 +209,10 @@ def judge_nonfinite(summaries: torch.Tensor) -> NonFiniteVerdict:
     rows = summaries.tolist()
     buckets: list[tuple[int, int, str]] = []
     for rank, row in enumerate(rows):
-        buckets += [(rank, b, "local") for b in buckets_of(row[LOCAL_MASK])]
-        buckets += [(rank, b, "reduced") for b in buckets_of(row[REDUCED_MASK])]
+        if row[LOCAL_MASK]:
+            buckets += [(rank, b, "local") for b in buckets_of(row[LOCAL_MASK])]
+        if row[REDUCED_MASK]:
+            buckets += [(rank, b, "reduced") for b in buckets_of(row[REDUCED_MASK])]
     return NonFiniteVerdict(
         local_ranks=[r for r, row in enumerate(rows) if row[LOCAL_ANY]],
         reduced_ranks=[r for r, row in enumerate(rows) if row[REDUCED_ANY]],

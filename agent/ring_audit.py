@@ -25,7 +25,7 @@ import torch
 
 from agent import fingerprint as fp
 from agent.inject import Injector
-from agent.nonfinite import GradientHook, flat_gradients
+from agent.nonfinite import GradientHook, gradients_fingerprint
 from agent.topology import audited_by_ring
 
 
@@ -58,7 +58,7 @@ class Recomputation:
         rows = []
         for i in sorted(hook.bucket_names):
             grads = [self.grads[n] for n in hook.bucket_names[i]]
-            rows.append(fp.fingerprint(flat_gradients(grads)).to(device))
+            rows.append(gradients_fingerprint(grads).to(device))
         return torch.cat([loss_bits(self.loss).reshape(1).to(device), *rows])
 
 

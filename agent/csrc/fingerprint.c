@@ -29,7 +29,7 @@
 
 #include <stdint.h>
 
-#define SDC_FP_ABI 2
+#define SDC_FP_ABI 3
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -349,4 +349,38 @@ int sdc_fp_concat(int64_t count, const void *const *data, const int64_t *n, int 
         start += (uint64_t)n[k];
     }
     return 0;
+}
+
+/* Detector 1's test, on the raw bits: 1 when any of the n floats at data is a
+ * NaN or an infinity (its exponent bits all ones), else 0; -1 for an unknown
+ * format (1 fp16, 2 bf16, 3 fp32, 4 fp64). Scans in blocks and stops at the
+ * first block with a hit; the plain loop vectorises at any -O level >= 2. */
+#define NONFINITE_SCAN(NAME, TYPE, MASK)                                                       \
+    static int NAME(const TYPE *x, int64_t n)                                                  \
+    {                                                                                          \
+        for (int64_t start = 0; start < n; start += 4096) {                                    \
+            int64_t end = start + 4096 < n ? start + 4096 : n;                                 \
+            TYPE hit = 0;                                                                      \
+            for (int64_t k = start; k < end; k++)                                              \
+                hit |= (TYPE)((x[k] & (TYPE)(MASK)) == (TYPE)(MASK));                          \
+            if (hit)                                                                           \
+                return 1;                                                                      \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+
+NONFINITE_SCAN(nonfinite_f16, uint16_t, 0x7C00u)
+NONFINITE_SCAN(nonfinite_bf16, uint16_t, 0x7F80u)
+NONFINITE_SCAN(nonfinite_f32, uint32_t, 0x7F800000u)
+NONFINITE_SCAN(nonfinite_f64, uint64_t, 0x7FF0000000000000ull)
+
+int sdc_nonfinite(const void *data, int64_t n, int format)
+{
+    switch (format) {
+    case 1: return nonfinite_f16((const uint16_t *)data, n);
+    case 2: return nonfinite_bf16((const uint16_t *)data, n);
+    case 3: return nonfinite_f32((const uint32_t *)data, n);
+    case 4: return nonfinite_f64((const uint64_t *)data, n);
+    default: return -1;
+    }
 }

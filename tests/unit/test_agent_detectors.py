@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agent import fingerprint as fp
+from agent import native
+from agent.inject import Injector
 from agent.nonfinite import (
     LOCAL_ANY,
     LOCAL_MASK,
@@ -13,6 +16,7 @@ from agent.nonfinite import (
     REDUCED_FP,
     REDUCED_MASK,
     SUMMARY_WIDTH,
+    GradientHook,
     judge_nonfinite,
     nonfinite_flag,
 )
@@ -21,14 +25,29 @@ from agent.ring_audit import bits_to_hex, judge, loss_bits, name_parameters
 from agent.weights import packed_fingerprints, state_fingerprint, vote
 
 
-def test_nonfinite_flag_sees_nan_and_both_infinities() -> None:
-    t = torch.randn(1000)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kernel_mode", ["auto", "torch"])
+def test_nonfinite_flag_sees_nan_and_both_infinities(
+    dtype: torch.dtype, kernel_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "auto" takes the C kernel's scan of the raw bits where there is a compiler, "torch" aminmax.
+    monkeypatch.setenv(native.KERNEL_ENV, kernel_mode)
+    info = torch.finfo(dtype)
+    t = torch.randn(20_000).to(dtype)
+    t[5] = info.max  # extremes and subnormals are finite
+    t[6] = -info.max
+    t[7] = info.smallest_normal / 4
+    t[8] = -0.0
     assert not nonfinite_flag(t)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        u = t.clone()
-        u[777] = bad
-        assert nonfinite_flag(u)
+    for where in (0, 777, 4095, 4096, 19_999):  # the scan works in blocks of 4096
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            u = t.clone()
+            u[where] = bad
+            assert nonfinite_flag(u), (where, bad)
+            assert nonfinite_flag(u[::2] if where % 2 == 0 else u[1::2]), (where, bad)  # strided: torch's path
     assert not nonfinite_flag(torch.arange(5))
+    assert not nonfinite_flag(torch.zeros(0, dtype=dtype))
+    assert nonfinite_flag(torch.tensor(float("nan"), dtype=dtype))  # the loss: a 0-dim tensor
 
 
 def summaries(world: int) -> torch.Tensor:
@@ -188,3 +207,29 @@ def test_seeding_makes_dropout_reproduce_per_step_and_rank() -> None:
     assert not torch.equal(a, c)
     assert len({seed_for(0, s, r) for s in range(50) for r in range(50)}) == 2500
     assert torch.get_num_threads() == 1
+
+
+def test_the_step_summary_packs_every_flag_and_the_reduced_fingerprint() -> None:
+    hook = GradientHook({}, world_size=2, injector=Injector(None, rank=0, node="n0"))
+    yes, no = torch.tensor(True), torch.tensor(False)
+    hook._local = {0: no, 2: yes, 70: yes}  # bucket 70 is past the mask: it counts, it has no bit
+    hook._reduced = {0: yes, 1: no}
+    rows = {1: fp.fingerprint(torch.ones(3)), 0: fp.fingerprint(torch.zeros(3))}
+    hook._reduced_fp = rows
+    out = hook.summary(torch.tensor(float("inf")), torch.device("cpu"))
+    assert out.shape == (SUMMARY_WIDTH,)
+    assert out[LOCAL_ANY] == 2
+    assert out[LOCAL_MASK] == 0b100
+    assert out[REDUCED_ANY] == 1
+    assert out[REDUCED_MASK] == 0b1
+    assert out[LOSS_NONFINITE] == 1
+    assert torch.equal(out[REDUCED_FP], fp.combine(torch.stack([rows[0], rows[1]])))  # in bucket order
+    verdict = judge_nonfinite(torch.stack([out, torch.zeros_like(out)]))
+    assert verdict.local_ranks == [0]
+    assert verdict.reduced_ranks == [0]
+    assert verdict.loss_ranks == [0]
+    assert verdict.buckets == [(0, 2, "local"), (0, 0, "reduced")]
+
+    clean = GradientHook({}, world_size=2, injector=Injector(None, rank=0, node="n0"))
+    out = clean.summary(torch.tensor(1.0), torch.device("cpu"))
+    assert torch.equal(out, torch.zeros(SUMMARY_WIDTH, dtype=torch.int64))
