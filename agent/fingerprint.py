@@ -553,24 +553,29 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
             )
     chunk = _checked_chunk(chunk, device)
     total = sum(t.numel() for t in tensors)
-    bits = [bit_view(t.detach()) for t in tensors]
     kernel = _kernel_for(device)
+    if kernel is not None and all(t.is_contiguous() for t in tensors):
+        # The common case (a model's parameters and optimizer state): one kernel
+        # call, reading each tensor in place; its bits are its own memory.
+        first = bit_view(tensors[0].detach())
+        kind = native.kind_of(first.element_size(), first.dtype in (torch.uint8, torch.bool))
+        per_element = 2 if dtype.is_complex else 1
+        count = len(tensors)
+        data = (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
+        sizes = (ctypes.c_int64 * count)(*(t.numel() * per_element for t in tensors))
+        out = torch.zeros(LANES, dtype=torch.int64)
+        kernel.concat(data, sizes, kind, out.data_ptr())
+        return out.add_(_descriptor_lanes(dtype, (total,), device))
+    bits = [bit_view(t.detach()) for t in tensors]
     if kernel is None:
         reducer = _Reducer(sum(b.numel() for b in bits), bits[0].element_size() == 8, device, chunk, None)
         for b in bits:
             reducer.feed(b)
         return reducer.finish(dtype, (total,))
     out = torch.zeros(LANES, dtype=torch.int64)
-    kind = native.kind_of(bits[0].element_size(), bits[0].dtype in (torch.uint8, torch.bool))
-    if all(b.is_contiguous() for b in bits):
-        count = len(bits)
-        data = (ctypes.c_void_p * count)(*(b.data_ptr() for b in bits))
-        sizes = (ctypes.c_int64 * count)(*(b.numel() for b in bits))
-        kernel.concat(data, sizes, kind, out.data_ptr())
-    else:
-        feeder = _NativeFeeder(kernel, bits[0], chunk, out)
-        for b in bits:
-            feeder.feed(b)
+    feeder = _NativeFeeder(kernel, bits[0], chunk, out)
+    for b in bits:
+        feeder.feed(b)
     return out.add_(_descriptor_lanes(dtype, (total,), device))
 
 

@@ -177,16 +177,24 @@ def build(directory: Path | None = None) -> Path:
     key = hashlib.sha256(
         b"\0".join([source, cc.encode(), platform.machine().encode(), " ".join(CFLAGS).encode()])
     ).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"fingerprint-{key}.so"
-    if target.is_file():
-        return target
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, scratch = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=directory)
-        os.close(fd)
-    except OSError as exc:
-        raise NativeKernelError(f"cannot write the kernel cache {directory}: {exc}") from None
+    candidates = [directory] if directory else [cache_dir()]
+    if directory is None and not os.environ.get(CACHE_ENV):
+        # A read-only home (common in containers) should not cost the fast path.
+        candidates.append(Path(tempfile.gettempdir()) / f"sdcguard-{os.getuid()}")
+    problems = []
+    for place in candidates:
+        target = place / f"fingerprint-{key}.so"
+        if target.is_file():
+            return target
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+            fd, scratch = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=place)
+            os.close(fd)
+            break
+        except OSError as exc:
+            problems.append(f"{place}: {exc}")
+    else:
+        raise NativeKernelError(f"cannot write the kernel cache ({'; '.join(problems)}); set {CACHE_ENV}")
     try:
         done = subprocess.run(
             [*cc.split(), *CFLAGS, "-o", scratch, str(SOURCE)],

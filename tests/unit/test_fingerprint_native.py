@@ -213,3 +213,23 @@ def test_a_concatenation_is_fingerprinted_without_making_it(
         fp.fingerprint_concat([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
     with pytest.raises(ValueError, match="no tensors"):
         fp.fingerprint_concat([])
+
+
+def test_a_read_only_cache_falls_back_to_the_temporary_folder(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not HAVE_COMPILER:
+        pytest.skip("no C compiler on this machine")
+    blocked = fresh_loader / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.delenv(native.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setenv("TMPDIR", str(fresh_loader / "tmp"))
+    (fresh_loader / "tmp").mkdir()
+    monkeypatch.setattr(native.tempfile, "tempdir", None)  # re-read TMPDIR
+    built = native.build()
+    assert built.parent.parent == fresh_loader / "tmp"
+    # An explicit cache folder is never second-guessed: its failure is reported.
+    monkeypatch.setenv(native.CACHE_ENV, str(blocked / "cache"))
+    with pytest.raises(native.NativeKernelError, match=native.CACHE_ENV):
+        native.build()
