@@ -406,14 +406,19 @@ PARALLEL_MIN = 1 << 22
 intra-op threads (a piece per thread; the lanes are sums, so pieces add)."""
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
 def _thread_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
+    """A shared pool of at least ``workers`` threads (its jobs never submit jobs, so it cannot deadlock)."""
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)  # running pieces finish; the pool takes no more
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sdcguard-fingerprint")
+            _pool_size = workers
         return _pool
 
 
@@ -554,15 +559,14 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
     chunk = _checked_chunk(chunk, device)
     total = sum(t.numel() for t in tensors)
     kernel = _kernel_for(device)
-    if kernel is not None and all(t.is_contiguous() for t in tensors):
+    if kernel is not None and not dtype.is_complex and all(t.is_contiguous() for t in tensors):
         # The common case (a model's parameters and optimizer state): one kernel
-        # call, reading each tensor in place; its bits are its own memory.
+        # call, reading each tensor in place; a real tensor's bits are its memory.
         first = bit_view(tensors[0].detach())
         kind = native.kind_of(first.element_size(), first.dtype in (torch.uint8, torch.bool))
-        per_element = 2 if dtype.is_complex else 1
         count = len(tensors)
         data = (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
-        sizes = (ctypes.c_int64 * count)(*(t.numel() * per_element for t in tensors))
+        sizes = (ctypes.c_int64 * count)(*(t.numel() for t in tensors))
         out = torch.zeros(LANES, dtype=torch.int64)
         kernel.concat(data, sizes, kind, out.data_ptr())
         return out.add_(_descriptor_lanes(dtype, (total,), device))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import replay
+from agent import native, replay
 from agent.alarm import (
     RankIdentity,
     build_alarm,
@@ -118,6 +118,9 @@ class SDCGuard:
             raise ValueError("model: must be a torch.nn.parallel.DistributedDataParallel")
         self.config = config if config is not None else GuardConfig.from_env()
         replay.pin_threads(self.config.threads)
+        # Build (or load) the fingerprint kernel now, on the main thread: not on a
+        # gloo thread in the middle of the first step; a bad setting fails here.
+        native.kernel()
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn

@@ -139,11 +139,12 @@ def kernel() -> Kernel | None:
     chosen = mode()
     if chosen == "torch":
         return None
+    limit = isa_limit()  # a bad setting is refused on every call, not only the first
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _loaded = _load()
+                _loaded = _load(limit)
             except NativeKernelError as exc:
                 _failure = str(exc)
                 if chosen == "auto":
@@ -243,8 +244,8 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     return Kernel(lib, best if isa is None else min(isa, best), path)
 
 
-def _load() -> Kernel:
-    kernel = load(build(), isa_limit())
+def _load(limit: int) -> Kernel:
+    kernel = load(build(), limit)
     problem = self_check(kernel)
     if problem:
         raise NativeKernelError(f"the C kernel ({kernel.path.name}, {kernel.isa_name}) disagrees with torch: {problem}")
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.parse_args(argv)
     try:
-        loaded = _load()
+        loaded = _load(isa_limit())
     except (NativeKernelError, ValueError) as exc:
         print(f"fingerprint kernel: not available: {exc}")
         return 1
