@@ -55,7 +55,6 @@ module-level state is read-only tables, built once per device under a lock.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
 import threading
@@ -402,25 +401,9 @@ def fingerprint_torch(t: torch.Tensor, *, chunk: int | None = None) -> torch.Ten
 
 
 PARALLEL_MIN = 1 << 22
-"""Elements from which the C kernel splits a contiguous tensor across torch's
-intra-op threads (a piece per thread; the lanes are sums, so pieces add)."""
-
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _thread_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """A shared pool of at least ``workers`` threads (its jobs never submit jobs, so it cannot deadlock)."""
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)  # running pieces finish; the pool takes no more
-            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sdcguard-fingerprint")
-            _pool_size = workers
-        return _pool
-
+"""Elements from which the C kernel splits a contiguous tensor across as many
+threads as torch has intra-op threads (a piece each, on threads the kernel
+starts for the call; the lanes are sums, so pieces add)."""
 
 class _NativeFeeder(_Feeder):
     """A strided tensor for the C kernel: gathered chunk by chunk into a same-type scratch buffer."""
@@ -458,19 +441,8 @@ def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | N
         out = torch.zeros(LANES, dtype=torch.int64)
         _NativeFeeder(kernel, bits, _checked_chunk(chunk, t.device), out).feed(bits)
     elif n >= PARALLEL_MIN and threads > 1:
-        pieces = torch.zeros(threads, LANES, dtype=torch.int64)
-        step = -(-n // threads)
-        base, size = bits.data_ptr(), bits.element_size()
-
-        def piece(k: int) -> None:
-            start = k * step
-            kernel.segment(base + start * size, min(step, n - start), kind, start, pieces[k].data_ptr())
-
-        jobs = [_thread_pool(threads - 1).submit(piece, k) for k in range(1, threads)]
-        piece(0)
-        for job in jobs:
-            job.result()
-        out = pieces.sum(0)  # int64 sums wrap mod 2**64, as the lanes do
+        out = torch.zeros(LANES, dtype=torch.int64)
+        kernel.segment_threads(bits.data_ptr(), n, kind, 0, threads, out.data_ptr())
     else:
         out = torch.zeros(LANES, dtype=torch.int64)
         if n:

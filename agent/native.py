@@ -51,9 +51,9 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 3
+ABI = 4
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
-CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-fno-strict-aliasing")
+CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
 KINDS = {1: 1, 2: 3, 4: 4, 8: 5}
 """Kernel element kind by element size, for signed elements (uint8 and bool: 2)."""
@@ -82,6 +82,11 @@ class Kernel:
         """Add the lanes of ``n`` elements at address ``data`` (element ``start`` of their tensor)
         to the three uint64 words at address ``out``. Releases the GIL while it runs."""
         if self.lib.sdc_fp_segment(data, n, kind, start, self.isa, out) != 0:
+            raise NativeKernelError(f"fingerprint kernel: unknown element kind {kind}")
+
+    def segment_threads(self, data: int, n: int, kind: int, start: int, threads: int, out: int) -> None:
+        """``segment`` cut into ``threads`` pieces, each on a thread of this call's own (pieces add)."""
+        if self.lib.sdc_fp_segment_threads(data, n, kind, start, self.isa, threads, out) != 0:
             raise NativeKernelError(f"fingerprint kernel: unknown element kind {kind}")
 
     def many(self, data: ctypes.Array, n: ctypes.Array, kinds: ctypes.Array, out: int) -> None:
@@ -227,6 +232,10 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     lib.sdc_fp_segment.restype = ctypes.c_int
     lib.sdc_fp_segment.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
+    ]
+    lib.sdc_fp_segment_threads.restype = ctypes.c_int
+    lib.sdc_fp_segment_threads.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
     ]
     lib.sdc_fp_many.restype = ctypes.c_int
     lib.sdc_fp_many.argtypes = [

@@ -234,3 +234,14 @@ def test_a_read_only_cache_falls_back_to_the_temporary_folder(
     monkeypatch.setenv(native.CACHE_ENV, str(blocked / "cache"))
     with pytest.raises(native.NativeKernelError, match=native.CACHE_ENV):
         native.build()
+
+
+def test_the_kernels_own_threads_give_the_same_bits_at_any_count(kernel: native.Kernel) -> None:
+    t = sample(torch.int16, (2 * fp.BLOCK + 1,), seed=12)  # small: some of 64 pieces are empty
+    kind = native.kind_of(t.element_size(), False)
+    whole = torch.zeros(3, dtype=torch.int64)
+    kernel.segment(t.data_ptr(), t.numel(), kind, 7, whole.data_ptr())  # at an offset, as a piece would be
+    for threads in (1, 2, 3, 7, 64, 500):
+        split = torch.zeros(3, dtype=torch.int64)
+        kernel.segment_threads(t.data_ptr(), t.numel(), kind, 7, threads, split.data_ptr())
+        assert torch.equal(split, whole), threads
