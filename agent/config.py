@@ -44,6 +44,8 @@ class GuardConfig:
     """Base of the per-(step, rank) random seeds that make dropout reproducible for the audit."""
     threads: int = 1
     """Intra-op threads pinned on every rank (recomputation is bit-identical only with equal counts); 0 leaves torch's."""
+    deterministic: bool = True
+    """With the ring audit on, turn on torch's deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG on CUDA); False leaves them to the job."""
     event_bus: str = "sdcguard"
     """EventBridge bus the alarm is published to."""
     publish_budget_s: float = 10.0

@@ -134,6 +134,9 @@ class SDCGuard:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.audit_enabled = self.config.audit_every > 0 and self.topology.nodes >= 2
+        if self.config.deterministic and self.audit_enabled:
+            replay.use_deterministic_algorithms(self.device)
         _settle_buckets(model, loss_fn, batch_for(0, dist.get_rank(group)))
         if isinstance(injection, str):
             injection = injection_from_env()
@@ -152,7 +155,6 @@ class SDCGuard:
         self.hook.register(model)
         self.identities: list[RankIdentity] = gather_identities(self.topology, self.device, group)
         self.run_id = self._agree_run_id()
-        self.audit_enabled = self.config.audit_every > 0 and self.topology.nodes >= 2
         if self.config.audit_every > 0 and not self.audit_enabled:
             log.warning("ring audit off: it needs ranks on at least 2 nodes (world %d, %d ranks per node)",
                         self.topology.world_size, self.topology.ranks_per_node)

@@ -4,14 +4,24 @@ The ring audit recomputes another rank's micro-batch and compares bits. That
 holds only if the recomputation draws the same random numbers (dropout) and
 runs the same kernels (the same intra-op thread count: measured, a different
 count changed the bits). The guard seeds every forward from (seed, step, rank)
-and pins the thread count, so the owner and the auditor agree.
+and pins the thread count, so the owner and the auditor agree; with the audit
+on it also turns on torch's deterministic algorithms, without which a GPU's
+atomic-add reductions (an embedding's backward, for one) may round
+differently on every run and the audit would accuse healthy hardware.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 
 import torch
+
+log = logging.getLogger(__name__)
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""The cuBLAS workspace setting torch requires for deterministic matrix products on CUDA."""
 
 
 def seed_for(base: int, step: int, rank: int) -> int:
@@ -35,3 +45,19 @@ def pin_threads(threads: int) -> None:
         raise ValueError(f"threads: must be >= 0, got {threads}")
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """Turn on torch's deterministic algorithms for the ring audit, if the job has not already.
+
+    On CUDA, also sets ``CUBLAS_WORKSPACE_CONFIG`` when unset (it takes effect
+    for cuBLAS handles made afterwards, so build the guard before the first
+    matrix product, as the reference job does). An op with no deterministic
+    implementation then raises torch's RuntimeError on its first use, naming
+    the op: turn ``deterministic`` off and the audit with it, or replace the op.
+    """
+    if device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    if not torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(True)
+        log.info("deterministic algorithms on, for the ring audit's recomputation")

@@ -5,8 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from infra.local.standin import LocalStandIn
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_deterministic_setting() -> Iterator[None]:
+    """A guard with the ring audit turns on torch's deterministic algorithms, process-wide: not past its test."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    if torch.are_deterministic_algorithms_enabled() != before:
+        torch.use_deterministic_algorithms(before)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.config import GuardConfig
 from agent.train import JobShape, init_process_group, launch, shutdown, train
@@ -27,6 +28,7 @@ def _job(out_dir: str, steps: int, prefix: str) -> None:
         on_alarm="raise", spool_dir=str(Path(out_dir) / "spool"),
     )
     summary = train(steps, JobShape(), config, checkpoint_every=4)
+    summary["deterministic"] = torch.are_deterministic_algorithms_enabled()
     rank = summary["rank"]
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(summary))
     shutdown()
@@ -51,5 +53,7 @@ def test_a_restart_from_the_checkpoint_gives_the_bits_of_an_uninterrupted_run(tm
     assert {r["first_step"] for r in first_half} == {0}
     assert {r["first_step"] for r in resumed} == {4}
     assert all(not r["alarms"] for r in straight + first_half + resumed)
+    # With the ring audit on, the guard ran the job under torch's deterministic algorithms.
+    assert all(r["deterministic"] for r in straight + first_half + resumed)
     fingerprints = {r["final_fingerprint"] for r in straight} | {r["final_fingerprint"] for r in resumed}
     assert len(fingerprints) == 1, fingerprints

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard
+from agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard, replay
 from agent.config import OnAlarm
 from agent.inject import Injection
 from agent.publisher import Publisher, PublishOutcome
@@ -95,3 +96,19 @@ def test_a_model_that_is_not_ddp_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^model:"):
         SDCGuard(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),  # type: ignore[arg-type]
                  loss_fn=loss_fn, batch_for=lambda s, r: None, config=GuardConfig())
+
+
+def test_deterministic_algorithms_follow_the_audit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rank is one node: no audit, so the job's own setting is left alone.
+    guard_for(tmp_path, "raise", None)
+    assert not torch.are_deterministic_algorithms_enabled()
+    # What the guard calls when the audit is on (the 3-node resume test checks it in real ranks).
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # unset, and restored after the test
+    replay.use_deterministic_algorithms(torch.device("cpu"))
+    assert torch.are_deterministic_algorithms_enabled()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ""
+    replay.use_deterministic_algorithms(torch.device("cuda", 0))  # only sets the variable: no GPU needed
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == replay.CUBLAS_WORKSPACE
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the job's own choice is kept
+    replay.use_deterministic_algorithms(torch.device("cuda", 0))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
