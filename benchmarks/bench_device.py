@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -41,7 +39,7 @@ from agent import fingerprint as fp
 from agent import replay
 from agent.nonfinite import nonfinite_flag
 from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
-from benchmarks.bench_fingerprint import _counts, _label
+from benchmarks.bench_fingerprint import _counts, _label, _median_seconds
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool]
@@ -122,18 +120,14 @@ def check_recompute(device: torch.device, steps: int, deterministic: bool) -> li
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn``, waiting for the device to finish each call."""
+
     def synced() -> None:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    synced()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        synced()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_seconds(synced, repeats)
 
 
 def time_on(device: torch.device, elements: list[int], repeats: int) -> None:

@@ -16,6 +16,7 @@ from agent import native
 from tests.unit.test_fingerprint import EVERY_DTYPE, reference_hex, sample
 
 HAVE_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
+needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,9 @@ def isas(kernel: native.Kernel) -> list[native.Kernel]:
     return [kernel.with_isa(i) for i in range(kernel.lib.sdc_fp_best_isa() + 1)]
 
 
+@needs_compiler
 def test_the_c_kernel_is_in_use_where_there_is_a_compiler() -> None:
     # CI machines have gcc: the fast path must really be the one the suite runs.
-    if not HAVE_COMPILER:
-        pytest.skip("no C compiler on this machine")
     used = native.kernel()
     assert used is not None
     assert used.path.is_file()
@@ -142,9 +142,8 @@ def test_bad_settings_are_refused_by_name(fresh_loader: Path, monkeypatch: pytes
             native.kernel()
 
 
+@needs_compiler
 def test_the_isa_setting_caps_the_instruction_set(fresh_loader: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not HAVE_COMPILER:
-        pytest.skip("no C compiler on this machine")
     monkeypatch.setenv(native.ISA_ENV, "scalar")
     used = native.kernel()
     assert used is not None
@@ -167,11 +166,10 @@ def test_a_failed_build_falls_back_in_auto_and_is_an_error_in_native(
         native.kernel()
 
 
+@needs_compiler
 def test_a_kernel_that_disagrees_with_the_definition_is_never_used(
     fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not HAVE_COMPILER:
-        pytest.skip("no C compiler on this machine")
     wrong = fresh_loader / "fingerprint.c"
     source = native.SOURCE.read_text()
     assert "position[j] = mix64(2 * (uint64_t)j);" in source
@@ -184,9 +182,8 @@ def test_a_kernel_that_disagrees_with_the_definition_is_never_used(
         native.kernel()
 
 
+@needs_compiler
 def test_a_built_kernel_is_reused_from_the_cache(fresh_loader: Path) -> None:
-    if not HAVE_COMPILER:
-        pytest.skip("no C compiler on this machine")
     first = native.build()
     stamp = first.stat().st_mtime_ns
     again = native.build()
@@ -216,11 +213,10 @@ def test_a_concatenation_is_fingerprinted_without_making_it(
         fp.fingerprint_concat([])
 
 
+@needs_compiler
 def test_a_read_only_cache_falls_back_to_the_temporary_folder(
     fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not HAVE_COMPILER:
-        pytest.skip("no C compiler on this machine")
     blocked = fresh_loader / "not-a-folder"
     blocked.write_text("a file where the cache folder should be")
     monkeypatch.delenv(native.CACHE_ENV)
