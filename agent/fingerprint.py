@@ -370,9 +370,16 @@ def _kernel_for(device: torch.device) -> native.Kernel | None:
 def _fingerprint(
     t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lanes of ``t`` by whichever implementation its device uses, and the scratch buffer to reuse."""
     kernel = _kernel_for(t.device)
     if kernel is not None:
         return fingerprint_native(t, kernel, chunk=chunk), scratch
+    return _fingerprint_torch(t, chunk, scratch)
+
+
+def _fingerprint_torch(
+    t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     bits = bit_view(t.detach())
     reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, chunk, scratch)
     reducer.feed(bits)
@@ -394,10 +401,7 @@ def fingerprint(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
 
 def fingerprint_torch(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     """``fingerprint`` by the torch implementation, whatever the device and the kernel setting."""
-    bits = bit_view(t.detach())
-    reducer = _Reducer(bits.numel(), bits.element_size() == 8, bits.device, _checked_chunk(chunk, t.device), None)
-    reducer.feed(bits)
-    return reducer.finish(t.dtype, tuple(t.shape))
+    return _fingerprint_torch(t, _checked_chunk(chunk, t.device), None)[0]
 
 
 PARALLEL_MIN = 1 << 22
@@ -492,14 +496,15 @@ def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int)
     """``fingerprint_many`` on the CPU: the contiguous tensors in one kernel call, the others one by one."""
     out = torch.zeros(len(tensors), LANES, dtype=torch.int64)
     batch: list[int] = []
+    views: list[torch.Tensor] = []
     for k, t in enumerate(tensors):
         bits = bit_view(t.detach())
         if bits.is_contiguous() and bits.numel() < PARALLEL_MIN:
             batch.append(k)
+            views.append(bits)
         else:
             out[k] = fingerprint_native(t, kernel, chunk=chunk)
     if batch:
-        views = [bit_view(tensors[k].detach()) for k in batch]
         count = len(batch)
         data = (ctypes.c_void_p * count)(*(v.data_ptr() for v in views))
         sizes = (ctypes.c_int64 * count)(*(v.numel() for v in views))
