@@ -179,7 +179,10 @@ def compiler() -> str:
 def build(directory: Path | None = None) -> Path:
     """Compile the kernel into the cache (unless it is there already) and return the library's path."""
     cc = compiler()
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        raise NativeKernelError(f"the kernel's source is missing from this installation: {exc}") from None
     key = hashlib.sha256(
         b"\0".join([source, cc.encode(), platform.machine().encode(), " ".join(CFLAGS).encode()])
     ).hexdigest()[:16]

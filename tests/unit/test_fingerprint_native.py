@@ -241,3 +241,13 @@ def test_the_kernels_own_threads_give_the_same_bits_at_any_count(kernel: native.
         split = torch.zeros(3, dtype=torch.int64)
         kernel.segment_threads(t.data_ptr(), t.numel(), kind, 7, threads, split.data_ptr())
         assert torch.equal(split, whole), threads
+
+
+@needs_compiler
+def test_an_installation_without_the_source_falls_back(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(native, "SOURCE", fresh_loader / "csrc" / "fingerprint.c")
+    with caplog.at_level(logging.WARNING, logger="agent.native"):
+        assert native.kernel() is None
+    assert "source is missing" in caplog.text
