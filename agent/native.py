@@ -11,8 +11,8 @@ The kernel is plain C11 with no Python or torch headers, so building it needs
 only a C compiler (``$CC``, else ``cc`` or ``gcc``) and takes well under a
 second. The shared library is cached under ``$SDCGUARD_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/sdcguard``, else ``~/.cache/sdcguard``) by a hash of the
-source, the compiler and the machine type; concurrent ranks build into
-temporary files and the first rename wins. After loading, a self-check
+source, the flags and the machine type; a cached library needs no compiler.
+Concurrent ranks build into temporary files and the first rename wins. After loading, a self-check
 compares the kernel with the torch implementation on every element width.
 
 ``SDCGUARD_FINGERPRINT_KERNEL`` chooses:
@@ -177,24 +177,27 @@ def compiler() -> str:
 
 
 def build(directory: Path | None = None) -> Path:
-    """Compile the kernel into the cache (unless it is there already) and return the library's path."""
-    cc = compiler()
+    """Compile the kernel into the cache (unless it is there already) and return the library's path.
+
+    A library already in the cache is used without looking for a compiler, so
+    an image can be built with one (``python -m agent.native``) and run without."""
     try:
         source = SOURCE.read_bytes()
     except OSError as exc:
         raise NativeKernelError(f"the kernel's source is missing from this installation: {exc}") from None
-    key = hashlib.sha256(
-        b"\0".join([source, cc.encode(), platform.machine().encode(), " ".join(CFLAGS).encode()])
-    ).hexdigest()[:16]
+    # Not the compiler: any compiler's build of this source passes the same self-check.
+    key = hashlib.sha256(b"\0".join([source, platform.machine().encode(), " ".join(CFLAGS).encode()])).hexdigest()[:16]
     candidates = [directory] if directory else [cache_dir()]
     if directory is None and not os.environ.get(CACHE_ENV):
         # A read-only home (common in containers) should not cost the fast path.
         candidates.append(Path(tempfile.gettempdir()) / f"sdcguard-{os.getuid()}")
+    for place in candidates:
+        if (place / f"fingerprint-{key}.so").is_file():
+            return place / f"fingerprint-{key}.so"
+    cc = compiler()
     problems = []
     for place in candidates:
         target = place / f"fingerprint-{key}.so"
-        if target.is_file():
-            return target
         try:
             place.mkdir(parents=True, exist_ok=True)
             fd, scratch = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=place)

@@ -251,3 +251,17 @@ def test_an_installation_without_the_source_falls_back(
     with caplog.at_level(logging.WARNING, logger="agent.native"):
         assert native.kernel() is None
     assert "source is missing" in caplog.text
+
+
+@needs_compiler
+def test_a_prebuilt_kernel_needs_no_compiler(fresh_loader: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An image built with a compiler (python -m agent.native), run without one.
+    assert native.main([]) == 0
+    monkeypatch.setenv("PATH", str(fresh_loader / "no-tools-here"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(native.NativeKernelError, match="no C compiler"):
+        native.compiler()
+    native.reset_for_tests()
+    used = native.kernel()
+    assert used is not None
+    assert used.path.parent == fresh_loader / "cache"
