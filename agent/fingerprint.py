@@ -409,9 +409,9 @@ PARALLEL_MIN = 1 << 22
 threads as torch has intra-op threads (a piece each, on threads the kernel
 starts for the call; the lanes are sums, so pieces add)."""
 
-def _kernel_kind(bits: torch.Tensor) -> int:
+def _kernel_kind(kernel: native.Kernel, bits: torch.Tensor) -> int:
     """The C kernel's element kind for an integer view from ``bit_view`` (uint8 and bool zero-extend)."""
-    return native.kind_of(bits.element_size(), bits.dtype in (torch.uint8, torch.bool))
+    return kernel.kind(bits.element_size(), bits.dtype in (torch.uint8, torch.bool))
 
 
 class _NativeFeeder(_Feeder):
@@ -421,7 +421,7 @@ class _NativeFeeder(_Feeder):
         self.kernel = kernel
         self.chunk = chunk
         self.fill = 0  # pieces go to the kernel at once: the scratch is never part-filled between calls
-        self.kind = _kernel_kind(bits)
+        self.kind = _kernel_kind(kernel, bits)
         self.scratch = torch.empty(chunk, dtype=bits.dtype)
         self.index = 0
         self.out = out
@@ -444,7 +444,7 @@ def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | N
         raise ValueError(f"fingerprint_native: the C kernel reads CPU memory, not {t.device}")
     bits = bit_view(t.detach())
     n = bits.numel()
-    kind = _kernel_kind(bits)
+    kind = _kernel_kind(kernel, bits)
     threads = torch.get_num_threads()
     if n and not bits.is_contiguous():
         out = torch.zeros(LANES, dtype=torch.int64)
@@ -514,7 +514,7 @@ def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int)
         data = (ctypes.c_void_p * count)(*(v.data_ptr() for v in views))
         sizes = (ctypes.c_int64 * count)(*(v.numel() for v in views))
         kinds = (ctypes.c_int32 * count)(
-            *(_kernel_kind(v) for v in views)
+            *(_kernel_kind(kernel, v) for v in views)
         )
         lanes = torch.empty(count, LANES, dtype=torch.int64)
         kernel.many(data, sizes, kinds, lanes.data_ptr())
@@ -545,7 +545,7 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
         # The common case (a model's parameters and optimizer state): one kernel
         # call, reading each tensor in place; a real tensor's bits are its memory.
         first = bit_view(tensors[0].detach())
-        kind = _kernel_kind(first)
+        kind = _kernel_kind(kernel, first)
         count = len(tensors)
         data = (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
         sizes = (ctypes.c_int64 * count)(*(t.numel() for t in tensors))

@@ -13,7 +13,10 @@ second. The shared library is cached under ``$SDCGUARD_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/sdcguard``, else ``~/.cache/sdcguard``) by a hash of the
 source, the flags and the machine type; a cached library needs no compiler.
 Concurrent ranks build into temporary files and the first rename wins. After loading, a self-check
-compares the kernel with the torch implementation on every element width.
+compares the kernel with known answers of the torch implementation on every element width
+(``KNOWN_ANSWERS``; a unit test recomputes them with ``agent.fingerprint``), so this module needs
+neither torch nor the fingerprint module, and the element kinds are the library's own
+(``sdc_fp_kind``), not a copy.
 
 ``SDCGUARD_FINGERPRINT_KERNEL`` chooses:
 
@@ -32,10 +35,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import math
 import os
 import platform
+import random
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -51,13 +55,24 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 4
+ABI = 5
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
-KINDS = {1: 1, 2: 3, 4: 4, 8: 5}
-"""Kernel element kind by element size, for signed elements (uint8 and bool: 2)."""
-KIND_UNSIGNED_BYTE = 2
+ELEMENT_SIZES = (1, 2, 4, 8)
+"""The integer widths the kernel reads (``fingerprint.bit_view`` gives one of them)."""
+KNOWN_ANSWER_SEED = 20261130
+KNOWN_ANSWER_CASES = ((8, False, 3 * 1024 + 37), (4, False, 2 * 1024 + 5), (2, False, 1024 + 3),
+                      (1, False, 1024 + 9), (1, True, 1024 - 1))
+"""(element size, unsigned, elements) of each self-check input: whole and partial blocks of every kind."""
+KNOWN_ANSWERS = (
+    (0xBBDA2FF139548BCA, 0xC62BBA889CAAB1CB, 0x278FD22A36652CF6),
+    (0x1F534AAB78, 0x5DC773E6A6A2, 0x62E3E8815098BFD9),
+    (0xFFFFFFFFFFFA255D, 0xFFFFFFFFE8A48C30, 0x1104062BCEFF7B8B),
+    (0xFFFFFFFFFFFFF4B4, 0xFFFFFFFFFFF5A8E0, 0xF60888B085212D5C),
+    (0x1FC5E, 0x3F47B8F, 0x25B679047EE4D72B),
+)
+"""The data lanes (no descriptor) of the torch implementation on ``known_answer_inputs()``, as unsigned 64-bit."""
 FLOAT_FORMATS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 """The non-finite scan's float formats, by torch dtype name."""
 
@@ -73,6 +88,8 @@ class Kernel:
     lib: ctypes.CDLL
     isa: int
     path: Path
+    kinds: dict[tuple[int, bool], int]
+    """The library's element kind by (element size, unsigned byte)."""
 
     @property
     def isa_name(self) -> str:
@@ -108,7 +125,11 @@ class Kernel:
 
     def with_isa(self, isa: int) -> Kernel:
         """This kernel limited to instruction set ``isa`` (at most the machine's best)."""
-        return Kernel(self.lib, min(isa, self.lib.sdc_fp_best_isa()), self.path)
+        return Kernel(self.lib, min(isa, self.lib.sdc_fp_best_isa()), self.path, self.kinds)
+
+    def kind(self, element_size: int, unsigned_byte: bool) -> int:
+        """The kernel's element kind for an integer view of ``element_size`` bytes (uint8 and bool: unsigned)."""
+        return self.kinds[element_size, unsigned_byte and element_size == 1]
 
 
 _lock = threading.Lock()
@@ -232,6 +253,12 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     lib.sdc_fp_abi.restype = ctypes.c_int
     if lib.sdc_fp_abi() != ABI:
         raise NativeKernelError(f"{path} speaks interface {lib.sdc_fp_abi()}, this loader {ABI}")
+    lib.sdc_fp_kind.restype = ctypes.c_int
+    lib.sdc_fp_kind.argtypes = [ctypes.c_int, ctypes.c_int]
+    kinds = {(size, unsigned): lib.sdc_fp_kind(size, int(unsigned))
+             for size in ELEMENT_SIZES for unsigned in (False, True) if size == 1 or not unsigned}
+    if 0 in kinds.values():
+        raise NativeKernelError(f"{path} has no element kind for {[k for k, v in kinds.items() if not v]}")
     lib.sdc_fp_init.restype = None
     lib.sdc_fp_init()
     lib.sdc_fp_best_isa.restype = ctypes.c_int
@@ -256,53 +283,73 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     lib.sdc_nonfinite.restype = ctypes.c_int
     lib.sdc_nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     best = lib.sdc_fp_best_isa()
-    return Kernel(lib, best if isa is None else min(isa, best), path)
+    return Kernel(lib, best if isa is None else min(isa, best), path, kinds)
 
 
 def _load(limit: int) -> Kernel:
     kernel = load(build(), limit)
     problem = self_check(kernel)
     if problem:
-        raise NativeKernelError(f"the C kernel ({kernel.path.name}, {kernel.isa_name}) disagrees with torch: {problem}")
+        raise NativeKernelError(
+            f"the C kernel ({kernel.path.name}, {kernel.isa_name}) disagrees with torch's known answers: {problem}"
+        )
     log.info("fingerprints use the C kernel (%s, %s)", kernel.isa_name, kernel.path)
     return kernel
 
 
+def known_answer_inputs() -> list[bytes]:
+    """The raw bytes of each ``KNOWN_ANSWER_CASES`` input (little-endian, from a fixed seed)."""
+    rng = random.Random(KNOWN_ANSWER_SEED)
+    return [rng.randbytes(size * n) for size, _, n in KNOWN_ANSWER_CASES]
+
+
+def kernel_lanes(kernel: Kernel, data: bytes, element_size: int, unsigned_byte: bool) -> tuple[int, int, int]:
+    """The kernel's data lanes for ``data`` read as integers of ``element_size`` bytes, as unsigned 64-bit."""
+    buffer = ctypes.create_string_buffer(data, len(data))
+    out = (ctypes.c_uint64 * 3)()
+    kernel.segment(ctypes.addressof(buffer), len(data) // element_size, kernel.kind(element_size, unsigned_byte),
+                   0, ctypes.addressof(out))
+    return out[0], out[1], out[2]
+
+
+_NONFINITE_BITS = {  # format -> (struct code, NaN, +inf, -inf)
+    "float16": ("H", 0x7E00, 0x7C00, 0xFC00),
+    "bfloat16": ("H", 0x7FC0, 0x7F80, 0xFF80),
+    "float32": ("I", 0x7FC00000, 0x7F800000, 0xFF800000),
+    "float64": ("Q", 0x7FF8000000000000, 0x7FF0000000000000, 0xFFF0000000000000),
+}
+
+
+def _finite_bits(name: str, rng: random.Random, n: int) -> list[int]:
+    values = [rng.uniform(-4.0, 4.0) for _ in range(n)]
+    if name == "float16":
+        return list(struct.unpack(f"<{n}H", struct.pack(f"<{n}e", *values)))
+    if name == "bfloat16":
+        return [bits >> 16 for bits in struct.unpack(f"<{n}I", struct.pack(f"<{n}f", *values))]
+    if name == "float32":
+        return list(struct.unpack(f"<{n}I", struct.pack(f"<{n}f", *values)))
+    return list(struct.unpack(f"<{n}Q", struct.pack(f"<{n}d", *values)))
+
+
 def self_check(kernel: Kernel) -> str | None:
-    """Compare the kernel with the torch implementation on each element width; None when they agree."""
-    import torch
-
-    from agent import fingerprint as fp
-
-    g = torch.Generator().manual_seed(20261130)
-    cases = [
-        torch.randint(-(2**62), 2**62, (3 * fp.BLOCK + 37,), generator=g, dtype=torch.int64),
-        torch.randint(-(2**31), 2**31, (2 * fp.BLOCK + 5,), generator=g, dtype=torch.int64).to(torch.int32),
-        torch.randint(-(2**15), 2**15, (fp.BLOCK + 3,), generator=g, dtype=torch.int64).to(torch.int16),
-        torch.randint(-128, 128, (fp.BLOCK + 9,), generator=g, dtype=torch.int64).to(torch.int8),
-        torch.randint(0, 256, (fp.BLOCK - 1,), generator=g, dtype=torch.int64).to(torch.uint8),
-    ]
-    for t in cases:
-        want = fp.fingerprint_torch(t)
-        got = fp.fingerprint_native(t, kernel)
-        if not torch.equal(want, got):
-            return f"{t.dtype} of {t.numel()} elements: {fp.to_hex(got)} instead of {fp.to_hex(want)}"
+    """Compare the kernel with the torch implementation's known answers on each element width; None when they agree."""
+    for (size, unsigned, n), data, want in zip(KNOWN_ANSWER_CASES, known_answer_inputs(), KNOWN_ANSWERS, strict=True):
+        got = kernel_lanes(kernel, data, size, unsigned)
+        if got != want:
+            kind = f"{'u' if unsigned else ''}int{8 * size}"
+            return f"{kind} of {n} elements: lanes {got} instead of {want}"
+    rng = random.Random(KNOWN_ANSWER_SEED)
     for name, code in FLOAT_FORMATS.items():
-        values = torch.randn(5000, generator=g).to(getattr(torch, name))
-        for bad, expected in ((None, False), (math.nan, True), (math.inf, True), (-math.inf, True)):
-            probe = values.clone()
+        form, nan, inf, ninf = _NONFINITE_BITS[name]
+        values = _finite_bits(name, rng, 5000)
+        for bad, expected in ((None, False), (nan, True), (inf, True), (ninf, True)):
+            probe = list(values)
             if bad is not None:
                 probe[4321] = bad
-            if kernel.nonfinite(probe.data_ptr(), probe.numel(), code) != expected:
+            buffer = ctypes.create_string_buffer(struct.pack(f"<{len(probe)}{form}", *probe))
+            if kernel.nonfinite(ctypes.addressof(buffer), len(probe), code) != expected:
                 return f"the non-finite scan of {name} with {bad} at one element did not say {expected}"
     return None
-
-
-def kind_of(element_size: int, unsigned_byte: bool) -> int:
-    """The kernel's element kind for an integer view of ``element_size`` bytes."""
-    if element_size == 1 and unsigned_byte:
-        return KIND_UNSIGNED_BYTE
-    return KINDS[element_size]
 
 
 def reset_for_tests() -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from agent import inject, native
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
 from agent.weights import state_fingerprint_hex
@@ -316,11 +317,25 @@ def _node_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse bad flags and settings before any rank starts: ValueError naming the flag or the variable."""
+    for flag in ("steps", "checkpoint_every"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
+    _config(args)
+    try:
+        inject.from_env()
+    except ValueError as exc:
+        raise ValueError(f"{inject.ENV_VAR}: {exc}") from None
+    native.mode()
+    native.isa_limit()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the reference job; returns the exit status (see the module docstring)."""
     args = parser().parse_args(argv)
     try:
-        _config(args)
+        _check(args)
     except ValueError as exc:
         print(f"agent.train: error: {exc}", file=sys.stderr)
         return 2

@@ -1,1 +1,1 @@
-"""Deployment and the local stand-in for AWS and the EKS API."""
+"""The three parts around the pipeline: ``deploy`` (template, package, deploy/destroy), ``local`` (the stand-in), ``drill``."""

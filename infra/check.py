@@ -1,7 +1,9 @@
 """``./dev check``: every static check the project has, in one run.
 
-ruff and mypy on the whole tree; cfn-lint on the CloudFormation templates and
-statelint on the state machines when they exist. Exits non-zero if any fails,
+ruff and mypy on the whole tree; import-linter's layers contract
+(``[tool.importlinter]`` in ``pyproject.toml``: imports point down only);
+cfn-lint on the CloudFormation templates and statelint on the state machines
+when they exist. Exits non-zero if any fails,
 after running all of them.
 """
 
@@ -25,8 +27,11 @@ def checks() -> list[tuple[str, list[str]]]:
     out = [
         ("ruff", [_bin("ruff"), "check", *present]),
         ("mypy", [sys.executable, "-m", "mypy", *present]),
+        ("import layers", [_bin("lint-imports")]),  # reads pyproject.toml in ROOT
     ]
-    templates = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "infra").glob("*.yaml") if "template" in p.name)
+    templates = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "infra" / "deploy").glob("*.yaml") if "template" in p.name
+    )
     if templates:
         out.append(("cfn-lint", [_bin("cfn-lint"), *templates]))
     machines = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "stepfunctions").glob("*.asl.json"))

@@ -9,17 +9,15 @@ touched.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import boto3
 
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect
+from contract.naming import instance_id_of
 from lambdas.errors import NotInCluster, SuspectUnresolvable
 from lambdas.ledger import Ledger
-
-_NODE_NAME = re.compile(r"^hyperpod-(i-[0-9a-f]{8,17})$")
 
 
 @dataclass(frozen=True)
@@ -35,8 +33,7 @@ class ClusterNode:
 
 def instance_id_from_node_name(node: str) -> str | None:
     """The instance id in a HyperPod node name (``hyperpod-i-...``), or None."""
-    match = _NODE_NAME.match(node)
-    return match.group(1) if match else None
+    return instance_id_of(node)
 
 
 def list_cluster_nodes(cluster: str, client: Any = None) -> dict[str, ClusterNode]:

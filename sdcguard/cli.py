@@ -1,7 +1,8 @@
 """``sdcguard``: the operator command line.
 
-Each subcommand lives in the module of the part it drives and exposes
-``configure(parser)`` and ``run(args) -> int``; this file only dispatches, and
+Each subcommand's adapter lives in ``sdcguard/commands/`` and exposes
+``configure(parser)`` and ``run(args) -> int``, calling the plain functions of
+the part it drives; this file only dispatches, and
 imports a subcommand's module only when that subcommand runs, so ``--help``
 stays fast and the CLI never drags torch into a command that does not train.
 """
@@ -14,22 +15,22 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from sdcguard.errors import CommandError
+
+__all__ = ["COMMANDS", "CommandError", "build_parser", "main"]
+
 # name -> (module, one-line help). Order is the order of --help.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "schema": ("contract.schema_cli", "print or check the JSON Schemas of the agent/pipeline contract"),
-    "local": ("infra.local.cli", "the local stand-in for AWS and EKS: up (run it), seed (fill it)"),
-    "checkpoints": ("lineage.cli", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
-    "deploy": ("infra.deploy", "package the pipeline and create or update its CloudFormation stack"),
-    "destroy": ("infra.destroy", "delete the pipeline's CloudFormation stack"),
-    "incidents": ("lambdas.ops_cli", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
-    "approve": ("lambdas.ops_cli", "approve an incident's node replacement (starts the decision machine)"),
-    "reject": ("lambdas.ops_cli", "reject an incident as a false alarm: release the node, resume the job"),
-    "drill": ("infra.drill.cli", "the incident drill on the local stand-in: fault, alarm, approval, replacement, recovery"),
+    "schema": ("sdcguard.commands.schema", "print or check the JSON Schemas of the agent/pipeline contract"),
+    "local": ("sdcguard.commands.local", "the local stand-in for AWS and EKS: up (run it), seed (fill it)"),
+    "checkpoints": ("sdcguard.commands.checkpoints", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
+    "deploy": ("sdcguard.commands.deploy", "package the pipeline and create or update its CloudFormation stack"),
+    "destroy": ("sdcguard.commands.destroy", "delete the pipeline's CloudFormation stack"),
+    "incidents": ("sdcguard.commands.incidents", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
+    "approve": ("sdcguard.commands.incidents", "approve an incident's node replacement (starts the decision machine)"),
+    "reject": ("sdcguard.commands.incidents", "reject an incident as a false alarm: release the node, resume the job"),
+    "drill": ("sdcguard.commands.drill", "the incident drill on the local stand-in: fault, alarm, approval, replacement, recovery"),
 }
-
-
-class CommandError(Exception):
-    """A user-facing failure: printed as ``sdcguard: error: ...`` with exit status 1."""
 
 
 def build_parser() -> argparse.ArgumentParser:

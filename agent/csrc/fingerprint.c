@@ -30,7 +30,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#define SDC_FP_ABI 4
+#define SDC_FP_ABI 5
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -264,6 +264,19 @@ static int element_size(int kind)
 }
 
 int sdc_fp_abi(void) { return SDC_FP_ABI; }
+
+/* The element kind of ``size``-byte integers (``is_unsigned``: zero-extended
+ * bytes), 0 when there is none: the loader asks, so the codes live here only. */
+int sdc_fp_kind(int size, int is_unsigned)
+{
+    switch (size) {
+    case 1: return is_unsigned ? KIND_U8 : KIND_I8;
+    case 2: return KIND_I16;
+    case 4: return KIND_I32;
+    case 8: return KIND_I64;
+    default: return 0;
+    }
+}
 
 /* The widest instruction set this CPU has: 0 scalar, 1 AVX2, 2 AVX-512. */
 int sdc_fp_best_isa(void) { return best_isa; }

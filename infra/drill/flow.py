@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -29,11 +30,25 @@ from typing import Any, Literal
 from kubernetes import client as k8s
 
 from contract import Alarm, Incident, IncidentState
+from contract.naming import NODE_PREFIX, instance_id_of
+from contract.naming import node_name as hyperpod_node_name
 from infra.drill.job_run import JobRun, Placement, RunResult, Trainer, TrainerError
 from infra.drill.report import LossCurve, Marks, phase_seconds, plot_losses, timeline_lines, write_report
 
 S = IncidentState
 Say = Callable[[str], None]
+Operator = Callable[[list[str]], int]
+"""The operator CLI, ``sdcguard ARGV``: prints what the command prints and returns its exit status."""
+
+
+def cli_in_a_subprocess(argv: list[str]) -> int:
+    """``python -m sdcguard ARGV`` in a child process with this process's environment (the default operator).
+
+    ``sdcguard drill`` passes the CLI's own ``main`` instead, which runs in this
+    process; the drill cannot import it (the CLI is above it)."""
+    done = subprocess.run([sys.executable, "-m", "sdcguard", *argv], capture_output=True, text=True, check=False)
+    sys.stdout.write(done.stdout + done.stderr)
+    return done.returncode
 Decision = Literal["approve", "reject", "ask"]
 
 # The agent's injection kinds the drill offers, and the detector that should catch each.
@@ -134,6 +149,8 @@ class Stage:
     stack_name: str
     outputs: dict[str, str]
     seconds: dict[str, float] = field(default_factory=dict)
+    operator: Operator = cli_in_a_subprocess
+    """How the drill runs ``sdcguard incidents``/``approve``/``reject``."""
 
     def client(self, service: str) -> Any:
         """A boto3 client bound to the stand-in."""
@@ -170,12 +187,12 @@ def prepare(standin: Any, *, name: str = "sdcguard-demo", nodes: int = 3, ranks_
             say: Say = lambda line: None) -> Stage:
     """Seed a HyperPod cluster called ``name`` on ``standin`` and deploy the pipeline guarding it.
 
-    The stack (also called ``name``) is deployed by ``infra.deploy.deploy``,
+    The stack (also called ``name``) is deployed by ``infra.deploy.deploy.deploy``,
     the code path of ``sdcguard deploy``, reaching the stand-in through
     ``AWS_ENDPOINT_URL``. Raises :class:`DrillFailed` (step "set-up") when
     either fails.
     """
-    from infra.deploy import DeployError, deploy
+    from infra.deploy.deploy import DeployError, deploy
     from infra.local.seed import SeedError, seed
 
     seconds: dict[str, float] = {}
@@ -263,7 +280,7 @@ def placements(stage: Stage) -> list[Placement]:
 
 def instance_of(node_name: str) -> str:
     """The EC2 instance id in a HyperPod node name."""
-    return node_name.removeprefix("hyperpod-")
+    return instance_id_of(node_name) or node_name.removeprefix(NODE_PREFIX)
 
 
 def _node(stage: Stage, name: str) -> Any:
@@ -339,14 +356,12 @@ class IncidentWatch:
             time.sleep(0.2)
 
 
-def _operator(argv: list[str]) -> tuple[int, list[str]]:
-    """Run the operator CLI (``sdcguard ...``) in this process; its exit status and output lines."""
-    from sdcguard.cli import main
-
+def _operator(stage: Stage, argv: list[str]) -> tuple[int, list[str]]:
+    """Run the operator CLI (``sdcguard ...``) as ``stage.operator``; its exit status and output lines."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            status = main(argv)
+            status = stage.operator(argv)
         except SystemExit as exc:  # argparse refusing the arguments
             status = int(exc.code or 0) if not isinstance(exc.code, str) else 2
     return status, [line for line in out.getvalue().splitlines() if line.strip()]
@@ -601,7 +616,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     seconds["pipeline_to_approval"] = round(time.monotonic() - began, 2)
     pointer_before, _ = read_pointer(store)
     summary["pointer_before"] = pointer_before.checkpoint if pointer_before else None
-    cordoned = all(_node(stage, f"hyperpod-{i}").spec.unschedulable for i in waiting.instance_ids)
+    cordoned = all(_node(stage, hyperpod_node_name(i)).spec.unschedulable for i in waiting.instance_ids)
     suspended = _job_suspended(stage)
     say(f"  contained: node(s) {', '.join(waiting.instance_ids)} cordoned={cordoned}, job suspended={suspended}")
     if not (cordoned and suspended):
@@ -609,7 +624,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     stack = ["--stack-name", stage.stack_name]
     began = time.monotonic()
     with aws_environment(stage.env):
-        _, shown = _operator(["incidents", *stack, "show", watch.incident_id])
+        _, shown = _operator(stage, ["incidents", *stack, "show", watch.incident_id])
     say(f"  the incident waits for a reviewer (sdcguard incidents show {watch.incident_id}):")
     for line in shown:
         say(f"    | {line}")
@@ -622,7 +637,7 @@ def _play(stage: Stage, options: DrillOptions, work_dir: Path, say: Say, outcome
     summary["decision"] = decision
     say(f"  reviewer: sdcguard {decision} {watch.incident_id} --reason {json.dumps(reason)}")
     with aws_environment(stage.env):
-        status, answer = _operator([decision, watch.incident_id, "--reason", reason, *stack])
+        status, answer = _operator(stage, [decision, watch.incident_id, "--reason", reason, *stack])
     for line in answer:
         say(f"    | {line}")
     if status != 0:
@@ -731,8 +746,8 @@ def _check_replaced(stage: Stage, incident: Incident, summary: dict[str, Any], f
         problems.append(f"{old} is still a HyperPod node")
     if any(p.node_name == fault_node for p in after):
         problems.append(f"a pod still runs on {fault_node}")
-    if new is not None and _node(stage, f"hyperpod-{new}").spec.unschedulable:
-        problems.append(f"the new node hyperpod-{new} is unschedulable")
+    if new is not None and _node(stage, hyperpod_node_name(new)).spec.unschedulable:
+        problems.append(f"the new node {hyperpod_node_name(new)} is unschedulable")
     if problems:
         raise DrillFailed("pipeline", "; ".join(problems), summary)
 

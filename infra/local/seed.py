@@ -1,4 +1,4 @@
-"""``sdcguard local seed``: a simulated HyperPod training cluster on a running local stand-in.
+"""A simulated HyperPod training cluster on a running local stand-in.
 
 It creates, through the same APIs a real cluster is reached by:
 
@@ -24,10 +24,8 @@ already taken stops it before anything is created.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import ipaddress
-import json
 import os
 import random
 import re
@@ -37,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import boto3
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
+from contract.naming import INSTANCE_ID, node_name
 from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.eks.hyperpod_node import INSTANCE_ID, hyperpod_node, node_name
+from infra.local.eks.hyperpod_node import hyperpod_node
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -525,52 +524,3 @@ def seed(
         ],
         "seconds": seconds,
     }
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Options of ``sdcguard local seed``."""
-    parser.add_argument("--nodes", type=int, default=3, help="HyperPod nodes (default 3)")
-    parser.add_argument(
-        "--ranks-per-node", type=int, default=2, help="GPUs (training ranks) per node (default 2)"
-    )
-    parser.add_argument(
-        "--faulty-node",
-        type=int,
-        metavar="INDEX",
-        help="make node INDEX (0-based) look faulty: hot GPU, Xid, ECC",
-    )
-    parser.add_argument(
-        "--cluster", default="sdcguard-demo", help="HyperPod cluster name (default sdcguard-demo)"
-    )
-    parser.add_argument("--eks-cluster", help="EKS cluster name (default <cluster>-eks)")
-    parser.add_argument("--job", default="llm-pretrain", help="PyTorchJob name (default llm-pretrain)")
-    parser.add_argument("--namespace", default="training", help="Kubernetes namespace (default training)")
-    parser.add_argument("--bucket", help="checkpoint bucket (default <cluster>-checkpoints)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Seed the stand-in named by the AWS_* environment and print the result as one JSON object."""
-    from sdcguard.cli import CommandError
-
-    try:
-        result = seed(
-            dict(os.environ),
-            nodes=args.nodes,
-            ranks_per_node=args.ranks_per_node,
-            faulty_node=args.faulty_node,
-            cluster=args.cluster,
-            eks_cluster=args.eks_cluster,
-            job=args.job,
-            namespace=args.namespace,
-            bucket=args.bucket,
-        )
-    except SeedError as exc:
-        raise CommandError(str(exc)) from exc
-    except ClientError as exc:
-        raise CommandError(f"the stand-in refused a request: {exc}") from exc
-    except BotoCoreError as exc:
-        raise CommandError(f"cannot reach the stand-in: {exc}") from exc
-    except (k8s.ApiException, OSError) as exc:
-        raise CommandError(f"the stand-in's EKS API server failed: {exc}") from exc
-    print(json.dumps(result, indent=2))
-    return 0

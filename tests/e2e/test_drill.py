@@ -40,7 +40,9 @@ SHORT = DrillOptions(steps=20, fault_step=12, audit_every=5, fingerprint_every=5
 
 @pytest.fixture(scope="module")
 def stage(standin: LocalStandIn) -> Stage:
-    return prepare(standin, name=f"drill-{uuid.uuid4().hex[:6]}")
+    staged = prepare(standin, name=f"drill-{uuid.uuid4().hex[:6]}")
+    staged.operator = main  # as `sdcguard drill` does: the operator's commands in this process
+    return staged
 
 
 @pytest.fixture(scope="module")

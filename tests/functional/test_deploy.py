@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.deploy import DeployError, deploy
-from infra.destroy import DestroyError, destroy
+from infra.deploy.deploy import DeployError, deploy
+from infra.deploy.destroy import DestroyError, destroy
+from infra.deploy.package import local_target
 from infra.local.standin import LocalStandIn
-from infra.package import local_target
 from sdcguard.cli import main
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import pytest
 from kubernetes import client as k8s
 
 from contract import CheckpointManifest, Incident, IncidentState
-from infra.deploy import deploy
+from infra.deploy.deploy import deploy
 from infra.local.moto_ext import hyperpod
 from infra.local.seed import seed
 from infra.local.standin import LocalStandIn

@@ -147,6 +147,20 @@ def test_incidents_show_prints_the_timeline(setup: Setup, capsys: pytest.Capture
     assert "no incident 'sdc-nosuchincident000'" in capsys.readouterr().err
 
 
+def test_incidents_show_takes_its_options_after_the_subcommand(
+    setup: Setup, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    incident_id = open_incident(setup, waiting=False)
+    monkeypatch.delenv("SDCGUARD_LEDGER_TABLE", raising=False)
+    assert main(["incidents", "show", incident_id, "--table", setup.table]) == 0
+    assert "state      GUARDED" in capsys.readouterr().out
+    assert main(["incidents", "show", incident_id, "--table", setup.table, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["incident_id"] == incident_id
+    # A table given before the sub-command is not overwritten by the sub-command's defaults.
+    assert main(["incidents", "--table", setup.table, "--json", "show", incident_id]) == 0
+    assert json.loads(capsys.readouterr().out)["incident_id"] == incident_id
+
+
 def test_approve_starts_the_decide_machine_as_the_caller(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
     incident_id = open_incident(setup, waiting=True)
     caller = setup.standin.client("sts").get_caller_identity()["Arn"]

@@ -13,7 +13,7 @@ import uuid
 import boto3
 import pytest
 
-from infra.local.cli import export_lines
+from sdcguard.commands.local import export_lines
 
 EXPECTED = {"AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sdcguard.cli import main
@@ -27,3 +29,20 @@ def test_schema_check_passes_on_a_clean_tree() -> None:
 def test_schema_prints_the_alarm_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schema", "alarm"]) == 0
     assert '"schema_version"' in capsys.readouterr().out
+
+
+def test_incidents_without_credentials_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_ENDPOINT_URL", "SDCGUARD_LEDGER_TABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for argv in (["incidents"], ["incidents", "--table", "ledger"], ["incidents", "show", "sdc-x", "--table", "t"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "sdcguard: error: no AWS credentials" in err
+        assert "no ledger table" not in err

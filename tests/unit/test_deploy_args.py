@@ -8,9 +8,16 @@ from typing import Any
 
 import pytest
 
-from infra.cfn_yaml import load_template
-from infra.deploy import TEMPLATE, DeployError, check_overrides, default_target, deploy, parse_overrides
-from infra.package import LAMBDA_TARGET, Target, local_target, package_key, prune_cache, requirements
+from infra.deploy.cfn_yaml import load_template
+from infra.deploy.deploy import (
+    TEMPLATE,
+    DeployError,
+    check_overrides,
+    default_target,
+    deploy,
+    parse_overrides,
+)
+from infra.deploy.package import LAMBDA_TARGET, Target, local_target, package_key, prune_cache, requirements
 from sdcguard.cli import main
 
 

@@ -77,7 +77,7 @@ def test_strided_tensors_are_gathered_in_chunks(kernel: native.Kernel, dtype: to
 def test_pieces_at_any_offset_add_up_to_the_whole(kernel: native.Kernel, kind_dtype: torch.dtype) -> None:
     # How a strided gather and the thread split feed the kernel: each piece at its element offset.
     t = sample(kind_dtype, (5 * fp.BLOCK + 77,), seed=9)
-    kind = native.kind_of(t.element_size(), kind_dtype == torch.uint8)
+    kind = kernel.kind(t.element_size(), kind_dtype == torch.uint8)
     cuts = [0, 1, 9, 1023, 1024, 1030, 2500, 4096, t.numel()]
     for k in isas(kernel):
         whole = torch.zeros(3, dtype=torch.int64)
@@ -234,7 +234,7 @@ def test_a_read_only_cache_falls_back_to_the_temporary_folder(
 
 def test_the_kernels_own_threads_give_the_same_bits_at_any_count(kernel: native.Kernel) -> None:
     t = sample(torch.int16, (2 * fp.BLOCK + 1,), seed=12)  # small: some of 64 pieces are empty
-    kind = native.kind_of(t.element_size(), False)
+    kind = kernel.kind(t.element_size(), False)
     whole = torch.zeros(3, dtype=torch.int64)
     kernel.segment(t.data_ptr(), t.numel(), kind, 7, whole.data_ptr())  # at an offset, as a piece would be
     for threads in (1, 2, 3, 7, 64, 500):
@@ -265,3 +265,30 @@ def test_a_prebuilt_kernel_needs_no_compiler(fresh_loader: Path, monkeypatch: py
     used = native.kernel()
     assert used is not None
     assert used.path.parent == fresh_loader / "cache"
+
+
+def test_the_known_answers_are_the_torch_implementations() -> None:
+    """The self-check's constants are the definition's: recomputed here by the torch implementation."""
+    dtypes = {(8, False): torch.int64, (4, False): torch.int32, (2, False): torch.int16,
+              (1, False): torch.int8, (1, True): torch.uint8}
+    for (size, unsigned, n), data, want in zip(
+        native.KNOWN_ANSWER_CASES, native.known_answer_inputs(), native.KNOWN_ANSWERS, strict=True
+    ):
+        t = torch.frombuffer(bytearray(data), dtype=dtypes[size, unsigned])
+        assert t.numel() == n
+        lanes = fp.fingerprint_torch(t).tolist()
+        descriptor = fp.descriptor(t.dtype, tuple(t.shape))
+        assert tuple((lane - d) % 2**64 for lane, d in zip(lanes, descriptor, strict=True)) == want
+
+
+@needs_compiler
+def test_the_kernel_reports_its_own_element_kinds(kernel: native.Kernel) -> None:
+    """The kinds come from the library (``sdc_fp_kind``), and every width has a distinct one."""
+    kinds = {(size, unsigned): kernel.lib.sdc_fp_kind(size, int(unsigned))
+             for size in native.ELEMENT_SIZES for unsigned in (False, True) if size == 1 or not unsigned}
+    assert kernel.kinds == kinds
+    assert len(set(kinds.values())) == len(kinds)
+    assert 0 not in kinds.values()
+    assert kernel.lib.sdc_fp_kind(3, 0) == 0
+    assert kernel.kind(1, True) != kernel.kind(1, False)
+    assert kernel.kind(2, True) == kernel.kind(2, False)

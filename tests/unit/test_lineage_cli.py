@@ -95,3 +95,24 @@ def test_select_refuses_bad_input(job: str, tmp_path: Path, capsys: pytest.Captu
     assert "is not JSON" in capsys.readouterr().err
     assert main(["checkpoints", "list", "gs://bucket/x"]) == 1
     assert "only s3://" in capsys.readouterr().err
+
+
+def test_select_says_the_same_trusted_step_with_and_without_write_pointer(
+    job: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a pointer already behind the suspect step (at step 100)
+    assert main(["checkpoints", "select", job, "--suspect-since", "100", "--write-pointer"]) == 0
+    capsys.readouterr()
+    # When the same step is asked for with and without --write-pointer
+    assert main(["checkpoints", "select", job, "--suspect-since", "299"]) == 0
+    dry = capsys.readouterr().out
+    assert main(["checkpoints", "select", job, "--suspect-since", "299", "--write-pointer", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert main(["checkpoints", "select", job, "--suspect-since", "299", "--write-pointer"]) == 0
+    text = capsys.readouterr().out
+    # Then both name the step that was asked for; the pointer stays where it was and says why
+    assert "trusted through step 299;" in dry
+    assert "trusted through step 299;" in text
+    assert written["trusted_through_step"] == 299
+    assert (written["step"], written["pointer"]["kept_behind"]) == (100, True)
+    assert "the pointer never moves forward: it was already at step 100, before the trusted step 299" in text

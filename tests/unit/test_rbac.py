@@ -6,13 +6,13 @@ from pathlib import Path
 
 import yaml
 
-from infra.cfn_yaml import load_template
+from infra.deploy.cfn_yaml import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cluster_role_grants_only_what_the_handlers_use() -> None:
-    docs = list(yaml.safe_load_all((ROOT / "infra" / "rbac.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()))
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     granted = {
         (group, resource, verb)
@@ -30,7 +30,7 @@ def test_cluster_role_grants_only_what_the_handlers_use() -> None:
 
 
 def test_binding_names_the_access_entry_group() -> None:
-    docs = list(yaml.safe_load_all((ROOT / "infra" / "rbac.yaml").read_text()))
+    docs = list(yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()))
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
     assert binding["roleRef"] == {
@@ -38,5 +38,5 @@ def test_binding_names_the_access_entry_group() -> None:
         "kind": "ClusterRole",
         "name": role["metadata"]["name"],
     }
-    group = load_template(ROOT / "infra" / "template.yaml")["Parameters"]["KubernetesGroup"]["Default"]
+    group = load_template(ROOT / "infra" / "deploy" / "template.yaml")["Parameters"]["KubernetesGroup"]["Default"]
     assert binding["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from infra.cfn_yaml import load_template
+from infra.deploy.cfn_yaml import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "infra" / "template.yaml"
+TEMPLATE = ROOT / "infra" / "deploy" / "template.yaml"
 
 # The handler modules agreed between the pipeline and the template.
 HANDLERS = {

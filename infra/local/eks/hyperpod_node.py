@@ -1,15 +1,16 @@
 """What a HyperPod EKS worker node looks like to the Kubernetes API.
 
-HyperPod names each node ``hyperpod-<EC2 instance id>`` and labels it with
+HyperPod names each node ``hyperpod-<EC2 instance id>`` (:mod:`contract.naming`) and labels it with
 its health status and instance group; the seed and a simulated replacement
 both build nodes from here, so every node in the stand-in has the same shape.
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any
+
+from contract.naming import node_name
 
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 INSTANCE_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"
@@ -17,15 +18,6 @@ CLUSTER_NAME_LABEL = "sagemaker.amazonaws.com/cluster-name"
 COMPUTE_TYPE_LABEL = "sagemaker.amazonaws.com/compute-type"
 DEEP_HEALTH_LABEL = "sagemaker.amazonaws.com/deep-health-check-status"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-NODE_PREFIX = "hyperpod-"
-INSTANCE_ID = re.compile(r"^i-[0-9a-f]{17}$")
-
-
-def node_name(instance_id: str) -> str:
-    """The Kubernetes node name HyperPod gives an instance; raises ValueError for an id that is not ``i-`` + 17 hex."""
-    if not INSTANCE_ID.match(instance_id):
-        raise ValueError(f"instance id {instance_id!r} is not 'i-' followed by 17 lowercase hex digits")
-    return NODE_PREFIX + instance_id
 
 
 def hyperpod_node(

@@ -6,15 +6,13 @@ and so are the code bucket's objects unless ``--purge-code`` is given.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
 
-from infra.stack_events import StackTimeout, follow, last_event
+from infra.deploy.stack_events import StackTimeout, follow, last_event
 
 
 class DestroyError(RuntimeError):
@@ -72,31 +70,3 @@ def _purge(s3: Any, bucket: str, prefix: str) -> int:
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
             removed += len(keys)
     return removed
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``sdcguard destroy``."""
-    parser.add_argument("--stack-name", required=True, help="the stack `sdcguard deploy` created")
-    parser.add_argument("--region", help="AWS region (default: the environment's)")
-    parser.add_argument(
-        "--purge-code",
-        metavar="CODE_BUCKET",
-        help="also delete the objects deploy uploaded for this stack to CODE_BUCKET",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Destroy, printing progress on stderr and the final status on stdout."""
-    from sdcguard.cli import CommandError
-
-    try:
-        status = destroy(
-            args.stack_name,
-            session=boto3.Session(region_name=args.region) if args.region else None,
-            purge_code_bucket=args.purge_code,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-    except DestroyError as exc:
-        raise CommandError(str(exc)) from None
-    print(f"stack {args.stack_name}: {status}")
-    return 0

@@ -42,7 +42,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("lambdas", "contract", "lineage")
 CONSTRAINTS = ROOT / "requirements" / "constraints.txt"
 CACHE = ROOT / "build" / "lambda"
@@ -205,7 +205,8 @@ def _install_dependencies(target: Target, reqs: list[str], into: Path, *, log: _
         shutil.rmtree(staging, ignore_errors=True)  # another build finished the same dependencies first
 
 
-def _write_zip(zip_path: Path, deps: Path, *, compile_sources: bool) -> None:
+def write_zip(zip_path: Path, deps: Path, *, compile_sources: bool) -> None:
+    """Write the package: the installed dependencies in ``deps``, then ``SOURCES`` (and their bytecode)."""
     entries: list[tuple[str, Path]] = []
     for path in sorted(deps.rglob("*")):
         # __pycache__ holds bytecode only when the dependencies were compiled for the target.
@@ -304,7 +305,7 @@ def build_package(target: Target = LAMBDA_TARGET, *, cache: Path = CACHE, progre
             _install_dependencies(target, reqs, deps, log=log)
         else:
             log(f"dependencies for {target} from the cache")
-        _write_zip(zip_path, deps, compile_sources=target.compiles)
+        write_zip(zip_path, deps, compile_sources=target.compiles)
         prune_cache(cache)
     data = zip_path.read_bytes()
     package = Package(

@@ -2,15 +2,15 @@
 
 ``sdcguard local up`` runs the stand-in in the foreground until interrupted;
 its first lines are shell exports, so ``eval`` or a copy and paste points any
-AWS tool at it. ``sdcguard local seed`` (``infra.local.seed``) fills a running
-stand-in with a simulated HyperPod cluster and training job.
+AWS tool at it. ``sdcguard local seed`` (:func:`infra.local.seed.seed`) fills a
+running stand-in with a simulated HyperPod cluster and training job.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import json
+import os
 import shlex
 import signal
 import sys
@@ -18,11 +18,11 @@ import threading
 import time
 from types import FrameType
 
-SEED_MODULE = "infra.local.seed"
+from sdcguard.errors import CommandError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the ``up`` and (when its module exists) ``seed`` subcommands."""
+    """Add the ``up`` and ``seed`` subcommands."""
     sub = parser.add_subparsers(dest="local_command", metavar="LOCAL_COMMAND")
     sub.required = True
     up = sub.add_parser(
@@ -39,12 +39,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how long each simulated HyperPod phase (shutdown, pending, reboot, health check) lasts (default 5)",
     )
     up.set_defaults(_local_run=run_up)
-    if importlib.util.find_spec(SEED_MODULE) is not None:
-        seed_module = importlib.import_module(SEED_MODULE)
-        seed_help = "create a simulated HyperPod cluster, nodes, training job, bucket and GPU metrics on a running stand-in"
-        seed = sub.add_parser("seed", help=seed_help, description=seed_help)
-        seed_module.configure(seed)
-        seed.set_defaults(_local_run=seed_module.run)
+    seed_help = "create a simulated HyperPod cluster, nodes, training job, bucket and GPU metrics on a running stand-in"
+    seed = sub.add_parser("seed", help=seed_help, description=seed_help)
+    configure_seed(seed)
+    seed.set_defaults(_local_run=run_seed)
 
 
 def _port(text: str) -> int:
@@ -83,7 +81,6 @@ def run_up(args: argparse.Namespace) -> int:
     Raises ``CommandError`` when a port is taken or the stand-in cannot start.
     """
     from infra.local.standin import LocalStandIn, StandInError
-    from sdcguard.cli import CommandError
 
     stop = threading.Event()
 
@@ -114,4 +111,56 @@ def run_up(args: argparse.Namespace) -> int:
         began = time.monotonic()
         standin.stop()
     print(f"# local stand-in stopped in {time.monotonic() - began:.2f} s", file=sys.stderr)
+    return 0
+
+
+def configure_seed(parser: argparse.ArgumentParser) -> None:
+    """Options of ``sdcguard local seed``."""
+    parser.add_argument("--nodes", type=int, default=3, help="HyperPod nodes (default 3)")
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=2, help="GPUs (training ranks) per node (default 2)"
+    )
+    parser.add_argument(
+        "--faulty-node",
+        type=int,
+        metavar="INDEX",
+        help="make node INDEX (0-based) look faulty: hot GPU, Xid, ECC",
+    )
+    parser.add_argument(
+        "--cluster", default="sdcguard-demo", help="HyperPod cluster name (default sdcguard-demo)"
+    )
+    parser.add_argument("--eks-cluster", help="EKS cluster name (default <cluster>-eks)")
+    parser.add_argument("--job", default="llm-pretrain", help="PyTorchJob name (default llm-pretrain)")
+    parser.add_argument("--namespace", default="training", help="Kubernetes namespace (default training)")
+    parser.add_argument("--bucket", help="checkpoint bucket (default <cluster>-checkpoints)")
+
+
+def run_seed(args: argparse.Namespace) -> int:
+    """Seed the stand-in named by the AWS_* environment and print the result as one JSON object."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from kubernetes import client as k8s
+
+    from infra.local.seed import SeedError, seed
+
+    try:
+        result = seed(
+            dict(os.environ),
+            nodes=args.nodes,
+            ranks_per_node=args.ranks_per_node,
+            faulty_node=args.faulty_node,
+            cluster=args.cluster,
+            eks_cluster=args.eks_cluster,
+            job=args.job,
+            namespace=args.namespace,
+            bucket=args.bucket,
+        )
+    except SeedError as exc:
+        raise CommandError(str(exc)) from exc
+    except ClientError as exc:
+        raise CommandError(f"the stand-in refused a request: {exc}") from exc
+    except BotoCoreError as exc:
+        raise CommandError(f"cannot reach the stand-in: {exc}") from exc
+    except (k8s.ApiException, OSError) as exc:
+        raise CommandError(f"the stand-in's EKS API server failed: {exc}") from exc
+    print(json.dumps(result, indent=2))
     return 0

@@ -12,6 +12,7 @@ import argparse
 import getpass
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from lineage.pointer import read_pointer, rewrite_pointer_explained
 from lineage.selection import Selection, select_checkpoint
 from lineage.store import ObjectStore, open_store
 from lineage.verify import read_manifest, verify_checkpoint
-from sdcguard.cli import CommandError
+from sdcguard.errors import CommandError
 
 SUSPECT_SINCE_HELP = (
     "the first step whose update is suspect. A checkpoint's step is the first step a resumed job "
@@ -151,12 +152,18 @@ def _select(store: ObjectStore, args: argparse.Namespace) -> int:
         rewrite = rewrite_pointer_explained(
             store, trusted_through_step=trusted, reason=reason, written_by=who, incident_id=args.incident_id
         )
-        selection = rewrite.selection
+        # The rewrite chose at or before min(trusted, the pointer's step): the pointer
+        # never moves forward. The trusted step is still the one asked for; the
+        # pointer's own step is reported as what held the choice back.
+        selection = replace(rewrite.selection, trusted_through_step=trusted)
+        previous = rewrite.previous
+        held_back = previous is not None and previous.step < trusted and selection.step == previous.step
         pointer: dict[str, Any] | None = {
             "uri": store.uri("RESUME.json"),
             "written": rewrite.written,
             "step": rewrite.pointer.step,
-            "previous_step": rewrite.previous.step if rewrite.previous else None,
+            "previous_step": previous.step if previous else None,
+            "kept_behind": held_back,
         }
     else:
         selection = select_checkpoint(store, trusted)
@@ -177,6 +184,9 @@ def _print_selection(selection: Selection, pointer: dict[str, Any] | None, *, as
     if pointer and pointer["written"]:
         was = "none before" if pointer["previous_step"] is None else f"was step {pointer['previous_step']}"
         print(f"resume pointer {pointer['uri']} now at step {pointer['step']} ({was})")
+        if pointer.get("kept_behind"):
+            print(f"  the pointer never moves forward: it was already at step {pointer['step']}, "
+                  f"before the trusted step {selection.trusted_through_step}")
     elif pointer:
         at = "no pointer yet" if pointer["step"] is None else f"at step {pointer['step']}"
         print(f"resume pointer {pointer['uri']} unchanged ({at})")

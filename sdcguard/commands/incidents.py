@@ -7,7 +7,8 @@ console, with the caller's identity from STS as the reviewer, and wait for
 its answer.
 
 The three commands share this module; ``configure`` tells them apart by the
-name the dispatcher gave the sub-parser.
+name the dispatcher gave the sub-parser. The ledger is read with
+:class:`lambdas.ledger.Ledger`, the pipeline's own.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ import time
 from typing import Any
 
 import boto3
+from botocore.exceptions import NoCredentialsError, NoRegionError
 
 from contract import Incident
 from lambdas.errors import IncidentNotFound
 from lambdas.ledger import Ledger
+from sdcguard.errors import CommandError
 
 DEFAULT_STACK = "sdcguard"
+NO_CREDENTIALS = (
+    "no AWS credentials: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+    "(for the local stand-in, paste the exports `sdcguard local up` prints)"
+)
 PAST_TENSE = {"approve": "approved", "reject": "rejected"}
 FAILURE_MESSAGES = {
     "IncidentNotWaiting": "incident {id} is not waiting for approval{state}; nothing changed",
@@ -39,10 +46,18 @@ def _command(parser: argparse.ArgumentParser) -> str:
     return parser.prog.split()[-1]
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stack-name", default=os.environ.get("SDCGUARD_STACK", DEFAULT_STACK),
-                        help="the deployed stack whose outputs name the ledger and the decision machine (default: %(default)s)")
-    parser.add_argument("--table", default=os.environ.get("SDCGUARD_LEDGER_TABLE"),
+def _common(parser: argparse.ArgumentParser, *, again: bool = False) -> None:
+    """``--stack-name`` and ``--table``; ``again`` for a sub-command, where they may be repeated after it.
+
+    A sub-parser's defaults would overwrite the values given before the
+    sub-command, so there the options only set a value when they are given.
+    """
+    stack_default = argparse.SUPPRESS if again else os.environ.get("SDCGUARD_STACK", DEFAULT_STACK)
+    table_default = argparse.SUPPRESS if again else os.environ.get("SDCGUARD_LEDGER_TABLE")
+    parser.add_argument("--stack-name", default=stack_default,
+                        help="the deployed stack whose outputs name the ledger and the decision machine (default: "
+                        f"{os.environ.get('SDCGUARD_STACK', DEFAULT_STACK)})")
+    parser.add_argument("--table", default=table_default,
                         help="the ledger table (default: the stack's LedgerTableName output)")
 
 
@@ -55,7 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="incidents_command", metavar="show")
         show = sub.add_parser("show", help="one incident: state, suspects, evidence, timeline")
         show.add_argument("incident_id", metavar="ID")
-        show.add_argument("--json", action="store_true", help="print the whole incident record as JSON")
+        show.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                          help="print the whole incident record as JSON")
+        _common(show, again=True)
         return
     parser.add_argument("incident_id", metavar="ID", help="the incident (see `sdcguard incidents`)")
     parser.add_argument("--reason", required=True, help="why (recorded in the ledger with your identity)")
@@ -65,9 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the command; raises ``sdcguard.cli.CommandError`` with a clear message on failure."""
-    from sdcguard.cli import CommandError
-
+    """Run the command; raises :class:`~sdcguard.errors.CommandError` with a clear message on failure."""
     try:
         if args.command == "incidents":
             ledger = Ledger(_ledger_table(args))
@@ -77,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         return _decide(args, "approve" if args.command == "approve" else "reject")
     except IncidentNotFound as exc:
         raise CommandError(str(exc)) from None
+    except NoCredentialsError:
+        raise CommandError(NO_CREDENTIALS) from None
+    except NoRegionError:
+        raise CommandError("no AWS region: set AWS_DEFAULT_REGION (or AWS_REGION)") from None
 
 
 # -- incidents ------------------------------------------------------------------
@@ -162,8 +181,6 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
 
 
 def _decide(args: argparse.Namespace, decision: str) -> int:
-    from sdcguard.cli import CommandError
-
     reviewer = boto3.client("sts").get_caller_identity()["Arn"]
     machine = _decide_machine(args)
     sfn = boto3.client("stepfunctions")
@@ -197,16 +214,17 @@ def _state_note(args: argparse.Namespace) -> str:
 
 
 def _stack_outputs(stack: str) -> dict[str, str]:
+    """The stack's outputs; none when there is no such stack. Missing credentials propagate."""
     try:
         described = boto3.client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0]
-    except Exception:
+    except (NoCredentialsError, NoRegionError):
+        raise  # the user must hear about these, not about a missing table
+    except Exception:  # no such stack, or no CloudFormation to ask: the caller says what to pass instead
         return {}
     return {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
 
 
 def _ledger_table(args: argparse.Namespace) -> str:
-    from sdcguard.cli import CommandError
-
     if args.table:
         return str(args.table)
     table = _stack_outputs(args.stack_name).get("LedgerTableName")
@@ -216,8 +234,6 @@ def _ledger_table(args: argparse.Namespace) -> str:
 
 
 def _decide_machine(args: argparse.Namespace) -> str:
-    from sdcguard.cli import CommandError
-
     if args.state_machine_arn:
         return str(args.state_machine_arn)
     arn = _stack_outputs(args.stack_name).get("DecideStateMachineArn")

@@ -4,7 +4,7 @@ One code path for AWS and the local stand-in: every client comes from a boto3
 session, which honours ``AWS_ENDPOINT_URL`` (as ``sdcguard local up`` prints
 it). The only difference is the package's target: the Lambda runtime (Python
 3.12) on AWS, the interpreter running the stand-in when ``AWS_ENDPOINT_URL`` is
-set (see :mod:`infra.package`); ``--python-version``/``--architecture``
+set (see :mod:`infra.deploy.package`); ``--python-version``/``--architecture``
 override either.
 
 Steps: check the parameter overrides against the template (unknown names,
@@ -18,12 +18,9 @@ as they arrive; print the outputs.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,12 +30,12 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from infra.cfn_yaml import load_template
-from infra.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
-from infra.stack_events import StackTimeout, follow, last_event
+from infra.deploy.cfn_yaml import load_template
+from infra.deploy.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
+from infra.deploy.stack_events import StackTimeout, follow, last_event
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ROOT / "infra" / "template.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = Path(__file__).resolve().with_name("template.yaml")
 DEFINITIONS = {
     "IncidentDefinitionKey": ROOT / "stepfunctions" / "incident.asl.json",
     "DecideDefinitionKey": ROOT / "stepfunctions" / "decide.asl.json",
@@ -349,59 +346,3 @@ def _upload(s3: Any, bucket: str, key: str, data: bytes, uploaded: list[str], sa
 
 def _short_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:20]
-
-
-# ------------------------------------------------------------------ command line
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``sdcguard deploy``."""
-    parser.add_argument("--stack-name", required=True, help="CloudFormation stack name (e.g. sdcguard)")
-    parser.add_argument(
-        "--parameter-overrides",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="template parameters, e.g. HyperPodClusterName=ml-cluster EksClusterName=ml-eks "
-        "CheckpointBucket=my-ckpts CheckpointPrefix=jobs/llama ReviewerEmail=oncall@example.com",
-    )
-    parser.add_argument("--region", help="AWS region (default: the environment's)")
-    parser.add_argument("--code-bucket", help="bucket for the package (default: sdcguard-code-ACCOUNT-REGION)")
-    parser.add_argument(
-        "--python-version",
-        help="Python of the package (default: 3.12, the Lambda runtime; this interpreter's with AWS_ENDPOINT_URL)",
-    )
-    parser.add_argument("--architecture", choices=["arm64", "x86_64"], help="Lambda architecture (default arm64)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Deploy, printing progress on stderr and the outputs on stdout."""
-    from sdcguard.cli import CommandError
-
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    try:
-        overrides = parse_overrides(args.parameter_overrides)
-        target = default_target(
-            architecture=args.architecture or overrides.get("LambdaArchitecture"),
-            python_version=args.python_version,
-        )
-        result = deploy(
-            args.stack_name,
-            overrides,
-            session=boto3.Session(region_name=args.region) if args.region else None,
-            code_bucket=args.code_bucket,
-            target=target,
-            progress=progress,
-        )
-    except (DeployError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
-    if args.json:
-        print(json.dumps(result.as_json(), indent=2, sort_keys=True))
-    else:
-        print(f"stack {result.stack_name}: {result.status}{'' if result.changed else ' (unchanged)'}")
-        for key, value in sorted(result.outputs.items()):
-            print(f"  {key} = {value}")
-    return 0

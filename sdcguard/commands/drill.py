@@ -1,4 +1,4 @@
-"""``sdcguard drill``: the whole system, end to end, on the local stand-in, from one command.
+"""``sdcguard drill``: the adapter of :mod:`infra.drill.flow`: the whole system, end to end, on the local stand-in, from one command.
 
 1. start the local stand-in, seed a 3-node HyperPod cluster, deploy the stack
    (the code path of ``sdcguard deploy``);
@@ -29,6 +29,7 @@ from typing import Any
 
 from infra.drill.flow import FAULTS, Decision, DrillFailed, DrillOptions, prepare, run_drill, timeline
 from infra.drill.job_run import Trainer, TrainerError
+from sdcguard.errors import CommandError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +65,7 @@ def _options(args: argparse.Namespace) -> DrillOptions:
 def run(args: argparse.Namespace) -> int:
     """Run the drill; 0 when it passed, 1 when a step failed. CommandError for bad options."""
     from infra.local.standin import LocalStandIn, StandInError
-    from sdcguard.cli import CommandError
+    from sdcguard.cli import main
 
     # moto warns about every template resource it skips; the drill's reader wants the drill.
     logging.getLogger("moto").setLevel(logging.ERROR)
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             trainer = Trainer(standin.env, report / "ranks.log")
             try:
                 stage = prepare(standin, say=say)
+                stage.operator = main  # the reviewer's commands run in this process, as typed
                 trainer.wait_ready()
                 seconds["set_up"] = round(time.monotonic() - began, 2)
                 say(f"  set-up done in {seconds['set_up']:.1f} s")

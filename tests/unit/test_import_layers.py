@@ -1,0 +1,81 @@
+"""Imports point down only: the layers contract of ``pyproject.toml``, checked by ``./dev check``.
+
+The contract is run on this tree (kept) and on small package trees of the same
+names with one upward import each (broken), so it is shown able to fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from infra import check
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("sdcguard", "infra", "lambdas", "agent", "lineage", "contract")
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def _contract_text() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    start = text.index("[tool.importlinter]")
+    return text[start : text.index("\n[tool.", start + 1)]
+
+
+def _lint(cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` as ``./dev check`` runs it: in ``cwd``, with the ``pyproject.toml`` there."""
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_the_contract_is_the_agreed_layering() -> None:
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert contract["contracts"][0]["type"] == "layers"
+    assert contract["contracts"][0]["layers"] == ["sdcguard", "infra", "lambdas | agent", "lineage", "contract"]
+    assert sorted(contract["root_packages"]) == sorted(PACKAGES)
+
+
+def test_dev_check_runs_the_contract_as_a_labelled_check() -> None:
+    commands = dict(check.checks())
+    assert commands["import layers"] == [str(Path(sys.executable).with_name("lint-imports"))]
+
+
+def test_the_tree_keeps_the_contract() -> None:
+    done = _lint(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 kept, 0 broken" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("lineage", "sdcguard.cli"),  # what lineage/cli.py once did
+        ("contract", "lineage"),
+        ("infra", "sdcguard"),
+        ("lambdas", "agent"),  # the two middle parts are independent
+        ("agent", "lambdas"),
+    ],
+)
+def test_an_upward_import_breaks_the_contract(tmp_path: Path, importer: str, imported: str) -> None:
+    # Given a tree of the same packages with the same contract
+    for name in PACKAGES:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "sdcguard" / "cli.py").write_text("")
+    (tmp_path / "infra" / "deploy.py").write_text("import lambdas\nimport agent\nimport contract\n")
+    config = tmp_path / "pyproject.toml"
+    config.write_text(_contract_text())
+    assert _lint(tmp_path).returncode == 0
+    # When one module imports a layer above its own
+    (tmp_path / importer / "upward.py").write_text(f"import {imported}\n")
+    # Then the check fails and names the import
+    done = _lint(tmp_path)
+    assert done.returncode == 1
+    assert "BROKEN" in done.stdout
+    assert f"{importer}.upward -> {imported}" in done.stdout
