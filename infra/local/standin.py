@@ -13,19 +13,23 @@ one stand-in per process.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import boto3
+import yaml
 
 if TYPE_CHECKING:
-    from moto.server import ThreadedMotoServer
+    from werkzeug.serving import BaseWSGIServer
 
     from infra.local.eks.server import EksApiServer
 
@@ -39,8 +43,92 @@ _active_lock = threading.Lock()
 _active: LocalStandIn | None = None
 
 
+HOST = "127.0.0.1"
+# The repository's RBAC manifest, applied to the stand-in's cluster as an operator applies it to a real one.
+RBAC_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "rbac.yaml"
+# The group the template's EKS access entries give the pipeline's roles (its KubernetesGroup default).
+PIPELINE_GROUP = "sdcguard-pipeline"
+# How long stop() waits for a server thread; past it the thread (a daemon) is left behind.
+_STOP_SECONDS = 5.0
+
+
 class StandInError(RuntimeError):
     """The stand-in could not start (a port in use, another stand-in in this process)."""
+
+
+class PortInUse(StandInError):
+    """A port the stand-in was asked to bind is taken; ``port`` and ``server`` ("moto" or "eks") say which."""
+
+    def __init__(self, server: str, port: int) -> None:
+        what = "the moto server" if server == "moto" else "the local EKS API server"
+        super().__init__(
+            f"port {port} on {HOST} is already in use, so {what} cannot start there "
+            "(is a stand-in left running?); choose another port, or 0 for a free one"
+        )
+        self.server = server
+        self.port = port
+
+
+def _bind(server: str, port: int) -> socket.socket:
+    """A listening socket on HOST:port; raises PortInUse at once when the port is taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # As socketserver does for HTTP servers: a port in TIME_WAIT after a stop can be bound again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(server, port) from exc
+        raise StandInError(f"cannot bind {HOST}:{port} for the {server} server: {exc}") from exc
+    return sock
+
+
+class _MotoServer:
+    """moto's server app on a socket bound in the caller's thread, served from a background thread.
+
+    moto's own ThreadedMotoServer binds inside its thread: when the port is
+    taken, werkzeug prints "Address already in use" and exits that thread,
+    and ``start()`` waits for a ready signal that never comes, deaf to
+    Ctrl-C. Binding here first turns that into an immediate PortInUse.
+    """
+
+    def __init__(self, port: int) -> None:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+        from werkzeug.serving import make_server
+
+        sock = _bind("moto", port)
+        try:
+            self._httpd: BaseWSGIServer = make_server(
+                HOST,
+                sock.getsockname()[1],
+                DomainDispatcherApplication(create_backend_app),
+                threaded=True,
+                request_handler=MotoRequestHandler,
+                fd=sock.fileno(),
+            )
+        finally:
+            sock.close()  # make_server holds its own duplicate of the descriptor
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="moto-server", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return int(self._httpd.server_address[1])
+
+    def stop(self) -> None:
+        """Stop serving and release the port, waiting at most _STOP_SECONDS for the serving thread."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=_STOP_SECONDS)
 
 
 class LocalStandIn:
@@ -48,19 +136,29 @@ class LocalStandIn:
 
     ``port``/``eks_port`` 0 pick free ports. ``replace_seconds`` is how long
     each simulated HyperPod phase lasts (shut down, pending, reboot, deep
-    health check); 0 makes them immediate.
+    health check); 0 makes them immediate. ``rbac_manifest`` is applied to
+    the EKS server, which then enforces it on the pipeline's identity (callers
+    with temporary credentials, as the Lambda functions are; see
+    ``infra.local.eks.rbac``); None turns RBAC off (every caller is an admin).
     """
 
-    def __init__(self, port: int = 0, eks_port: int = 0, replace_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        port: int = 0,
+        eks_port: int = 0,
+        replace_seconds: float = 0.0,
+        rbac_manifest: Path | None = RBAC_MANIFEST,
+    ) -> None:
         if port < 0 or eks_port < 0:
             raise ValueError(f"port and eks_port must be >= 0, got {port} and {eks_port}")
         if replace_seconds < 0:
             raise ValueError(f"replace_seconds must be >= 0, got {replace_seconds}")
         self.region = REGION
         self.replace_seconds = replace_seconds
+        self.rbac_manifest = rbac_manifest
         self._requested_port = port
         self._eks_port = eks_port
-        self._server: ThreadedMotoServer | None = None
+        self._server: _MotoServer | None = None
         self._saved_moto_port: str | None = None
         self.eks: EksApiServer | None = None
         self.endpoint_url = ""
@@ -87,17 +185,17 @@ class LocalStandIn:
 
     def client(self, service_name: str, **kwargs: Any) -> Any:
         """A boto3 client for ``service_name`` bound to this stand-in."""
-        return self.session().client(service_name, endpoint_url=self.endpoint_url, **kwargs)
+        session: Any = self.session()  # the service name is a runtime string: no typed overload applies
+        return session.client(service_name, endpoint_url=self.endpoint_url, **kwargs)
 
     def start(self) -> LocalStandIn:
         """Start both servers and wire them together; returns self.
 
-        Raises ``StandInError`` when another stand-in runs in this process or
-        a server cannot start.
+        Raises ``PortInUse`` at once when a requested port is taken, and
+        ``StandInError`` when another stand-in runs in this process or a
+        server cannot start; nothing is left running then.
         """
         global _active
-        from moto.server import ThreadedMotoServer
-
         from infra.local import moto_ext
         from infra.local.moto_ext import eks_endpoint, hyperpod, lambda_runner
 
@@ -110,11 +208,10 @@ class LocalStandIn:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         try:
             moto_ext.install()
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=self._requested_port, verbose=False)
-            server.start()
+            server = _MotoServer(self._requested_port)
             self._server = server
-            self.port = int(server.get_host_and_port()[1])
-            self.endpoint_url = f"http://127.0.0.1:{self.port}"
+            self.port = server.port
+            self.endpoint_url = f"http://{HOST}:{self.port}"
             # moto's Step Functions executor calls Lambda at localhost:$MOTO_PORT.
             self._saved_moto_port = os.environ.get("MOTO_PORT")
             os.environ["MOTO_PORT"] = str(self.port)
@@ -126,6 +223,9 @@ class LocalStandIn:
             self.eks = eks
             eks_endpoint.point_at(eks.url, eks.ca_data)
             hyperpod.hooks.on_node_replaced = self._on_node_replaced
+        except StandInError:
+            self.stop()
+            raise
         except OSError as exc:
             self.stop()
             raise StandInError(f"cannot start the local stand-in: {exc}") from exc
@@ -136,10 +236,28 @@ class LocalStandIn:
         return self
 
     def _start_eks(self) -> EksApiServer:
+        from infra.local.eks.errors import ApiError
+        from infra.local.eks.rbac import AccessEntries
         from infra.local.eks.server import EksApiServer
 
-        server = EksApiServer(host="127.0.0.1", port=self._eks_port)
-        server.start()
+        manifest: list[dict[str, Any]] = []
+        access = AccessEntries()
+        if self.rbac_manifest is not None:
+            try:
+                manifest = [d for d in yaml.safe_load_all(self.rbac_manifest.read_text()) if d]
+            except (OSError, yaml.YAMLError) as exc:
+                raise StandInError(f"cannot read the RBAC manifest {self.rbac_manifest}: {exc}") from exc
+            access = AccessEntries(pipeline_groups=(PIPELINE_GROUP,))
+        try:
+            server = EksApiServer(host=HOST, port=self._eks_port, access=access, manifest=manifest)
+        except (ValueError, ApiError) as exc:
+            raise StandInError(f"the RBAC manifest {self.rbac_manifest} cannot be applied: {exc}") from exc
+        try:
+            server.start()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse("eks", self._eks_port) from exc
+            raise
         return server
 
     def _on_node_replaced(self, cluster: str, old_id: str, new_id: str) -> None:

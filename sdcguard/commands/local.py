@@ -4,6 +4,9 @@
 its first lines are shell exports, so ``eval`` or a copy and paste points any
 AWS tool at it. ``sdcguard local seed`` (:func:`infra.local.seed.seed`) fills a
 running stand-in with a simulated HyperPod cluster and training job.
+``sdcguard local kubeconfig`` (:func:`infra.local.kubeconfig.write_kubeconfig`)
+points kubectl at the stand-in's EKS cluster, through the credential plugin
+``sdcguard local exec-credential``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 from sdcguard.errors import CommandError
@@ -43,6 +47,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     seed = sub.add_parser("seed", help=seed_help, description=seed_help)
     configure_seed(seed)
     seed.set_defaults(_local_run=run_seed)
+    kubeconfig_help = "point kubectl at the stand-in's EKS cluster, as `aws eks update-kubeconfig` does for a real one"
+    kubeconfig = sub.add_parser("kubeconfig", help=kubeconfig_help, description=kubeconfig_help)
+    kubeconfig.add_argument("--cluster", help="EKS cluster (default: the stand-in's only one)")
+    kubeconfig.add_argument(
+        "--output", type=Path, help="kubeconfig file to merge into (default: $KUBECONFIG's first file, else ~/.kube/config)"
+    )
+    kubeconfig.set_defaults(_local_run=run_kubeconfig)
+    credential_help = "print an ExecCredential with a fresh EKS token (kubectl's credential plugin; like `aws eks get-token`)"
+    credential = sub.add_parser("exec-credential", help=credential_help, description=credential_help)
+    credential.add_argument("--cluster", required=True, help="EKS cluster the token is for")
+    credential.set_defaults(_local_run=run_exec_credential)
 
 
 def _port(text: str) -> int:
@@ -80,12 +95,16 @@ def run_up(args: argparse.Namespace) -> int:
 
     Raises ``CommandError`` when a port is taken or the stand-in cannot start.
     """
-    from infra.local.standin import LocalStandIn, StandInError
+    from infra.local.standin import LocalStandIn, PortInUse, StandInError
 
     stop = threading.Event()
+    serving = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
+        if not serving.is_set():
+            # Still starting: unwind start() (it stops whatever it began) instead of finishing it first.
+            raise KeyboardInterrupt
 
     # Both explicitly: a shell starts a background job with SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
@@ -93,6 +112,10 @@ def run_up(args: argparse.Namespace) -> int:
     standin = LocalStandIn(port=args.port, eks_port=args.eks_port, replace_seconds=args.replace_seconds)
     try:
         standin.start()
+        serving.set()
+    except PortInUse as exc:
+        option = "--port" if exc.server == "moto" else "--eks-port"
+        raise CommandError(f"{exc}: `sdcguard local up {option} 0` picks a free one") from exc
     except StandInError as exc:
         raise CommandError(str(exc)) from exc
     try:
@@ -102,12 +125,16 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"# moto with sdcguard's extensions at {standin.endpoint_url}")
         if eks is not None:
             print(f"# local EKS API server at {eks.url} (EKS DescribeCluster returns it for every cluster)")
+            print("# kubectl: after `sdcguard local seed`, `sdcguard local kubeconfig` points it at the cluster")
         print(f"# started in {standin.startup_seconds:.2f} s; Ctrl-C stops it")
         sys.stdout.flush()
         # A timed wait, so the signal handler runs promptly on every platform.
         while not stop.wait(0.5):
             pass
     finally:
+        # A second Ctrl-C or SIGTERM while stopping ends the process at once.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         began = time.monotonic()
         standin.stop()
     print(f"# local stand-in stopped in {time.monotonic() - began:.2f} s", file=sys.stderr)
@@ -163,4 +190,36 @@ def run_seed(args: argparse.Namespace) -> int:
     except (k8s.ApiException, OSError) as exc:
         raise CommandError(f"the stand-in's EKS API server failed: {exc}") from exc
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def run_kubeconfig(args: argparse.Namespace) -> int:
+    """Merge the stand-in cluster's kubeconfig entries into the file and say which context kubectl now uses."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from infra.local.kubeconfig import KubeconfigError, write_kubeconfig
+
+    try:
+        path, context = write_kubeconfig(args.cluster, args.output)
+    except KubeconfigError as exc:
+        raise CommandError(str(exc)) from exc
+    except ClientError as exc:
+        raise CommandError(f"the stand-in refused DescribeCluster: {exc}") from exc
+    except BotoCoreError as exc:
+        raise CommandError(f"cannot reach the stand-in: {exc}") from exc
+    print(f"Updated context {context} in {path}")
+    return 0
+
+
+def run_exec_credential(args: argparse.Namespace) -> int:
+    """Print the ExecCredential kubectl reads from its credential plugin."""
+    from botocore.exceptions import BotoCoreError
+
+    from infra.local.kubeconfig import exec_credential
+
+    try:
+        credential = exec_credential(args.cluster)
+    except BotoCoreError as exc:
+        raise CommandError(f"cannot sign an EKS token: {exc}") from exc
+    print(json.dumps(credential))
     return 0

@@ -12,18 +12,21 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import boto3
 import pytest
 import urllib3
+import yaml
 from kubernetes import client as k8s
 
 from infra.local.eks.auth import TokenRejected, verify_token
 from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
 from infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL, hyperpod_node
 from infra.local.eks.patch import PatchError, json_patch, strategic_merge_patch
+from infra.local.eks.rbac import AccessEntries
 from infra.local.eks.server import EksApiServer
 
 CLUSTER = "sdcguard-test"
@@ -724,3 +727,325 @@ def test_json_patch_is_all_or_nothing() -> None:
 
     assert doc == {"metadata": {"labels": {"a": "1"}}}
     assert json_patch(doc, [{"op": "test", "path": "/metadata/labels/a", "value": "1"}]) == doc
+
+
+# --- discovery, tables, eviction: what kubectl needs ---------------------------------------------
+
+_AGGREGATED_V2 = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+_TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
+
+
+def _raw(
+    server: EksApiServer, sts: Any, path: str, *, accept: str = "application/json", method: str = "GET",
+    body: Any = None, token: bool = True,
+) -> tuple[int, str, Any]:  # fmt: skip
+    request = urllib.request.Request(
+        f"{server.url}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Accept": accept, "Content-Type": "application/json"},
+    )
+    if token:
+        request.add_header("Authorization", f"Bearer {eks_bearer_token(CLUSTER, sts)}")
+    context = ssl.create_default_context(cadata=server.ca_pem.decode())
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], json.loads(exc.read())
+
+
+def test_legacy_discovery_lists_groups_versions_and_resources(server: EksApiServer, sts: Any) -> None:
+    _, _, versions = _raw(server, sts, "/api")
+    _, _, groups = _raw(server, sts, "/apis")
+    _, _, core = _raw(server, sts, "/api/v1")
+    _, _, kubeflow = _raw(server, sts, "/apis/kubeflow.org/v1")
+    _, _, group = _raw(server, sts, "/apis/kubeflow.org")
+
+    assert versions["kind"] == "APIVersions"
+    assert versions["versions"] == ["v1"]
+    assert groups["kind"] == "APIGroupList"
+    assert {g["name"] for g in groups["groups"]} == {
+        "kubeflow.org", "rbac.authorization.k8s.io", "authorization.k8s.io"
+    }  # fmt: skip
+    assert group["preferredVersion"] == {"groupVersion": "kubeflow.org/v1", "version": "v1"}
+    by_name = {r["name"]: r for r in core["resources"]}
+    assert by_name["nodes"]["shortNames"] == ["no"]
+    assert by_name["nodes"]["namespaced"] is False
+    assert {"get", "list", "patch"} <= set(by_name["nodes"]["verbs"])
+    assert by_name["pods"]["namespaced"] is True
+    # kubectl drain evicts only when discovery lists pods/eviction with its group and version
+    assert by_name["pods/eviction"] | {"verbs": ["create"]} == {
+        "name": "pods/eviction", "singularName": "", "namespaced": True, "group": "policy",
+        "version": "v1", "kind": "Eviction", "verbs": ["create"],
+    }  # fmt: skip
+    [jobs] = kubeflow["resources"]
+    assert (jobs["name"], jobs["kind"], jobs["namespaced"]) == ("pytorchjobs", "PyTorchJob", True)
+
+
+def test_aggregated_discovery_answers_in_the_form_asked_for(server: EksApiServer, sts: Any) -> None:
+    status, content_type, core = _raw(server, sts, "/api", accept=f"{_AGGREGATED_V2},application/json")
+    _, _, named = _raw(server, sts, "/apis", accept=_AGGREGATED_V2.replace("v=v2", "v=v2beta1"))
+
+    assert status == 200
+    assert content_type == _AGGREGATED_V2  # client-go parses the body by this header
+    assert core["kind"] == "APIGroupDiscoveryList"
+    assert core["apiVersion"] == "apidiscovery.k8s.io/v2"
+    [core_group] = core["items"]
+    resources = {r["resource"]: r for r in core_group["versions"][0]["resources"]}
+    assert resources["nodes"]["scope"] == "Cluster"
+    assert resources["nodes"]["responseKind"] == {"group": "", "version": "v1", "kind": "Node"}
+    assert resources["pods"]["subresources"][0]["subresource"] == "eviction"
+    assert named["apiVersion"] == "apidiscovery.k8s.io/v2beta1"
+    [kubeflow] = [g for g in named["items"] if g["metadata"]["name"] == "kubeflow.org"]
+    assert kubeflow["versions"][0]["resources"][0]["resource"] == "pytorchjobs"
+
+
+def test_discovery_needs_a_token_and_unknown_versions_are_404(server: EksApiServer, sts: Any) -> None:
+    assert _raw(server, sts, "/api", token=False)[0] == 401
+    assert _raw(server, sts, "/apis/kubeflow.org/v2")[0] == 404
+    assert _raw(server, sts, "/apis/batch")[0] == 404
+    assert _raw(server, sts, "/apis/kubeflow.org/v2/namespaces/x/pytorchjobs")[0] == 404
+    assert _raw(server, sts, "/openapi/v2")[0] == 404
+
+
+def test_a_table_is_served_when_asked_for(server: EksApiServer, sts: Any, core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    core.patch_node(name, {"spec": {"unschedulable": True}})
+
+    status, content_type, table = _raw(server, sts, "/api/v1/nodes", accept=f"{_TABLE},application/json")
+    _, _, single = _raw(server, sts, f"/api/v1/nodes/{name}?includeObject=Object", accept=_TABLE)
+    _, _, plain = _raw(server, sts, f"/api/v1/nodes/{name}")
+
+    assert status == 200
+    assert content_type == _TABLE
+    assert table["kind"] == "Table"
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    assert columns[:5] == ["Name", "Status", "Roles", "Age", "Version"]
+    assert {c["name"] for c in table["columnDefinitions"] if c["priority"] == 1} >= {"Internal-IP", "OS-Image"}
+    row = next(r for r in table["rows"] if r["cells"][0] == name)
+    assert row["cells"][1] == "Ready,SchedulingDisabled"
+    assert row["object"]["kind"] == "PartialObjectMetadata"
+    [only] = single["rows"]
+    assert only["object"]["spec"]["unschedulable"] is True
+    assert plain["kind"] == "Node"
+    assert _raw(server, sts, "/api/v1/nodes?includeObject=Everything", accept=_TABLE)[0] == 400
+
+
+def test_eviction_dry_run_keeps_the_pod_and_a_real_one_removes_it(
+    server: EksApiServer, sts: Any, core: k8s.CoreV1Api
+) -> None:
+    _, node = _node(core)
+    pod = f"evict-{uuid.uuid4().hex[:6]}"
+    _pod(core, pod, node, "evict-job")
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": NAMESPACE}}
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction"
+
+    dry = _raw(server, sts, f"{path}?dryRun=All", method="POST", body=eviction)
+    assert dry[0] == 201
+    assert core.read_namespaced_pod(pod, NAMESPACE).metadata.name == pod
+
+    real = _raw(server, sts, path, method="POST", body=eviction)
+    assert real[0] == 201
+    with pytest.raises(k8s.ApiException) as caught:
+        core.read_namespaced_pod(pod, NAMESPACE)
+    assert caught.value.status == 404
+    assert _raw(server, sts, path, method="POST", body=eviction)[0] == 404
+
+
+def test_delete_with_dry_run_deletes_nothing(core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+
+    core.delete_node(name, dry_run="All")
+
+    assert core.read_node(name).metadata.name == name
+
+
+# --- RBAC: the pipeline's identity under the repository's manifest ---------------------------------
+
+RBAC_MANIFEST = Path(__file__).resolve().parents[2] / "infra" / "deploy" / "rbac.yaml"
+PIPELINE_GROUP = "sdcguard-pipeline"
+
+
+def _manifest(without: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """The repository's RBAC manifest, optionally with one (resource, verb) taken out of its ClusterRole."""
+    docs = [d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d]
+    if without is not None:
+        resource, verb = without
+        for doc in docs:
+            for rule in doc.get("rules", []):
+                if resource in rule["resources"]:
+                    rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+    return docs
+
+
+def _role_sts() -> Any:
+    # Temporary credentials, as a Lambda function's role has: the pipeline's access entry.
+    return boto3.client(
+        "sts", region_name="us-east-1", aws_access_key_id="ASIATESTING", aws_secret_access_key="testing",
+        aws_session_token="session-token",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rbac_server() -> Iterator[EksApiServer]:
+    with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=_manifest()) as running:
+        yield running
+
+
+def _pipeline(server: EksApiServer) -> k8s.ApiClient:
+    return _api(server, eks_bearer_token(CLUSTER, _role_sts(), expires_in=900))
+
+
+def _forbidden(call: Any) -> dict[str, Any]:
+    with pytest.raises(k8s.ApiException) as caught:
+        call()
+    assert caught.value.status == 403
+    return _status_body(caught.value)
+
+
+def test_the_pipeline_may_do_what_the_manifest_grants(rbac_server: EksApiServer, sts: Any) -> None:
+    admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    admin.create_namespace({"metadata": {"name": NAMESPACE}})
+    _, node = _node(admin)
+    _pod(admin, "rbac-worker-0", node, "rbac-job")
+    _job(k8s.CustomObjectsApi(_api(rbac_server, eks_bearer_token(CLUSTER, sts))), "rbac-job")
+    core = k8s.CoreV1Api(_pipeline(rbac_server))
+    custom = k8s.CustomObjectsApi(core.api_client)
+
+    core.patch_node(node, {"spec": {"unschedulable": True}})
+    custom.patch_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "rbac-job", {"spec": {"runPolicy": {"suspend": True}}}
+    )
+
+    assert core.read_node(node).spec.unschedulable is True
+    assert [n.metadata.name for n in core.list_node().items] == [node]
+    assert [p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items] == ["rbac-worker-0"]
+    job = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "rbac-job")
+    assert job["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_the_pipeline_is_refused_what_the_manifest_does_not_grant(rbac_server: EksApiServer, sts: Any) -> None:
+    admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    _, node = _node(admin)
+    core = k8s.CoreV1Api(_pipeline(rbac_server))
+
+    refused = _forbidden(lambda: core.delete_node(node))
+    assert refused["reason"] == "Forbidden"
+    assert refused["message"] == (
+        f'nodes "{node}" is forbidden: User "sdcguard-pipeline" cannot delete resource "nodes" '
+        'in API group "" at the cluster scope'
+    )
+    # pods: list only, never get
+    assert "in the namespace" in _forbidden(lambda: core.read_namespaced_pod("x", NAMESPACE))["message"]
+    _forbidden(lambda: core.create_namespace({"metadata": {"name": "not-allowed"}}))
+    assert admin.read_node(node).metadata.name == node
+
+
+def test_a_verb_taken_out_of_the_manifest_is_refused(sts: Any) -> None:
+    with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=_manifest(("nodes", "patch"))) as server:
+        admin = k8s.CoreV1Api(_api(server, eks_bearer_token(CLUSTER, sts)))
+        _, node = _node(admin)
+        core = k8s.CoreV1Api(_pipeline(server))
+
+        _forbidden(lambda: core.patch_node(node, {"spec": {"unschedulable": True}}))
+
+        assert not admin.read_node(node).spec.unschedulable
+        assert core.read_node(node).metadata.name == node  # get is still granted
+
+
+def test_a_role_patched_through_the_api_applies_at_once(rbac_server: EksApiServer, sts: Any) -> None:
+    rbac_api = k8s.RbacAuthorizationV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    core = k8s.CoreV1Api(_pipeline(rbac_server))
+    role = rbac_api.read_cluster_role("sdcguard-pipeline")
+    original = [r.to_dict() for r in role.rules]
+    narrowed = [
+        {"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": [v for v in r["verbs"] if v != "list"]}
+        for r in original
+    ]
+
+    rbac_api.patch_cluster_role("sdcguard-pipeline", {"rules": narrowed})
+    try:
+        _forbidden(core.list_node)
+    finally:
+        rbac_api.patch_cluster_role(
+            "sdcguard-pipeline",
+            {"rules": [{"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": r["verbs"]} for r in original]},
+        )
+    assert core.list_node().items is not None
+
+
+def test_access_reviews_answer_for_the_caller_and_for_whom_an_admin_impersonates(
+    rbac_server: EksApiServer, sts: Any
+) -> None:
+    def review(api: k8s.ApiClient, verb: str, resource: str, group: str = "", **headers: str) -> bool:
+        authz = k8s.AuthorizationV1Api(api)
+        for key, value in headers.items():
+            api.set_default_header(key.replace("_", "-"), value)
+        body = {"spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}}}
+        return bool(authz.create_self_subject_access_review(body).status.allowed)
+
+    pipeline = _pipeline(rbac_server)
+    admin = _api(rbac_server, eks_bearer_token(CLUSTER, sts))
+    impersonating = _api(rbac_server, eks_bearer_token(CLUSTER, sts))
+
+    assert review(pipeline, "patch", "nodes")
+    assert review(pipeline, "patch", "pytorchjobs", "kubeflow.org")
+    assert not review(pipeline, "delete", "nodes")
+    assert not review(pipeline, "get", "pods")
+    assert review(admin, "delete", "nodes")
+    assert review(impersonating, "patch", "nodes", Impersonate_User="x", Impersonate_Group=PIPELINE_GROUP)
+    assert not review(impersonating, "delete", "nodes")
+    pipeline.set_default_header("Impersonate-User", "kubernetes-admin")
+    _forbidden(lambda: k8s.CoreV1Api(pipeline).list_node())
+
+
+def test_a_manifest_with_other_kinds_is_refused() -> None:
+    with pytest.raises(ValueError, match="document 0 is a Namespace"):
+        EksApiServer(manifest=[{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}])
+
+
+# --- watches -----------------------------------------------------------------------------------------
+
+
+def test_a_watch_streams_what_changes_and_ends_on_its_timeout(server: EksApiServer, sts: Any, core: k8s.CoreV1Api) -> None:
+    _, name = _node(core)
+    revision = core.list_node().metadata.resource_version
+    request = urllib.request.Request(
+        f"{server.url}/api/v1/nodes?watch=true&timeoutSeconds=3&resourceVersion={revision}"
+        f"&fieldSelector=metadata.name%3D{name}",
+        headers={"Authorization": f"Bearer {eks_bearer_token(CLUSTER, sts)}"},
+    )
+    context = ssl.create_default_context(cadata=server.ca_pem.decode())
+    lines: list[dict[str, Any]] = []
+
+    def read() -> None:
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            lines.extend(json.loads(line) for line in response if line.strip())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)
+    core.patch_node(name, {"spec": {"unschedulable": True}})
+    time.sleep(1)  # more than a poll: a change and the next one within a poll read as the last
+    core.delete_node(name)
+    reader.join(timeout=15)
+
+    assert not reader.is_alive()  # the watch ended by itself after timeoutSeconds
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in lines] == [("MODIFIED", name), ("DELETED", name)]
+    assert lines[0]["object"]["spec"]["unschedulable"] is True
+
+
+def test_a_stopping_server_ends_its_watches(sts: Any) -> None:
+    temporary = EksApiServer().start()
+    request = urllib.request.Request(
+        f"{temporary.url}/api/v1/nodes?watch=1", headers={"Authorization": f"Bearer {eks_bearer_token(CLUSTER, sts)}"}
+    )
+    context = ssl.create_default_context(cadata=temporary.ca_pem.decode())
+    response = urllib.request.urlopen(request, context=context, timeout=10)
+
+    began = time.monotonic()
+    temporary.stop()
+
+    assert response.read() == b""  # the stream ended (no events), rather than hanging
+    assert time.monotonic() - began < 10

@@ -42,6 +42,8 @@ class Caller:
     access_key_id: str
     region: str
     expires_at: dt.datetime
+    # Signed with temporary credentials (X-Amz-Security-Token), as an assumed role such as a Lambda function's is.
+    temporary: bool = False
 
 
 def verify_authorization(header: str | None, now: dt.datetime | None = None) -> Caller:
@@ -99,4 +101,9 @@ def verify_token(token: str, now: dt.datetime | None = None) -> Caller:
         raise TokenRejected("the token is dated in the future")
     if now > expires_at:
         raise TokenRejected(f"the token expired at {expires_at.isoformat()}")
-    return Caller(access_key_id=credential[0], region=credential[2], expires_at=expires_at)
+    return Caller(
+        access_key_id=credential[0],
+        region=credential[2],
+        expires_at=expires_at,
+        temporary=bool(query.get("X-Amz-Security-Token")),
+    )

@@ -32,6 +32,11 @@ class Resource:
     merge_keys: dict[str, str] = field(default_factory=dict)
     # Custom resources accept only JSON and JSON merge patches, as on a real cluster.
     strategic_merge: bool = True
+    # What discovery says about it (``kubectl get no`` works through the short names).
+    singular: str = ""
+    short_names: tuple[str, ...] = ()
+    verbs: tuple[str, ...] = ("create", "delete", "get", "list", "patch", "update", "watch")
+    categories: tuple[str, ...] = ()
 
     @property
     def api_version(self) -> str:
@@ -46,8 +51,19 @@ NODES = Resource(
     "v1",
     namespaced=False,
     merge_keys={"status.conditions": "type", "status.addresses": "type", "metadata.ownerReferences": "uid"},
+    singular="node",
+    short_names=("no",),
 )
-NAMESPACES = Resource("namespaces", "Namespace", "", "v1", namespaced=False)
+NAMESPACES = Resource(
+    "namespaces",
+    "Namespace",
+    "",
+    "v1",
+    namespaced=False,
+    singular="namespace",
+    short_names=("ns",),
+    verbs=("create", "delete", "get", "list", "watch"),
+)
 PODS = Resource(
     "pods",
     "Pod",
@@ -64,13 +80,67 @@ PODS = Resource(
         "status.conditions": "type",
         "metadata.ownerReferences": "uid",
     },
+    singular="pod",
+    short_names=("po",),
+    categories=("all",),
 )
+# Events are served so that ``kubectl describe`` finds its (empty) list; nothing here writes them.
+EVENTS = Resource(
+    "events",
+    "Event",
+    "",
+    "v1",
+    namespaced=True,
+    singular="event",
+    short_names=("ev",),
+    verbs=("create", "delete", "get", "list", "watch"),
+)
+# As the Kubeflow training operator's CRD declares it: no short names, no categories.
 PYTORCHJOBS = Resource(
-    "pytorchjobs", "PyTorchJob", "kubeflow.org", "v1", namespaced=True, strategic_merge=False
+    "pytorchjobs",
+    "PyTorchJob",
+    "kubeflow.org",
+    "v1",
+    namespaced=True,
+    strategic_merge=False,
+    singular="pytorchjob",
+)
+
+# RBAC, so that the stand-in can hold the repository's manifest and enforce it (see ``rbac``).
+CLUSTER_ROLES = Resource(
+    "clusterroles", "ClusterRole", "rbac.authorization.k8s.io", "v1", namespaced=False, singular="clusterrole"
+)
+CLUSTER_ROLE_BINDINGS = Resource(
+    "clusterrolebindings",
+    "ClusterRoleBinding",
+    "rbac.authorization.k8s.io",
+    "v1",
+    namespaced=False,
+    singular="clusterrolebinding",
+)
+# Answered, never stored: what ``kubectl auth can-i`` asks.
+SELF_SUBJECT_ACCESS_REVIEWS = Resource(
+    "selfsubjectaccessreviews",
+    "SelfSubjectAccessReview",
+    "authorization.k8s.io",
+    "v1",
+    namespaced=False,
+    singular="selfsubjectaccessreview",
+    verbs=("create",),
 )
 
 RESOURCES: dict[tuple[str, str], Resource] = {
-    (r.group, r.plural): r for r in (NODES, NAMESPACES, PODS, PYTORCHJOBS)
+    (r.group, r.plural): r
+    for r in (
+        NODES,
+        NAMESPACES,
+        PODS,
+        EVENTS,
+        PYTORCHJOBS,
+        CLUSTER_ROLES,
+        CLUSTER_ROLE_BINDINGS,
+        SELF_SUBJECT_ACCESS_REVIEWS,
+    )
 }
 
 

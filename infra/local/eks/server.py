@@ -29,11 +29,13 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from infra.local.eks import discovery, rbac, tables, watch
 from infra.local.eks import patch as patches
 from infra.local.eks.auth import TokenRejected, verify_authorization
 from infra.local.eks.errors import ApiError, not_found
@@ -46,21 +48,39 @@ from infra.local.eks.hyperpod_node import (
     node_name,
 )
 from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import NAMESPACES, NODES, PODS, RESOURCES, Resource
+from infra.local.eks.resources import (
+    CLUSTER_ROLE_BINDINGS,
+    CLUSTER_ROLES,
+    NAMESPACES,
+    NODES,
+    PODS,
+    RESOURCES,
+    SELF_SUBJECT_ACCESS_REVIEWS,
+    Resource,
+)
 from infra.local.eks.selectors import parse_field_selector, parse_label_selector
 from infra.local.eks.tls import issue_server_certificate
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kubeflow")
+_CORE = "|".join(sorted(r.plural for r in RESOURCES.values() if not r.group))
+_CORE_NAMESPACED = "|".join(sorted(r.plural for r in RESOURCES.values() if not r.group and r.namespaced))
+_GROUPS = "|".join(sorted({re.escape(r.group) for r in RESOURCES.values() if r.group}))
+_SUBRESOURCES = "|".join(sorted({sub for _parent, sub, *_rest in discovery.SUBRESOURCES}))
 _ROUTES = (
-    re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>pods)(?:/(?P<name>[^/]+))?$"),
-    re.compile(r"^/api/v1/(?P<plural>nodes|namespaces|pods)(?:/(?P<name>[^/]+))?$"),
     re.compile(
-        r"^/apis/(?P<group>kubeflow\.org)/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>pytorchjobs)(?:/(?P<name>[^/]+))?$"
+        rf"^/api/(?P<version>v1)/namespaces/(?P<ns>[^/]+)/(?P<plural>{_CORE_NAMESPACED})"
+        rf"(?:/(?P<name>[^/]+)(?:/(?P<sub>{_SUBRESOURCES}))?)?$"
     ),
-    re.compile(r"^/apis/(?P<group>kubeflow\.org)/v1/(?P<plural>pytorchjobs)$"),
+    re.compile(rf"^/api/(?P<version>v1)/(?P<plural>{_CORE})(?:/(?P<name>[^/]+))?$"),
+    re.compile(
+        rf"^/apis/(?P<group>{_GROUPS})/(?P<version>[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)"
+        r"(?:/(?P<name>[^/]+))?$"
+    ),
+    re.compile(rf"^/apis/(?P<group>{_GROUPS})/(?P<version>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$"),
 )
+_DISCOVERY = re.compile(r"^/(?:api(?:/(?P<core_version>[^/]+))?|apis(?:/(?P<group>[^/]+)(?:/(?P<version>[^/]+))?)?)$")
 _ANONYMOUS = ("/version", "/healthz", "/livez", "/readyz")
 _MAX_BODY = 3 * 1024 * 1024  # the API server's own request size limit
 
@@ -81,6 +101,7 @@ class _Target:
     resource: Resource
     namespace: str | None
     name: str | None
+    subresource: str | None = None
 
 
 class _HttpServer(ThreadingHTTPServer):
@@ -149,13 +170,19 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._dispatch("DELETE")
 
-    def _send(self, status: int, body: Any, extra_headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: Any,
+        extra_headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         # Recorded before the answer leaves, so whoever reads the log after a response sees it.
         method, path, resource, name = self._current
         self.server.api._record(RequestRecord(method, path, resource, name, status))
         data = json.dumps(body).encode("utf-8")
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for key, value in (extra_headers or {}).items():
             self.send_header(key, value)
@@ -202,20 +229,45 @@ class _Handler(BaseHTTPRequestHandler):
             if path in _ANONYMOUS:
                 self._send(200, _anonymous(path))
                 return
+            discovered = _DISCOVERY.match(path)
+            if discovered:
+                # Discovery is open to every authenticated user (system:discovery), as on a real cluster.
+                self._identify()
+                if method != "GET":
+                    raise ApiError(405, f"{method} is not supported on {path}")
+                body, content_type = _discovery_document(
+                    discovered, self.headers.get("Accept"), self.headers.get("Host") or ""
+                )
+                self._send(200, body, content_type=content_type)
+                return
             target = _route(path)
             resource_name, name = target.resource.plural, target.name
+            if target.subresource:
+                resource_name = f"{resource_name}/{target.subresource}"
             self._current = (method, path, resource_name, name)
-            try:
-                verify_authorization(self.headers.get("Authorization"))
-            except TokenRejected as exc:
-                raise ApiError(401, f"Unauthorized: {exc}") from exc
+            identity = self._identify()
+            verb = _verb(method, target, query)
+            if target.resource is not SELF_SUBJECT_ACCESS_REVIEWS and not rbac.allowed(
+                api.store, identity, verb, target.resource.group, resource_name, name
+            ):
+                raise rbac.forbidden(
+                    identity, verb, target.resource.group, resource_name, target.namespace, name
+                )
             # Faults act only on authenticated requests, so a refused one never uses up a named failure.
             verdict = api.faults.decide(method, resource_name, name)
             if verdict.delay_seconds:
                 time.sleep(verdict.delay_seconds)
             if verdict.fail_status is not None:
                 raise ApiError(verdict.fail_status, f"injected fault ({verdict.why}) on {method} {path}")
-            status, body = api._handle(method, target, query, self)
+            if verb == "watch":
+                self._stream(target, query)
+                return
+            status, body = api._handle(method, target, query, self, identity)
+            table = tables.table_version(self.headers.get("Accept")) if method == "GET" else None
+            if table is not None and status == 200:
+                body = _as_table(target.resource, body, table, query.get("includeObject", "Metadata"))
+                self._send(status, body, content_type=f"application/json;as=Table;v={table};g=meta.k8s.io")
+                return
             self._send(status, body)
         except ApiError as exc:
             headers = {"Retry-After": "1"} if exc.code == 429 else None
@@ -225,6 +277,106 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a bug here must answer 500, never hang the client
             log.exception("unexpected error serving %s %s", method, path)
             self._send(500, ApiError(500, f"internal error: {exc}").body())
+
+
+    def _stream(self, target: _Target, query: dict[str, str]) -> None:
+        """Answer a watch: chunked watch events, one JSON object a line, until the client leaves or the server stops."""
+        api = self.server.api
+        if target.name is not None or target.resource.plural not in discovery.watchable():
+            raise ApiError(405, f"watch is not supported on {self.path}")
+        predicates = (
+            parse_label_selector(query.get("labelSelector")),
+            parse_field_selector(query.get("fieldSelector")),
+        )
+        timeout: float | None = None
+        if query.get("timeoutSeconds"):
+            try:
+                timeout = float(query["timeoutSeconds"])
+            except ValueError as exc:
+                raise ApiError(400, f"invalid timeoutSeconds {query['timeoutSeconds']!r}") from exc
+        table = tables.table_version(self.headers.get("Accept"))
+        include_object = query.get("includeObject", "Metadata")
+        if include_object not in ("None", "Metadata", "Object"):
+            raise ApiError(400, f"includeObject must be None, Metadata or Object, got {include_object!r}")
+
+        def poll() -> list[dict[str, Any]]:
+            return api.store.list(target.resource, target.namespace, *predicates)[0]
+
+        method, path, resource, name = self._current
+        api._record(RequestRecord(method, path, resource, name, 200))
+        self.send_response(200)
+        content_type = f"application/json;as=Table;v={table};g=meta.k8s.io" if table else "application/json"
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for kind, obj in watch.events(
+            poll, api._stopping, resource_version=query.get("resourceVersion"), timeout_seconds=timeout
+        ):
+            body: Any = obj
+            if table is not None:
+                version = obj["metadata"].get("resourceVersion", "")
+                body = tables.to_table(
+                    target.resource, [obj], {"resourceVersion": version}, version=table, include_object=include_object
+                )
+            line = json.dumps({"type": kind, "object": body}).encode("utf-8") + b"\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _identify(self) -> rbac.Identity:
+        """Who the request is from: its token's caller through the access entries, then any impersonation."""
+        try:
+            caller = verify_authorization(self.headers.get("Authorization"))
+        except TokenRejected as exc:
+            raise ApiError(401, f"Unauthorized: {exc}") from exc
+        return rbac.impersonate(
+            self.server.api.access.identity(caller),
+            self.headers.get("Impersonate-User"),
+            self.headers.get_all("Impersonate-Group") or [],
+        )
+
+
+def _verb(method: str, target: _Target, query: dict[str, str]) -> str:
+    """The RBAC verb of a request, as the API server derives it."""
+    if method == "GET":
+        if target.name is not None:
+            return "get"
+        return "watch" if query.get("watch") in ("true", "1") else "list"
+    if method == "DELETE" and target.name is None:
+        return "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
+
+
+def _discovery_document(match: re.Match[str], accept: str | None, host: str) -> tuple[Any, str]:
+    """The discovery answer for a matched discovery path and its Content-Type; raises ApiError 404 for what is not served."""
+    core_version, group, version = match.group("core_version"), match.group("group"), match.group("version")
+    if core_version is None and group is None:
+        aggregated = discovery.aggregated_version(accept)
+        core = match.group(0) == "/api"
+        if aggregated is not None:
+            return discovery.aggregated(core, aggregated), discovery.aggregated_content_type(aggregated)
+        return (discovery.api_versions(host) if core else discovery.api_group_list()), "application/json"
+    if core_version is not None:
+        document = discovery.api_resource_list("", core_version)
+    elif version is None:
+        document = discovery.api_group(group)
+    else:
+        document = discovery.api_resource_list(group, version)
+    if document is None:
+        raise ApiError(404, "the server could not find the requested resource", details={})
+    return document, "application/json"
+
+
+def _as_table(resource: Resource, body: dict[str, Any], version: str, include_object: str) -> dict[str, Any]:
+    """A GET answer (one object or a list) as a Table; raises ApiError 400 for a bad ``includeObject``."""
+    if body.get("kind", "").endswith("List") and "items" in body:
+        objects, metadata = body["items"], body.get("metadata", {})
+    else:
+        objects, metadata = [body], {"resourceVersion": body.get("metadata", {}).get("resourceVersion", "")}
+    try:
+        return tables.to_table(resource, objects, metadata, version=version, include_object=include_object)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
 
 
 def _anonymous(path: str) -> Any:
@@ -243,12 +395,21 @@ def _route(path: str) -> _Target:
         match = pattern.match(path)
         if match:
             groups = match.groupdict()
-            resource = RESOURCES[(groups.get("group") or "", groups["plural"])]
+            resource = RESOURCES.get((groups.get("group") or "", groups["plural"]))
+            if resource is None or resource.version != groups["version"]:
+                break
             namespace = unquote(groups["ns"]) if groups.get("ns") else None
             name = unquote(groups["name"]) if groups.get("name") else None
             if resource.namespaced and namespace is None and name is not None:
                 break
-            return _Target(resource, namespace, name)
+            if not resource.namespaced and namespace is not None:
+                break
+            subresource = groups.get("sub")
+            if subresource and (resource.plural, subresource) not in {
+                (parent, sub) for parent, sub, *_rest in discovery.SUBRESOURCES
+            }:
+                break
+            return _Target(resource, namespace, name, subresource)
     raise ApiError(404, "the server could not find the requested resource", details={})
 
 
@@ -261,8 +422,15 @@ class EksApiServer:
     ``faults`` the fault knobs, ``requests`` the recent requests.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        access: rbac.AccessEntries | None = None,
+        manifest: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.host = host
+        self.access = access or rbac.AccessEntries()
         self._requested_port = port
         hosts = (host, "localhost") if host != "localhost" else ("localhost", "127.0.0.1")
         self._certificate = issue_server_certificate(hosts)
@@ -272,8 +440,31 @@ class EksApiServer:
         self._requests_lock = threading.Lock()
         self._httpd: _HttpServer | None = None
         self._thread: threading.Thread | None = None
+        # Set while stopping, so open watches end instead of outliving the server.
+        self._stopping = threading.Event()
         for namespace in DEFAULT_NAMESPACES:
             self.store.create(NAMESPACES, None, {"metadata": {"name": namespace}})
+        self.apply(manifest or [])
+
+    def apply(self, documents: list[dict[str, Any]]) -> None:
+        """Create or replace ClusterRoles and ClusterRoleBindings, as ``kubectl apply -f`` of an RBAC manifest does.
+
+        Raises ValueError naming a document of any other kind (nothing is
+        applied then), ApiError 422 for an invalid one.
+        """
+        kinds = {CLUSTER_ROLES.kind: CLUSTER_ROLES, CLUSTER_ROLE_BINDINGS.kind: CLUSTER_ROLE_BINDINGS}
+        for i, document in enumerate(documents):
+            if not isinstance(document, dict) or document.get("kind") not in kinds:
+                kind = document.get("kind") if isinstance(document, dict) else type(document).__name__
+                raise ValueError(f"document {i} is a {kind}; only ClusterRole and ClusterRoleBinding apply here")
+        with self.store.transaction():
+            for document in documents:
+                resource = kinds[document["kind"]]
+                name = str((document.get("metadata") or {}).get("name", ""))
+                if self.store.exists(resource, None, name):
+                    self.store.update(resource, None, name, _replacing(document))
+                else:
+                    self.store.create(resource, None, document)
 
     # lifecycle ---------------------------------------------------------------
 
@@ -282,6 +473,7 @@ class EksApiServer:
         if self._httpd is not None:
             raise RuntimeError("the EKS API server is already running")
         httpd = _HttpServer((self.host, self._requested_port), self, self._certificate.server_context())
+        self._stopping.clear()
         self._httpd = httpd
         self._thread = threading.Thread(
             target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="eks-api-server", daemon=True
@@ -294,6 +486,7 @@ class EksApiServer:
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return
+        self._stopping.set()
         httpd.shutdown()
         httpd.server_close()
         httpd.close_connections()
@@ -407,10 +600,18 @@ class EksApiServer:
         raise ApiError(405, f"{method} is not supported on {path}")
 
     def _handle(
-        self, method: str, target: _Target, query: dict[str, str], request: _Handler
+        self, method: str, target: _Target, query: dict[str, str], request: _Handler, identity: rbac.Identity
     ) -> tuple[int, Any]:
         resource, namespace, name = target.resource, target.namespace, target.name
         dry_run = query.get("dryRun") == "All"
+        if resource is SELF_SUBJECT_ACCESS_REVIEWS:
+            if method != "POST" or name is not None:
+                raise ApiError(405, f"{method} is not supported on {resource.plural}")
+            return 201, rbac.access_review(self.store, identity, request._body())
+        if target.subresource == "eviction":
+            if method != "POST" or name is None:
+                raise ApiError(405, f"{method} is not supported on pods/eviction")
+            return self._evict(namespace, name, request._body(), dry_run)
         if (
             resource.namespaced
             and namespace is not None
@@ -442,7 +643,11 @@ class EksApiServer:
                 dry_run=dry_run,
             )
         if method == "DELETE":
-            deleted = self.store.delete(resource, namespace, name)
+            deleted = (
+                self.store.get(resource, namespace, name)
+                if dry_run
+                else self.store.delete(resource, namespace, name)
+            )
             if resource.group:
                 return 200, {
                     "kind": "Status",
@@ -458,6 +663,20 @@ class EksApiServer:
                 }
             return 200, deleted
         raise ApiError(405, f"{method} is not supported on {resource.plural}")
+
+    def _evict(self, namespace: str | None, name: str, body: Any, dry_run: bool) -> tuple[int, Any]:
+        """``pods/eviction``: what ``kubectl drain`` posts. Nothing guards a pod here (no PodDisruptionBudgets), so the pod goes."""
+        if not isinstance(body, dict) or body.get("kind", "Eviction") != "Eviction":
+            raise ApiError(400, "the body of a pods/eviction request must be an Eviction")
+        meta = body.get("metadata") or {}
+        if meta.get("name", name) != name:
+            raise ApiError(400, f"name in URL does not match name in Eviction object: {meta.get('name')} != {name}")
+        dry_run = dry_run or "All" in ((body.get("deleteOptions") or {}).get("dryRun") or [])
+        if dry_run:
+            self.store.get(PODS, namespace, name)
+        else:
+            self.store.delete(PODS, namespace, name)
+        return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
     def _list(self, resource: Resource, namespace: str | None, query: dict[str, str]) -> dict[str, Any]:
         items, revision = self.store.list(
@@ -492,6 +711,13 @@ class EksApiServer:
             "metadata": metadata,
             "items": items,
         }
+
+
+def _replacing(document: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(_current: dict[str, Any]) -> dict[str, Any]:
+        return dict(document)
+
+    return change
 
 
 def _apply_patch(resource: Resource, content_type: str, current: dict[str, Any], body: Any) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""A Lambda function on the stand-in reaches the EKS API as the pipeline: RBAC of the repository's manifest applies.
+
+The function signs its token with the credentials Lambda gives it (temporary
+ones, with a session token), exactly as the handlers do, so what it may do is
+what ``infra/deploy/rbac.yaml`` grants the access entry's group, and no more.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+import zipfile
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from infra.local.eks.bearer_token import cluster_api_client
+from infra.local.seed import seed
+from infra.local.standin import LocalStandIn
+
+# Only boto3 and the standard library: the same token and HTTPS call a handler makes, spelt out.
+HANDLER_SOURCE = '''
+import base64, json, ssl, urllib.error, urllib.request
+
+import boto3
+
+
+def handler(event, context):
+    cluster = boto3.client("eks").describe_cluster(name=event["cluster"])["cluster"]
+    sts = boto3.client("sts")
+
+    def add_cluster_header(request, **_):
+        request.headers["x-k8s-aws-id"] = event["cluster"]
+
+    sts.meta.events.register("before-sign.sts.GetCallerIdentity", add_cluster_header)
+    url = sts.generate_presigned_url("get_caller_identity", Params={}, ExpiresIn=60, HttpMethod="GET")
+    token = "k8s-aws-v1." + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
+    context_ = ssl.create_default_context(cadata=base64.b64decode(cluster["certificateAuthority"]["data"]).decode())
+    answers = {}
+    for key, method, path, body in event["requests"]:
+        request = urllib.request.Request(
+            cluster["endpoint"] + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": "Bearer " + token, "Content-Type": "application/merge-patch+json"},
+        )
+        try:
+            with urllib.request.urlopen(request, context=context_, timeout=10) as response:
+                answers[key] = response.status
+        except urllib.error.HTTPError as exc:
+            answers[key] = exc.code
+    return answers
+'''
+
+
+def _package() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("lambdas/__init__.py", "")
+        archive.writestr("lambdas/handlers/__init__.py", "")
+        archive.writestr("lambdas/handlers/kube_probe.py", HANDLER_SOURCE)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def seeded(standin: LocalStandIn) -> dict[str, Any]:
+    suffix = uuid.uuid4().hex[:8]
+    return seed(standin, nodes=1, ranks_per_node=1, cluster=f"rbac-{suffix}", job=f"llm-{suffix}")
+
+
+@pytest.fixture(scope="module")
+def function(standin: LocalStandIn) -> str:
+    name = f"kube-probe-{uuid.uuid4().hex[:8]}"
+    role = standin.client("iam").create_role(RoleName=name, AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    standin.client("lambda").create_function(
+        FunctionName=name,
+        Runtime="python3.11",
+        Role=role,
+        Handler="lambdas.handlers.kube_probe.handler",
+        Code={"ZipFile": _package()},
+        Timeout=60,
+    )
+    return name
+
+
+@pytest.mark.slow
+def test_a_lambda_function_gets_exactly_what_the_manifest_grants(
+    standin: LocalStandIn, seeded: dict[str, Any], function: str
+) -> None:
+    node, pod, ns, job = (
+        seeded["nodes"][0]["node_name"], seeded["nodes"][0]["pod"], seeded["namespace"], seeded["job"]
+    )  # fmt: skip
+    requests = [
+        ("get node", "GET", f"/api/v1/nodes/{node}", None),
+        ("patch node", "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"annotations": {"sdcguard.io/probe": "1"}}}),
+        ("list pods", "GET", f"/api/v1/namespaces/{ns}/pods", None),
+        ("patch job", "PATCH", f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/{job}",
+         {"spec": {"runPolicy": {"suspend": True}}}),
+        ("get pod", "GET", f"/api/v1/namespaces/{ns}/pods/{pod}", None),
+        ("delete node", "DELETE", f"/api/v1/nodes/{node}", None),
+        ("create namespace", "POST", "/api/v1/namespaces", {"metadata": {"name": "not-granted"}}),
+    ]  # fmt: skip
+
+    response = standin.client("lambda").invoke(
+        FunctionName=function, Payload=json.dumps({"cluster": seeded["eks_cluster"], "requests": requests})
+    )
+    answers = json.loads(response["Payload"].read())
+
+    assert "FunctionError" not in response, answers
+    assert answers == {
+        "get node": 200, "patch node": 200, "list pods": 200, "patch job": 200,
+        "get pod": 403, "delete node": 403, "create namespace": 403,
+    }  # fmt: skip
+    admin = cluster_api_client(seeded["eks_cluster"], standin.client("eks"), standin.client("sts"))
+    assert k8s.CoreV1Api(admin).read_node(node).metadata.annotations["sdcguard.io/probe"] == "1"
+    assert k8s.CoreV1Api(admin).read_node(node).metadata.name == node  # not deleted
+    custom = k8s.CustomObjectsApi(admin)
+    assert custom.get_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", job)["spec"]["runPolicy"][
+        "suspend"
+    ] is True
+    admin.close()
