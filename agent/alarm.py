@@ -24,6 +24,7 @@ from contract import (
     RingPair,
     Suspect,
 )
+from contract.alarm import MAX_SUSPECTS, FaultPersistence
 from contract.checkpoint import POINTER_NAME
 
 # Fixed width of one rank's identity on the wire (three names of <= 253 bytes and JSON).
@@ -88,7 +89,7 @@ def nonfinite_evidence(local_ranks: Sequence[int], reduced_nonfinite: bool,
                        buckets: Sequence[tuple[int, int, str]]) -> NonFiniteEvidence:
     """Detector 1's evidence."""
     return NonFiniteEvidence(
-        local_ranks=list(local_ranks),
+        local_ranks=list(local_ranks)[:MAX_SUSPECTS],
         reduced_nonfinite=reduced_nonfinite,
         buckets=[NonFiniteBucket(rank=r, bucket=b, phase=phase) for r, b, phase in buckets],
     )
@@ -129,6 +130,7 @@ def build_alarm(
     evidence: NonFiniteEvidence | RingAuditEvidence | FingerprintEvidence,
     last_clean: LastClean,
     message: str,
+    fault_persistence: FaultPersistence = "unknown",
 ) -> Alarm:
     """The contract Alarm; ``pydantic.ValidationError`` (naming the field) if something does not fit it."""
     return Alarm(
@@ -146,4 +148,5 @@ def build_alarm(
         resume_pointer=resume_pointer_location(config.checkpoint_prefix),
         publisher_rank=publisher_rank(topology.world_size, suspects),
         message=message[:1024],
+        fault_persistence=fault_persistence,
     )

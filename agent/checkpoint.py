@@ -19,6 +19,12 @@ checks that the loaded state gives the manifest's fingerprint. Any failure on
 any rank makes every rank raise :class:`CheckpointCorrupt`: the job refuses to
 train from it.
 
+Every collective runs in the ``group`` given (default: the whole world), and
+"rank 0" is the group's first rank. A store that fails (an S3 outage) makes
+every rank raise :class:`CheckpointSaveFailed` together, never a raw error on
+one rank while the others go on; the guard retries and then applies its
+policy (``GuardConfig.on_checkpoint_failure``).
+
 Only replicated state is supported (plain DDP with an unsharded optimizer).
 """
 
@@ -95,10 +101,18 @@ class LoadedCheckpoint:
     pointer_etag: str | None = None
 
 
-def _rank_world() -> tuple[int, int]:
+Group = dist.ProcessGroup | None
+
+
+def _rank_world(group: Group = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def _first_rank(group: Group) -> int:
+    """The global rank of the group's rank 0 (what ``broadcast`` wants as its source)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
 
 
 def _collective_device() -> torch.device:
@@ -143,16 +157,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python[0], tuple(python[1]), python[2]))
 
 
-def _status_all(failed: bool) -> bool:
+def _status_all(failed: bool, group: Group = None) -> bool:
     """Whether any rank failed (a collective when distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return failed
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def _gather_digests(digest: ObjectDigest | None, world: int) -> list[ObjectDigest | None]:
+def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None) -> list[ObjectDigest | None]:
     """Every rank's RNG object digest (None where that rank failed), via one all-gather of int64s."""
     row = torch.zeros(34, dtype=torch.int64)
     if digest is not None:
@@ -164,7 +178,7 @@ def _gather_digests(digest: ObjectDigest | None, world: int) -> list[ObjectDiges
     else:
         device = _collective_device()
         rows = [torch.empty_like(row, device=device) for _ in range(world)]
-        dist.all_gather(rows, row.to(device))
+        dist.all_gather(rows, row.to(device), group=group)
     out: list[ObjectDigest | None] = []
     for rank, r in enumerate(rows):
         values = r.cpu().tolist()
@@ -198,6 +212,7 @@ def save_checkpoint(
     advance: bool = True,
     written_by: str = "",
     corrupt: Corrupter | None = None,
+    group: Group = None,
 ) -> SaveResult:
     """Save the state a resumed job needs to run ``step`` next; every rank calls it together.
 
@@ -208,15 +223,17 @@ def save_checkpoint(
     ``pointer_etag`` (what this job last read or wrote); if someone else moved
     it, it stays where they put it and a warning is logged.
 
-    Raises :class:`ValueError` for a negative step, :class:`CheckpointSaveFailed`
-    on every rank when any rank failed to store its part (nothing is
-    committed then), and store errors from rank 0's manifest write.
+    Raises :class:`ValueError` for a negative step, and
+    :class:`CheckpointSaveFailed` on every rank when any rank failed to store
+    its part or rank 0 failed to commit the manifest (nothing is committed
+    then; the cause is chained). A failure to move the pointer after the
+    commit is logged, not raised: the checkpoint is there, the pointer lags.
     """
     if step < 0:
         raise ValueError(f"step: must be >= 0, got {step}")
     if not _FINGERPRINT.fullmatch(fingerprint):
         raise ValueError(f"fingerprint: {fingerprint!r} is not 16-128 lowercase hex digits")
-    rank, world = _rank_world()
+    rank, world = _rank_world(group)
     where = store.uri(checkpoint_dir(step))
     problem: BaseException | None = None
     own: ObjectDigest | None = None
@@ -236,7 +253,7 @@ def save_checkpoint(
         problem = exc
         log.error("rank %d could not store its part of %s: %s", rank, where, exc)
         own = None
-    digests = _gather_digests(own, world)
+    digests = _gather_digests(own, world, group)
     # Every rank sees the same gathered digests, so every rank reaches the same verdict here.
     failed_ranks = [r for r, d in enumerate(digests) if d is None]
     if failed_ranks:
@@ -258,10 +275,8 @@ def save_checkpoint(
             commit(store, manifest)
         except Exception as exc:
             problem = exc
-    if _status_all(problem is not None):
-        if problem is not None:
-            raise problem
-        raise CheckpointSaveFailed(f"{where}: rank 0 could not commit the manifest")
+    if _status_all(problem is not None, group):
+        raise CheckpointSaveFailed(f"{where}: rank 0 could not commit the manifest: {problem}") from problem
     if rank == 0 and advance:
         try:
             _, etag_after = advance_pointer(
@@ -274,6 +289,8 @@ def save_checkpoint(
             advanced = True
         except PointerConflict as exc:
             log.warning("checkpoint %s saved, resume pointer left alone: %s", where, exc)
+        except Exception as exc:  # the checkpoint is committed; a later save moves the pointer
+            log.error("checkpoint %s saved, but the resume pointer could not be moved: %s", where, exc)
     return SaveResult(step, where, manifest, etag_after, advanced)
 
 
@@ -299,6 +316,7 @@ def load_checkpoint(
     fingerprint_fn: Callable[[], str] | None = None,
     restore_rng: bool = True,
     map_location: Any = "cpu",
+    group: Group = None,
 ) -> LoadedCheckpoint | None:
     """Load the checkpoint to resume from into ``model`` and ``optimizer``; every rank calls it together.
 
@@ -313,7 +331,7 @@ def load_checkpoint(
     rank: a missing manifest or object, changed bytes, a fingerprint that
     differs. The model may be partly loaded then; do not train from it.
     """
-    rank, world = _rank_world()
+    rank, world = _rank_world(group)
     chosen: int | None = None
     source: Source = "pointer"
     pointer: ResumePointer | None = None
@@ -328,7 +346,7 @@ def load_checkpoint(
     if world > 1:
         code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
         box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
-        dist.broadcast(box, src=0)
+        dist.broadcast(box, src=_first_rank(group), group=group)
         value, kind = box.cpu().tolist()
         if value == -2 and unreadable is None:
             raise CheckpointCorrupt(f"{store.uri()}: rank 0 could not read the resume pointer or the listing")
@@ -346,7 +364,7 @@ def load_checkpoint(
     except Exception as exc:
         # Held until every rank has reported, so that no rank waits forever on one that gave up.
         problem = exc
-    if _status_all(problem is not None):
+    if _status_all(problem is not None, group):
         raise problem or CheckpointCorrupt(f"{where}: another rank could not verify or load it; refusing to train")
     assert loaded is not None
     if fingerprint_fn is not None:
@@ -355,7 +373,7 @@ def load_checkpoint(
             check_fingerprint(loaded.manifest, actual, where=where)
         except CheckpointCorrupt as exc:
             problem = exc
-        if _status_all(problem is not None):
+        if _status_all(problem is not None, group):
             raise problem or CheckpointCorrupt(f"{where}: another rank's loaded state has the wrong fingerprint")
     log.info("resumed from %s (%s) at step %d", where, source, chosen)
     return LoadedCheckpoint(
@@ -436,7 +454,9 @@ class CheckpointWriter:
         written_by: str = "",
         advance_pointer: bool = True,
         corrupt: Corrupter | None = None,
+        group: Group = None,
     ) -> None:
+        self.group = group
         self.store = prefix if isinstance(prefix, ObjectStore) else open_store(prefix, client=client)
         self.written_by = written_by
         self.advance_pointer = advance_pointer
@@ -456,9 +476,9 @@ class CheckpointWriter:
         """:func:`load_checkpoint` on this job's prefix; remembers the pointer it found."""
         loaded = load_checkpoint(
             self.store, model=model, optimizer=optimizer, step=step, fingerprint_fn=fingerprint_fn,
-            restore_rng=restore_rng,
+            restore_rng=restore_rng, group=self.group,
         )
-        rank, _ = _rank_world()
+        rank, _ = _rank_world(self.group)
         if rank == 0:
             self.pointer_etag = loaded.pointer_etag if loaded and loaded.source == "pointer" else read_pointer(self.store)[1]
             self._pointer_known = True
@@ -477,7 +497,7 @@ class CheckpointWriter:
         last_clean_fingerprint_step: int | None = None,
     ) -> SaveResult:
         """:func:`save_checkpoint` on this job's prefix, advancing the pointer from the one last seen."""
-        rank, _ = _rank_world()
+        rank, _ = _rank_world(self.group)
         if rank == 0 and not self._pointer_known:
             # A job that never loaded starts from whatever pointer exists now.
             self.pointer_etag = read_pointer(self.store)[1]
@@ -486,7 +506,7 @@ class CheckpointWriter:
             self.store, step, model=model, optimizer=optimizer, fingerprint=fingerprint,
             data_position=data_position, extra=extra, last_clean_audit_step=last_clean_audit_step,
             last_clean_fingerprint_step=last_clean_fingerprint_step, pointer_etag=self.pointer_etag,
-            advance=self.advance_pointer, written_by=self.written_by, corrupt=self.corrupt,
+            advance=self.advance_pointer, written_by=self.written_by, corrupt=self.corrupt, group=self.group,
         )
         self.pointer_etag = result.pointer_etag
         return result

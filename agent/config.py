@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 OnAlarm = Literal["stop", "raise", "continue"]
+OnCheckpointFailure = Literal["continue", "raise"]
 
 ALARM_EXIT_CODE = 87
 """The exit status of a rank stopped by an alarm under ``on_alarm="stop"``.
@@ -40,6 +41,18 @@ class GuardConfig:
     """Compare the fingerprints of the reduced gradients across ranks on every step."""
     max_scaler_overflow_steps: int = 30
     """With a GradScaler, consecutive overflow steps tolerated before it is an alarm."""
+    confirm: bool = True
+    """Before blaming hardware, recompute a suspicious rank's micro-batch on other nodes in the same step."""
+    trigger_ratio: float = 4.0
+    """The magnitude trigger fires when a rank's loss rises, or its local gradient norm moves, by more than
+    this factor against the median of its own recent steps; 0 turns it off."""
+    trigger_window: int = 32
+    """Steps of each rank's history the magnitude trigger compares against."""
+    trigger_warmup: int = 10
+    """Steps of history the magnitude trigger needs before it fires at all."""
+    max_data_faults: int = 10
+    """Consecutive steps skipped for a data fault (a NaN/Inf the recomputation reproduced) before
+    DataFaultLimit is raised: the run is broken, not the hardware."""
     seed: int = 0
     """Base of the per-(step, rank) random seeds that make dropout reproducible for the audit."""
     threads: int = 1
@@ -56,6 +69,13 @@ class GuardConfig:
     """Local folder where alarms are written when EventBridge cannot be reached."""
     checkpoint_prefix: str = "sdcguard-checkpoints"
     """``s3://bucket/prefix`` or a local folder under which checkpoints and RESUME.json live."""
+    checkpoint_retries: int = 3
+    """Attempts of a checkpoint save that failed to store (an S3 outage) before on_checkpoint_failure applies."""
+    checkpoint_retry_delay_s: float = 2.0
+    """Wait before the second attempt; it doubles for each further one."""
+    on_checkpoint_failure: OnCheckpointFailure = "continue"
+    """After the last failed attempt: log it and train on (the resume pointer keeps the last good
+    checkpoint), or raise CheckpointSaveFailed."""
     hyperpod_cluster: str = "local-hyperpod"
     """Name of the SageMaker HyperPod cluster running the job."""
     eks_cluster: str = "local-eks"
@@ -70,9 +90,23 @@ class GuardConfig:
             raise ValueError(f"on_alarm: must be one of stop, raise, continue; got {self.on_alarm!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
-        for name in ("audit_every", "fingerprint_every", "max_scaler_overflow_steps", "threads", "seed"):
+        if self.on_checkpoint_failure not in ("continue", "raise"):
+            raise ValueError(f"on_checkpoint_failure: must be continue or raise; got {self.on_checkpoint_failure!r}")
+        for name in ("audit_every", "fingerprint_every", "max_scaler_overflow_steps", "threads", "seed",
+                     "max_data_faults"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.trigger_ratio != 0 and not self.trigger_ratio > 1:
+            raise ValueError(f"trigger_ratio: must be 0 (off) or > 1, got {self.trigger_ratio}")
+        if self.trigger_window < 1:
+            raise ValueError(f"trigger_window: must be >= 1, got {self.trigger_window}")
+        if not 1 <= self.trigger_warmup <= self.trigger_window:
+            raise ValueError(f"trigger_warmup: must be between 1 and trigger_window ({self.trigger_window}), "
+                             f"got {self.trigger_warmup}")
+        if self.checkpoint_retries < 1:
+            raise ValueError(f"checkpoint_retries: must be >= 1, got {self.checkpoint_retries}")
+        if self.checkpoint_retry_delay_s < 0:
+            raise ValueError(f"checkpoint_retry_delay_s: must be >= 0, got {self.checkpoint_retry_delay_s}")
         if self.publish_retries < 1:
             raise ValueError(f"publish_retries: must be >= 1, got {self.publish_retries}")
         if not self.publish_budget_s > 0:
@@ -132,4 +166,4 @@ def _parse(raw: str, hint: Any) -> Any:
     return raw
 
 
-__all__ = ["ALARM_EXIT_CODE", "GuardConfig", "OnAlarm"]
+__all__ = ["ALARM_EXIT_CODE", "GuardConfig", "OnAlarm", "OnCheckpointFailure"]

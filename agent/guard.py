@@ -1,18 +1,32 @@
-"""SDCGuard: one checked training step (forward, backward, detectors, update or skip).
+"""SDCGuard: one checked training step (forward, backward, detectors, confirmation, update or skip).
 
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
-   and optimizer state every replica holds (the state after the updates of
-   steps ``0 .. step-1``); a mismatch skips the whole step.
+   (trainable and frozen), the optimizer state and the buffers DDP keeps equal
+   (the state after the updates of steps ``0 .. step-1``); a mismatch skips
+   the whole step.
 2. Seed the random state for (step, rank), forward and backward through DDP;
    the communication hook checks local and reduced gradients (detector 1),
-   fingerprints the reduced gradients, and on audit steps records
-   per-parameter local-gradient fingerprints.
-3. On audit steps, recompute the audited rank's micro-batch (detector 2).
-4. One all-gather carries every rank's findings; every rank reaches the same
-   verdict from the same data.
-5. Update, or on an alarm skip the update, publish, and apply the policy.
+   takes each bucket's local-gradient norm, fingerprints the reduced
+   gradients, and on audit steps records per-parameter local-gradient
+   fingerprints.
+3. On audit steps, recompute the audited rank's micro-batch (detector 2) and
+   send the record to its owner, who compares.
+4. The magnitude trigger compares this rank's loss and gradient norm with its
+   own history.
+5. One small all-reduce (flags, and the min and max of the reduced-gradient
+   fingerprint) tells every rank whether all agree: O(1) in the world size.
+   Only when something disagrees are the ranks' findings gathered
+   (:meth:`SDCGuard._resolve`), and a suspicious micro-batch is recomputed on
+   other nodes before anything is blamed (agent.confirm): the same data fault
+   on any GPU is the data's; a recomputation that differs is the hardware's,
+   and the suspect replays once to say whether it persists.
+6. Update, or skip it: on an alarm (publish, then the policy), on a data fault
+   (every rank skips, a warning names the rank), on a GradScaler overflow.
+
+Every recomputation restores the module's buffers and the random state, so
+checking changes nothing.
 """
 
 from __future__ import annotations
@@ -20,16 +34,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
+import os
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from agent import native, replay
+from agent import confirm, native, replay
 from agent.alarm import (
     RankIdentity,
     build_alarm,
@@ -38,29 +53,41 @@ from agent.alarm import (
     nonfinite_evidence,
     ring_evidence,
 )
-from agent.checkpoint import CheckpointWriter, LoadedCheckpoint, SaveResult
+from agent.checkpoint import CheckpointSaveFailed, CheckpointWriter, LoadedCheckpoint, SaveResult
 from agent.config import ALARM_EXIT_CODE, GuardConfig
 from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
 from agent.inject import from_env as injection_from_env
-from agent.nonfinite import REDUCED_FP, SUMMARY_WIDTH, GradientHook, judge_nonfinite, reduced_fingerprints
-from agent.publisher import Publisher, PublishOutcome
-from agent.ring_audit import (
-    Recomputation,
-    name_parameters,
-    owner_gradients,
-    owner_record,
-    param_fingerprints,
-    recompute,
+from agent.nonfinite import (
+    LOCAL_ANY,
+    LOSS_NONFINITE,
+    REDUCED_ANY,
+    REDUCED_FP,
+    SUMMARY_WIDTH,
+    GradientHook,
+    judge_nonfinite,
 )
+from agent.publisher import Publisher, PublishOutcome
+from agent.ring_audit import AuditVerdict, audit_record, layout_order, owner_record, preserved, recompute
 from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
-from agent.weights import state_fingerprint, state_fingerprint_hex, vote
+from agent.trigger import MagnitudeTrigger
+from agent.weights import checked_buffers, state_fingerprint, state_fingerprint_hex, vote
 from contract import Alarm, Detector, LastClean, RingPair
+from contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 BatchFor = Callable[[int, int], Any]
+
+# The gathered row of one rank (only on disagreement): its summary, then these, then its claim.
+ROW_TRIGGER, ROW_AUDIT_BAD = SUMMARY_WIDTH, SUMMARY_WIDTH + 1
+ROW_CLAIM = SUMMARY_WIDTH + 2
+
+# The per-step all-reduce (MAX): flags, then the reduced-gradient lanes and their complements (~x: a MAX of
+# ~x is the complement of the MIN, with no overflow), so every rank sees whether all lanes agree.
+AGREE_LOCAL, AGREE_REDUCED, AGREE_LOSS, AGREE_TRIGGER, AGREE_AUDIT = range(5)
+AGREE_FLAGS = 5
 
 
 class GuardAlarm(RuntimeError):
@@ -69,6 +96,18 @@ class GuardAlarm(RuntimeError):
     def __init__(self, alarm: Alarm) -> None:
         super().__init__(f"SDC alarm at step {alarm.step} ({alarm.detector.value}): suspects {alarm.suspect_ranks}")
         self.alarm = alarm
+
+
+class DataFaultLimit(RuntimeError):
+    """Raised on every rank after more than ``max_data_faults`` consecutive data faults: the run is broken
+    (its data, its learning rate), not the hardware. ``.ranks`` and ``.step`` say where it last happened."""
+
+    def __init__(self, step: int, ranks: list[int], streak: int, limit: int) -> None:
+        super().__init__(f"{streak} consecutive steps (the last at step {step}, rank(s) {ranks}) had non-finite "
+                         f"gradients that a recomputation on another node reproduced: the data or the training "
+                         f"setup is at fault, not the hardware (max_data_faults={limit})")
+        self.step = step
+        self.ranks = ranks
 
 
 @dataclass
@@ -85,9 +124,35 @@ class StepResult:
     audited: bool = False
     weights_checked: bool = False
     overflow: bool = False
-    """A GradScaler overflow: the update was skipped as the scaler would, no alarm."""
+    """The GradScaler skipped the update (its overflow): no alarm."""
+    data_fault: bool = False
+    """Non-finite gradients or loss that a recomputation on another node reproduced: the data's, not the
+    hardware's. The update was skipped on every rank (with a GradScaler: its skip and backoff); True on every rank."""
+    confirmed: list[int] = field(default_factory=list)
+    """Ranks whose micro-batch was recomputed on other nodes this step to confirm a finding (same on every rank)."""
+    triggered: bool = False
+    """This rank's magnitude trigger fired (it only asks for a confirmation)."""
     published: PublishOutcome | None = None
     """On the publishing rank, what became of the alarm."""
+
+
+@dataclass
+class _Pass:
+    """What the rank's own forward and backward left for the verdict."""
+
+    loss: torch.Tensor
+    summary: torch.Tensor
+    own_record: torch.Tensor | None = None
+    audit_record: torch.Tensor | None = None
+    audit_bad: torch.Tensor | None = None
+    trigger: torch.Tensor | None = None
+
+
+@dataclass
+class _Confirmation:
+    verdict: confirm.ConfirmationVerdict
+    claims: torch.Tensor
+    records: torch.Tensor
 
 
 class SDCGuard:
@@ -95,9 +160,11 @@ class SDCGuard:
 
     ``loss_fn(module, batch)`` returns the scalar loss; ``batch_for(step, rank)``
     returns the exact micro-batch ``rank`` trains on at ``step`` (the ring audit
-    recomputes other ranks' micro-batches with it). ``scaler`` is an optional
-    ``torch.amp.GradScaler``. ``injection`` defaults to ``SDCGUARD_INJECT``.
-    Raises ``ValueError`` for a model that is not DDP-wrapped or a bad setting.
+    and confirmations recompute other ranks' micro-batches with it). ``scaler``
+    is an optional ``torch.amp.GradScaler``. ``injection`` defaults to
+    ``SDCGUARD_INJECT``. ``unchecked_buffers`` names buffers the weight
+    fingerprint must leave out. Raises ``ValueError`` for a model that is not
+    DDP-wrapped or a bad setting.
     """
 
     def __init__(
@@ -113,11 +180,12 @@ class SDCGuard:
         injection: Injection | str | None = "env",
         group: dist.ProcessGroup | None = None,
         checkpoints: CheckpointWriter | None = None,
+        unchecked_buffers: tuple[str, ...] = (),
     ) -> None:
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("model: must be a torch.nn.parallel.DistributedDataParallel")
-        self.config = config if config is not None else GuardConfig.from_env()
-        replay.pin_threads(self.config.threads)
+        self.config = cfg = config if config is not None else GuardConfig.from_env()
+        replay.pin_threads(cfg.threads)
         # Build (or load) the fingerprint kernel now, on the main thread: not on a
         # gloo thread in the middle of the first step; a bad setting fails here.
         native.kernel()
@@ -127,42 +195,52 @@ class SDCGuard:
         self.batch_for = batch_for
         self.scaler = scaler
         self.group = group
-        self.topology = Topology.from_env(ranks_per_node=self.config.ranks_per_node,
+        self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node,
                                           rank=dist.get_rank(group), world_size=dist.get_world_size(group))
-        self.publisher = publisher if publisher is not None else Publisher(self.config)
+        self.ring = confirm.Ring.of(self.topology.world_size, self.topology.ranks_per_node)
+        self.publisher = publisher if publisher is not None else Publisher(cfg)
         named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.frozen_names = [n for n, p in model.module.named_parameters() if not p.requires_grad]
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.audit_enabled = self.config.audit_every > 0 and self.topology.nodes >= 2
-        if self.config.deterministic and self.audit_enabled:
+        self.audit_enabled = cfg.audit_every > 0 and self.topology.nodes >= 2
+        if cfg.deterministic and self.audit_enabled:
             replay.use_deterministic_algorithms(self.device)
-        _settle_buckets(model, loss_fn, batch_for(0, dist.get_rank(group)))
+        changed = _settle_buckets(model, loss_fn, batch_for(0, dist.get_rank(group)))
+        self.buffer_names = checked_buffers(model, changed, set(unchecked_buffers))
+        """Buffers the weight fingerprint covers (DDP broadcasts them and a forward leaves them alone)."""
+        self._step_hooks: list[Callable[[int], None]] = []
+        self.hook = GradientHook({id(p): n for n, p in named}, self.topology.world_size, group)
+        self.hook.check_nonfinite = cfg.nonfinite
+        self.hook.check_reduced = cfg.reduced_grad
+        self.hook.measure_norms = cfg.trigger_ratio > 0 or cfg.confirm
+        self.hook.register(model)
+        self.trigger = (MagnitudeTrigger(cfg.trigger_ratio, cfg.trigger_window, cfg.trigger_warmup, self.device)
+                        if cfg.trigger_ratio > 0 else None)
         if isinstance(injection, str):
             injection = injection_from_env()
         self.injector = Injector(injection, self.topology.rank, self.topology.node)
-        if injection is not None and injection.kind in ("nan_activation", "finite_activation"):
-            # The last Linear (in a GPT, the head): no dropout after it can
-            # mask the corrupted element, as it could deeper inside the model.
-            linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
-            target = linears[-1] if linears else None
-            if target is None:
-                raise ValueError("injection: an activation fault needs a torch.nn.Linear in the model")
-            target.register_forward_hook(self.injector.activation_hook())
-        self.hook = GradientHook({id(p): n for n, p in named}, self.topology.world_size, self.injector, group)
-        self.hook.check_nonfinite = self.config.nonfinite
-        self.hook.check_reduced = self.config.reduced_grad
-        self.hook.register(model)
+        self.injector.install(self)
         self.identities: list[RankIdentity] = gather_identities(self.topology, self.device, group)
         self.run_id = self._agree_run_id()
-        if self.config.audit_every > 0 and not self.audit_enabled:
+        if cfg.audit_every > 0 and not self.audit_enabled:
             log.warning("ring audit off: it needs ranks on at least 2 nodes (world %d, %d ranks per node)",
                         self.topology.world_size, self.topology.ranks_per_node)
         self.last_clean: dict[str, int | None] = {d.value: None for d in Detector}
         self.overflow_streak = 0
+        self.data_fault_streak = 0
         self.alarms: list[Alarm] = []
         self._checkpoints = checkpoints
         self.resumed: LoadedCheckpoint | None = None
+        self.republished: dict[str, PublishOutcome] = {}
+        """What became of the alarms an earlier start had spooled (republished by rank 0 when built)."""
+        if self.topology.rank == 0:
+            self.republished = self.publisher.republish_spooled()
+
+    def register_step_hook(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(step)`` at the start of every step (fault injection, profilers)."""
+        self._step_hooks.append(hook)
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -172,12 +250,14 @@ class SDCGuard:
         Returns the StepResult. On an alarm the update is skipped and the alarm
         published, then ``on_alarm`` applies: "stop" exits the process with
         ALARM_EXIT_CODE, "raise" raises GuardAlarm, "continue" returns it in
-        the result.
+        the result. Raises DataFaultLimit after more than ``max_data_faults``
+        consecutive data faults.
         """
         if step < 0:
             raise ValueError(f"step: must be >= 0, got {step}")
-        self.injector.begin_step(step)
-        cfg, topo = self.config, self.topology
+        for hook in self._step_hooks:
+            hook(step)
+        cfg = self.config
         result = StepResult(step=step, loss=math.nan)
         if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
             result.weights_checked = True
@@ -185,32 +265,98 @@ class SDCGuard:
             if alarm is not None:
                 return self._handle(alarm, result)
         result.audited = self.audit_enabled and step % cfg.audit_every == 0
-        self.optimizer.zero_grad(set_to_none=True)
-        replay.seed_micro_batch(cfg.seed, step, topo.rank)
-        self.hook.begin_step(record_params=result.audited)
-        loss = self.loss_fn(self.model, self.batch_for(step, topo.rank))
-        self._scaled(loss).backward()
-        parts = [self.hook.summary(loss, self.device)]
-        recomputation = None
+        own = self._forward_backward(step, result.audited)
         if result.audited:
-            parts.append(owner_record(loss, self.hook, self.device))
-            replay.seed_micro_batch(cfg.seed, step, topo.audits)
-            recomputation = recompute(self.model.module, self.loss_fn, self.batch_for(step, topo.audits),
-                                      self.names, self.params, self.injector, scale=self._scaled)
-            parts.append(recomputation.record(self.hook, self.device))
-        gathered = self._all_gather(torch.cat(parts))
-        result.loss = float(loss.detach())
-
-        alarm = self._judge_step(step, gathered, result, recomputation)
+            self._audit(step, own)
+        if self.trigger is not None:
+            own.trigger = self.trigger.fires(own.loss, self._grad_norm())
+        agreed = self._agree(own)
+        result.loss = float(own.loss.detach())
+        result.triggered = bool(own.trigger) if own.trigger is not None else False
+        if agreed:
+            return self._update(step, result)
+        alarm = self._resolve(step, own, result)
         if alarm is not None:
             return self._handle(alarm, result)
-        if result.overflow:
+        if result.data_fault or result.overflow:
             self._apply_update(overflow=True)
             return result
+        return self._update(step, result)
+
+    def _forward_backward(self, step: int, audited: bool) -> _Pass:
+        """The rank's own pass through DDP (the communication hook checks as the gradients are reduced)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        replay.seed_micro_batch(self.config.seed, step, self.topology.rank)
+        self.hook.begin_step(record_params=audited)
+        loss = self.loss_fn(self.model, self.batch_for(step, self.topology.rank))
+        self._scaled(loss).backward()
+        return _Pass(loss=loss, summary=self.hook.summary(loss, self.device))
+
+    def _audit(self, step: int, own: _Pass) -> None:
+        """Detector 2: recompute the next node's micro-batch, send the record to its owner, compare ours."""
+        topo = self.topology
+        own.own_record = owner_record(own.loss, self.hook, self.device)
+        recomputation = self._recompute(step, topo.audits)
+        own.audit_record = audit_record(recomputation, self.hook.layout, self.device)
+        del recomputation  # digests, not copies, outlive the recomputation
+        theirs = torch.empty_like(own.own_record)
+        if topo.world_size > 1:
+            ops = [dist.P2POp(dist.isend, own.audit_record, self._global(topo.audits), self.group),
+                   dist.P2POp(dist.irecv, theirs, self._global(topo.audited_by), self.group)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        else:
+            theirs = own.audit_record
+        own.audit_bad = (theirs != own.own_record).any()
+
+    def _recompute(self, step: int, owner: int) -> Any:
+        seed = functools.partial(replay.seed_micro_batch, self.config.seed, step, owner)
+        return recompute(self.model.module, self.loss_fn, self.batch_for(step, owner), self.names, self.params,
+                         seed, scale=self._scaled)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """This rank's local-gradient norm (unscaled under a GradScaler), on the device, fp64."""
+        norms = self.hook.bucket_norms(self.device)
+        total = torch.linalg.vector_norm(norms)
+        if self.scaler is not None:
+            # The scale tensor itself (not get_scale(), which would synchronise with the host).
+            scale = getattr(self.scaler, "_scale", None)
+            total = total / (scale.to(total) if isinstance(scale, torch.Tensor) else self.scaler.get_scale())
+        return total
+
+    def _agree(self, own: _Pass) -> bool:
+        """The step's one collective while all is well: does every rank agree? (the same answer on every rank)."""
+        cfg, s = self.config, own.summary
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        flags = torch.stack([
+            (s[LOCAL_ANY] > 0).to(torch.int64) if cfg.nonfinite else zero,
+            (s[REDUCED_ANY] > 0).to(torch.int64) if cfg.nonfinite else zero,
+            s[LOSS_NONFINITE] if cfg.nonfinite else zero,
+            own.trigger.to(torch.int64) if own.trigger is not None else zero,
+            own.audit_bad.to(torch.int64) if own.audit_bad is not None else zero,
+        ])
+        lanes = s[REDUCED_FP] if cfg.reduced_grad else torch.zeros(3, dtype=torch.int64, device=self.device)
+        vector = torch.cat([flags, lanes, torch.bitwise_not(lanes)])
+        if self.topology.world_size > 1:
+            dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        v = vector.cpu()
+        low = torch.bitwise_not(v[AGREE_FLAGS + 3:])
+        return not bool(v[:AGREE_FLAGS].any()) and bool((v[AGREE_FLAGS:AGREE_FLAGS + 3] == low).all())
+
+    def _update(self, step: int, result: StepResult) -> StepResult:
+        """Every check passed (or a trigger was confirmed as real): record the clean steps and update."""
+        cfg = self.config
+        if cfg.nonfinite:
+            self.overflow_streak = 0
+            self.data_fault_streak = 0
+            self.last_clean[Detector.NONFINITE_GRAD.value] = step
+        if cfg.reduced_grad:
+            self.last_clean[Detector.REDUCED_GRAD.value] = step
         if result.audited:
             self.last_clean[Detector.RING_AUDIT.value] = step
+        if self.trigger is not None:
+            self.trigger.observe()
         self._apply_update(overflow=False)
-        self.injector.weights(self.params)
         result.updated = True
         return result
 
@@ -219,81 +365,232 @@ class SDCGuard:
 
     def _apply_update(self, *, overflow: bool) -> None:
         if self.scaler is not None:
-            # On an overflow every rank's gradients are non-finite, so the
-            # scaler skips the update and backs off on every rank alike.
+            # On an overflow (or a data fault) every rank's reduced gradients are non-finite,
+            # so the scaler skips the update and backs off on every rank alike.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif not overflow:
             self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
-    def _judge_step(self, step: int, gathered: torch.Tensor, result: StepResult,
-                    recomputation: Recomputation | None) -> Alarm | None:
-        """Every detector's verdict on the gathered findings; the first that fires makes the alarm."""
+    # -- the disagreement path ------------------------------------------------------------------------
+
+    def _resolve(self, step: int, own: _Pass, result: StepResult) -> Alarm | None:
+        """Something disagreed: gather every rank's findings, confirm before blaming, decide (same on every rank).
+
+        Returns the alarm, or None with ``result.overflow`` / ``result.data_fault``
+        set when the update must be skipped without one, or None alone when the
+        step may update (a magnitude jump that the recomputation reproduced).
+        """
         cfg, world = self.config, self.topology.world_size
-        summaries = gathered[:, :SUMMARY_WIDTH]
-        if cfg.nonfinite:
-            verdict = judge_nonfinite(summaries)
-            if not verdict.clean:
-                everyone = len(verdict.local_ranks) == world
-                if self.scaler is not None and everyone and not verdict.loss_ranks:
-                    self.overflow_streak += 1
-                    if self.overflow_streak <= cfg.max_scaler_overflow_steps:
-                        result.overflow = True
-                        return None
-                    message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
-                               f"past the GradScaler's backoff ({cfg.max_scaler_overflow_steps} allowed)")
-                    suspects: list[int] = []
-                elif verdict.local_ranks:
-                    suspects = [] if everyone else verdict.local_ranks
-                    message = f"non-finite local gradients on rank(s) {verdict.local_ranks}"
-                else:
-                    strict = 0 < len(verdict.reduced_ranks) < world
-                    suspects = verdict.reduced_ranks if strict else []
-                    message = f"the all-reduce delivered non-finite gradients to rank(s) {verdict.reduced_ranks}"
-                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                                   nonfinite_evidence(verdict.local_ranks, bool(verdict.reduced_ranks),
-                                                      verdict.buckets), message)
-            self.overflow_streak = 0
-            self.last_clean[Detector.NONFINITE_GRAD.value] = step
-        if cfg.reduced_grad:
-            lanes = summaries[:, REDUCED_FP]
-            ballot = vote(reduced_fingerprints(summaries)) if not bool((lanes == lanes[0]).all()) else None
-            if ballot is not None and not ballot.unanimous:
+        claim = confirm.claim_from_hook(own.loss, self.hook, self.device, digests=own.own_record is not None)
+        row = torch.cat([own.summary, torch.stack([
+            own.trigger.to(torch.int64) if own.trigger is not None else torch.zeros((), dtype=torch.int64),
+            own.audit_bad.to(torch.int64) if own.audit_bad is not None else torch.zeros((), dtype=torch.int64),
+        ]).to(self.device), claim])
+        rows = self._all_gather(row)
+        summaries = rows[:, :SUMMARY_WIDTH]
+        claims = rows[:, ROW_CLAIM:]
+        # A step with non-finite sums belongs to the non-finite check (their bits carry no meaning).
+        if cfg.reduced_grad and not bool(summaries[:, REDUCED_ANY].any()):
+            ballot = vote(summaries[:, REDUCED_FP])
+            if not ballot.unanimous:
                 suspects = ballot.dissenters
                 return self._alarm(step, Detector.REDUCED_GRAD, suspects, ballot.majority is not None,
                                    fingerprint_evidence("reduced_grad", ballot.groups, ballot.majority,
                                                         "reduced_gradients"),
                                    f"ranks received different reduced gradients; outside the majority: {suspects}")
-            self.last_clean[Detector.REDUCED_GRAD.value] = step
-        if result.audited:
-            width = (gathered.shape[1] - SUMMARY_WIDTH) // 2
-            owners = gathered[:, SUMMARY_WIDTH:SUMMARY_WIDTH + width]
-            recomputed = gathered[:, SUMMARY_WIDTH + width:]
-            audit = judge_audit(owners, recomputed, self.topology.ranks_per_node)
-            if not audit.clean and recomputation is not None:
-                # Only after a failure: a second collective names the parameters.
-                mine = torch.stack([param_fingerprints(owner_gradients(self.hook), self.names, self.device),
-                                    param_fingerprints(recomputation.grads, self.names, self.device)])
-                both = self._all_gather(mine.reshape(-1)).reshape(world, 2, len(self.names), 3)
-                audit = name_parameters(audit, both[:, 0], both[:, 1], self.names, self.topology.ranks_per_node)
-            if not audit.clean:
-                pairs = [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
-                                  expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                                  mismatched_params=p.mismatched_params[:64]) for p in audit.mismatched]
-                where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
-                return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
-                                   ring_evidence(pairs), f"rank(s) {audit.suspects} {where}")
+        owners: dict[int, list[str]] = {}
+        nonfinite = judge_nonfinite(summaries) if cfg.nonfinite else None
+        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks or nonfinite.reduced_ranks):
+            everyone = len(nonfinite.local_ranks) == world
+            if self.scaler is not None and everyone and not nonfinite.loss_ranks:
+                return self._scaler_overflow(step, result, nonfinite)
+            bad = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
+            if not bad:
+                # Finite inputs everywhere, non-finite sums: the collective itself.
+                strict = 0 < len(nonfinite.reduced_ranks) < world
+                suspects = nonfinite.reduced_ranks if strict else []
+                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
+                                   nonfinite_evidence([], True, nonfinite.buckets),
+                                   f"the all-reduce delivered non-finite gradients to rank(s) {nonfinite.reduced_ranks}")
+            for r in bad:
+                owners.setdefault(r, []).append(confirm.NONFINITE)
+        for r in torch.nonzero(rows[:, ROW_TRIGGER]).reshape(-1).tolist():
+            owners.setdefault(r, []).append(confirm.MAGNITUDE)
+        audit = None
+        if own.own_record is not None and bool(rows[:, ROW_AUDIT_BAD].any()):
+            audit = self._judge_audit(own)
+            for pair in audit.mismatched:
+                owners.setdefault(pair.audited, []).append(confirm.AUDIT)
+        if not owners:
+            return None
+        result.confirmed = sorted(owners)
+        if not (cfg.confirm and self.ring.possible):
+            return self._unconfirmed(step, owners, nonfinite, audit)
+        confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()},
+                                     digests=own.own_record is not None)
+        return self._decide(step, result, confirmation, nonfinite, audit)
+
+    def _scaler_overflow(self, step: int, result: StepResult, nonfinite: Any) -> Alarm | None:
+        """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
+        self.overflow_streak += 1
+        if self.overflow_streak <= self.config.max_scaler_overflow_steps:
+            result.overflow = True
+            return None
+        message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
+                   f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
+        return self._alarm(step, Detector.NONFINITE_GRAD, [], False,
+                           nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
+                                              nonfinite.buckets), message)
+
+    def _judge_audit(self, own: _Pass) -> AuditVerdict:
+        """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
+        assert own.own_record is not None
+        assert own.audit_record is not None
+        mine = torch.cat([own.own_record, own.audit_record])
+        both = self._all_gather(mine)
+        width = both.shape[1] // 2
+        return judge_audit(both[:, :width], both[:, width:], self.topology.ranks_per_node,
+                           names=layout_order(self.hook.layout))
+
+    def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]],
+                 *, digests: bool) -> _Confirmation:
+        """Recompute each owner's micro-batch on its confirmers (this rank does at most two), gather, judge."""
+        width = claims.shape[1]
+        mine = torch.zeros(2, 1 + width, dtype=torch.int64, device=self.device)
+        for slot, owner in self.ring.assignments(self.topology.rank, set(owners)):
+            mine[slot, 0] = 1
+            mine[slot, 1:] = self._claim_of_recomputation(step, owner, digests=digests)
+        records = self._all_gather(mine.reshape(-1)).reshape(-1, 2, 1 + width)
+        verdict = confirm.judge_confirmations(claims, records, owners, self.ring)
+        return _Confirmation(verdict, claims, records)
+
+    def _claim_of_recomputation(self, step: int, owner: int, *, digests: bool) -> torch.Tensor:
+        recomputation = self._recompute(step, owner)
+        return confirm.claim_from_recomputation(recomputation, self.hook.layout, self.device,
+                                                nonfinite=self.config.nonfinite, norms=self.hook.measure_norms,
+                                                digests=digests)
+
+    def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: Any,
+                audit: AuditVerdict | None) -> Alarm | None:
+        verdict, names = c.verdict, layout_order(self.hook.layout)
+        pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
+                          mismatched_params=p[:64])
+                 for outcome in verdict.outcomes
+                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring,
+                                                           names if result.audited else None)][:4096]
+        if verdict.mismatched:
+            persistence = self._persistence(step, c, digests=result.audited)
+            suspects, localized = verdict.suspects, verdict.localized
+            reasons = {r for o in verdict.mismatched for r in o.reasons}
+            where = "localised by the recomputations on other nodes" if localized else "not localised"
+            if confirm.NONFINITE in reasons:
+                evidence: Any = nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
+                                                   nonfinite.buckets).model_copy(update={"confirmation": pairs})
+                message = (f"non-finite gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks} that "
+                           f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
+                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
+                                   persistence)
+            disagreed = [p for p in pairs if p.audited in {o.owner for o in verdict.mismatched}
+                         and not self._pair_agrees(p, verdict)]
+            audit_pairs = self._ring_pairs(audit) if audit is not None and not audit.clean else []
+            trigger = "audit" if confirm.AUDIT in reasons else "magnitude"
+            evidence = ring_evidence(audit_pairs or disagreed or pairs).model_copy(
+                update={"trigger": trigger, "confirmation": pairs})
+            what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
+            message = (f"rank(s) {sorted(o.owner for o in verdict.mismatched)} {what} and other nodes' "
+                       f"recomputations disagree; suspects {suspects} ({where})")
+            return self._alarm(step, Detector.RING_AUDIT, suspects, localized, evidence, message, persistence)
+        if audit is not None and not audit.clean:
+            # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
+            auditors = sorted({p.auditor for p in audit.mismatched})
+            localized = self.ring.units >= 3
+            evidence = ring_evidence(self._ring_pairs(audit)).model_copy(update={"confirmation": pairs})
+            return self._alarm(step, Detector.RING_AUDIT, auditors, localized, evidence,
+                               f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced "
+                               f"the audited claims: the auditors' hardware", "transient")
+        data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
+        if data_owners:
+            return self._data_fault(step, result, data_owners)
+        log.info("step %d: the magnitude trigger of rank(s) %s fired; the recomputations reproduced it", step,
+                 [o.owner for o in verdict.outcomes])
         return None
+
+    def _pair_agrees(self, pair: RingPair, verdict: confirm.ConfirmationVerdict) -> bool:
+        for outcome in verdict.outcomes:
+            if outcome.owner == pair.audited and pair.auditor in outcome.confirmers:
+                return outcome.agrees[outcome.confirmers.index(pair.auditor)]
+        return True
+
+    def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
+        return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
+                         expected_loss=p.expected_loss, observed_loss=p.observed_loss,
+                         mismatched_params=p.mismatched_params[:64]) for p in audit.mismatched][:4096]
+
+    def _persistence(self, step: int, c: _Confirmation, *, digests: bool) -> FaultPersistence:
+        """Each localised suspect replays once the micro-batch it got wrong (a collective)."""
+        plan = confirm.replay_plan(c.verdict)
+        if not plan:
+            return "unknown"
+        width = c.claims.shape[1]
+        mine = torch.zeros(1 + width, dtype=torch.int64, device=self.device)
+        if self.topology.rank in plan:
+            mine[0] = 1
+            mine[1:] = self._claim_of_recomputation(step, plan[self.topology.rank].owner, digests=digests)
+        replays = self._all_gather(mine)
+        return confirm.persistence(replays, plan, c.claims, c.records, self.ring)
+
+    def _data_fault(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
+        """The recomputations reproduced the NaN/Inf: skip the update on every rank, warn, count."""
+        self.data_fault_streak += 1
+        result.data_fault = True
+        result.overflow = self.scaler is not None
+        log.warning("step %d: non-finite gradients on rank(s) %s, reproduced on other nodes: a data fault, not the "
+                    "hardware; the update is skipped on every rank (%d in a row)", step, ranks,
+                    self.data_fault_streak)
+        if self.data_fault_streak > self.config.max_data_faults:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
+        return None
+
+    def _unconfirmed(self, step: int, owners: dict[int, list[str]], nonfinite: Any,
+                     audit: AuditVerdict | None) -> Alarm | None:
+        """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts."""
+        world = self.topology.world_size
+        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
+            everyone = len(nonfinite.local_ranks) == world
+            suspects = [] if everyone else nonfinite.local_ranks or nonfinite.loss_ranks
+            return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
+                               nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
+                                                  nonfinite.buckets),
+                               f"non-finite local gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks}")
+        if audit is not None and not audit.clean:
+            where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
+            return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
+                               ring_evidence(self._ring_pairs(audit)), f"rank(s) {audit.suspects} {where}")
+        return None  # the magnitude trigger alone never raises an alarm
 
     # -- detector 3 -----------------------------------------------------------------------------------
 
-    def agreed_fingerprint(self, step: int) -> tuple[str | None, Alarm | None]:
-        """Compare the weights and optimizer state of all replicas (a collective: every rank calls it).
+    def checked_tensors(self) -> list[torch.Tensor]:
+        """What the weight fingerprint covers beyond the trainable parameters and the optimizer state:
+        the frozen parameters, then the checked buffers (looked up by name: a load may replace them)."""
+        params = dict(self.model.module.named_parameters())
+        buffers = dict(self.model.module.named_buffers())
+        return [params[n] for n in self.frozen_names] + [buffers[n] for n in self.buffer_names]
 
-        Returns (the fingerprint every replica holds, None) or (None, the alarm).
+    def state_fingerprint_hex(self) -> str:
+        """This rank's fingerprint of everything detector 3 compares (what a checkpoint manifest records)."""
+        return state_fingerprint_hex(self.params, self.optimizer, self.checked_tensors())
+
+    def agreed_fingerprint(self, step: int) -> tuple[str | None, Alarm | None]:
+        """Compare the weights, optimizer state and checked buffers of all replicas (a collective: every rank
+        calls it). Returns (the fingerprint every replica holds, None) or (None, the alarm).
         """
-        lanes = state_fingerprint(self.params, self.optimizer)
-        ballot = vote(list(self._all_gather(lanes.to(self.device))))
+        lanes = state_fingerprint(self.params, self.optimizer, self.checked_tensors())
+        ballot = vote(self._all_gather(lanes.to(self.device)))
         if ballot.unanimous:
             self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
             return ballot.groups[0][0], None
@@ -319,7 +616,7 @@ class SDCGuard:
             if injection is not None and injection.kind == "checkpoint_corrupt":
                 corrupt = functools.partial(corrupt_checkpoint_bytes, node=topo.node, injection=injection)
             self._checkpoints = CheckpointWriter(
-                self.config.checkpoint_prefix, corrupt=corrupt,
+                self.config.checkpoint_prefix, corrupt=corrupt, group=self.group,
                 written_by=f"sdcguard agent rank {topo.rank} on {topo.host}"[:256])
         return self._checkpoints
 
@@ -331,41 +628,68 @@ class SDCGuard:
         of steps ``0 .. step-1``). The weight fingerprint all replicas agreed
         on goes into the manifest. If they disagree, nothing is saved: the
         alarm is published and the policy applies (None is returned under
-        "continue"). Raises the writer's errors (``CheckpointSaveFailed``).
+        "continue"). A save that fails to store (an S3 outage) is tried
+        ``checkpoint_retries`` times in all, waiting ``checkpoint_retry_delay_s``
+        (doubling) in between, on every rank alike; then
+        ``on_checkpoint_failure`` applies: "continue" logs it and returns None
+        (the resume pointer keeps the last good checkpoint), "raise" raises
+        ``CheckpointSaveFailed`` on every rank.
         """
         fingerprint, alarm = self.agreed_fingerprint(step)
         if alarm is not None:
             self._handle(alarm, StepResult(step=step, loss=math.nan))
             return None
         assert fingerprint is not None
-        return self.checkpoints.save(
-            step, model=self.model, optimizer=self.optimizer, fingerprint=fingerprint,
-            data_position=data_position, extra=extra,
-            last_clean_audit_step=self.last_clean[Detector.RING_AUDIT.value],
-            last_clean_fingerprint_step=self.last_clean[Detector.WEIGHT_FINGERPRINT.value],
-        )
+        cfg = self.config
+        failure: CheckpointSaveFailed | None = None
+        for attempt in range(1, cfg.checkpoint_retries + 1):
+            try:
+                return self.checkpoints.save(
+                    step, model=self.model, optimizer=self.optimizer, fingerprint=fingerprint,
+                    data_position=data_position, extra=extra,
+                    last_clean_audit_step=self.last_clean[Detector.RING_AUDIT.value],
+                    last_clean_fingerprint_step=self.last_clean[Detector.WEIGHT_FINGERPRINT.value],
+                )
+            except CheckpointSaveFailed as exc:  # raised on every rank together: all retry alike
+                failure = exc
+                if attempt < cfg.checkpoint_retries:
+                    delay = cfg.checkpoint_retry_delay_s * 2 ** (attempt - 1)
+                    log.warning("checkpoint at step %d failed (attempt %d of %d): %s; retrying in %.1f s", step,
+                                attempt, cfg.checkpoint_retries, exc, delay)
+                    time.sleep(delay)
+        assert failure is not None
+        if cfg.on_checkpoint_failure == "raise":
+            raise failure
+        log.error("checkpoint at step %d not saved after %d attempts (%s); training goes on, the resume pointer "
+                  "keeps the last good checkpoint (on_checkpoint_failure=continue)", step, cfg.checkpoint_retries,
+                  failure)
+        return None
 
     def resume_step(self) -> int:
         """Load the checkpoint the resume pointer names (else the newest committed one); the first step to run.
 
         Returns 0 when there is no checkpoint. Every rank calls it together.
-        Raises ``lineage.errors.CheckpointCorrupt`` on every rank when an
-        object fails its sha256 or the loaded state does not give the
-        manifest's fingerprint: the job refuses to train from it.
+        The last clean audit and fingerprint steps come back from the
+        manifest, so an alarm after the restart never claims a trusted step
+        later than what was checked. Raises ``lineage.errors.CheckpointCorrupt``
+        on every rank when an object fails its sha256 or the loaded state does
+        not give the manifest's fingerprint: the job refuses to train from it.
         """
-        loaded = self.checkpoints.load(
-            model=self.model, optimizer=self.optimizer,
-            fingerprint_fn=lambda: state_fingerprint_hex(self.params, self.optimizer))
+        loaded = self.checkpoints.load(model=self.model, optimizer=self.optimizer,
+                                       fingerprint_fn=self.state_fingerprint_hex)
         if loaded is None:
             return 0
         self.resumed = loaded
+        self.last_clean = {d.value: None for d in Detector}
+        self.last_clean[Detector.RING_AUDIT.value] = loaded.manifest.last_clean_audit_step
+        self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = loaded.manifest.last_clean_fingerprint_step
         log.warning("resumed from %s (step %d, via %s)", loaded.uri, loaded.step, loaded.source)
         return loaded.step
 
     # -- alarms ---------------------------------------------------------------------------------------
 
     def _alarm(self, step: int, detector: Detector, suspects: list[int], localized: bool,
-               evidence: Any, message: str) -> Alarm:
+               evidence: Any, message: str, persistence: FaultPersistence = "unknown") -> Alarm:
         return build_alarm(
             alarm_id=f"{self.run_id:016x}-{step}-{detector.value}",
             config=self.config,
@@ -378,6 +702,7 @@ class SDCGuard:
             evidence=evidence,
             last_clean=LastClean(**self.last_clean),
             message=message,
+            fault_persistence=persistence,
         )
 
     def _handle(self, alarm: Alarm, result: StepResult) -> StepResult:
@@ -404,8 +729,11 @@ class SDCGuard:
 
     # -- collectives ----------------------------------------------------------------------------------
 
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
-        """``[world, n]`` on the CPU: the one host synchronisation of a step."""
+        """``[world, n]`` on the CPU (only on the disagreement path, and for the weight check)."""
         if self.topology.world_size == 1:
             return local.reshape(1, -1).cpu()
         out = [torch.empty_like(local) for _ in range(self.topology.world_size)]
@@ -413,14 +741,17 @@ class SDCGuard:
         return torch.stack(out).cpu()
 
     def _agree_run_id(self) -> int:
-        """A random id chosen by rank 0, so every rank names an alarm the same way."""
-        mine = torch.tensor([random.getrandbits(62)], dtype=torch.int64, device=self.device)
+        """A random id chosen by rank 0, so every rank names an alarm the same way.
+
+        From ``os.urandom``: a job that seeds Python's ``random`` would
+        otherwise draw the same id after every restart and reuse alarm ids."""
+        mine = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64, device=self.device)
         if self.topology.world_size > 1:
-            dist.broadcast(mine, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            dist.broadcast(mine, src=self._global(0), group=self.group)
         return int(mine.item())
 
 
-def _settle_buckets(model: torch.nn.parallel.DistributedDataParallel, loss_fn: LossFn, batch: Any) -> None:
+def _settle_buckets(model: torch.nn.parallel.DistributedDataParallel, loss_fn: LossFn, batch: Any) -> set[str]:
     """One forward and backward that changes nothing, so every real step reduces with DDP's final buckets.
 
     DDP all-reduces its first backward with buckets in parameter order, then
@@ -434,16 +765,16 @@ def _settle_buckets(model: torch.nn.parallel.DistributedDataParallel, loss_fn: L
     the communication hook and fault injection are installed, leaves no
     gradient, and restores the random state and the module's buffers (batch
     norm statistics), so the weights, optimizer and data are untouched.
+
+    Returns the names of the buffers the training forward changed (they differ
+    between replicas by design, so the weight fingerprint leaves them out).
     """
-    buffers = [b.detach().clone() for b in model.module.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    loss_fn(model, batch).backward()
+    module = model.module
+    before = {n: b.detach().clone() for n, b in module.named_buffers()}
+    changed: set[str] = set()
+    with preserved(module):
+        loss_fn(model, batch).backward()
+        changed = {n for n, b in module.named_buffers() if n in before and not torch.equal(b, before[n])}
     for param in model.parameters():
         param.grad = None
-    with torch.no_grad():
-        for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
-            buffer.copy_(saved)
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
+    return changed

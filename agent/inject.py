@@ -3,9 +3,20 @@
 ``SDCGUARD_INJECT="kind=finite_activation,rank=3,step=120,factor=1e4,repeat=50"``
 
 A fault is bound to the hardware of a rank (``rank=R``) or of a node
-(``node=NAME``), as a real faulty GPU is: while it fires (steps ``step`` to
-``step+repeat-1``) it corrupts everything that hardware computes, its own
-micro-batch and the micro-batch it recomputes for the ring audit alike.
+(``node=NAME``), as a real faulty GPU is. A fault with ``repeat > 1`` is a
+persistent one: during its steps (``step`` to ``step+repeat-1``) it corrupts
+every computation of that hardware, its own micro-batch, the micro-batches it
+recomputes for the audit or a confirmation, and its replays. ``repeat=1`` is a
+transient fault: it corrupts only the first computation of its step (the
+rank's own forward and backward), so a recomputation of the same micro-batch on
+the same hardware comes out right.
+
+The injector installs its own hooks on the guarded model, as a profiler does
+(:meth:`Injector.install`): a forward hook on the last ``Linear`` for the
+activation faults, a gradient hook on one parameter for ``grad_bitflip``, an
+optimizer post-step hook for ``weight_bitflip`` and an after-reduce observer
+of the guard's communication hook for ``reduced_grad_corrupt``. The guard
+knows nothing of it beyond calling ``install``.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ KINDS = (
     "checkpoint_corrupt",
 )
 ENV_VAR = "SDCGUARD_INJECT"
+COMPUTE_KINDS = ("nan_activation", "finite_activation", "grad_bitflip")
+"""Faults of a computation (a forward or backward): the ones ``repeat`` decides whether recomputations see."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,10 @@ class Injection:
     bit: int = 22
     """Bit flipped by weight_bitflip and grad_bitflip (22: the top mantissa bit of an fp32)."""
     repeat: int = 1
+    """Consecutive steps it fires; above 1 it also corrupts every recomputation on that hardware."""
+    param: str | None = None
+    """The parameter weight_bitflip and grad_bitflip corrupt (its name in the module); None: the
+    first trainable parameter for weight_bitflip, the last for grad_bitflip."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,8 +89,8 @@ class Injection:
             key = key.strip()
             if not sep:
                 raise ValueError(f"{ENV_VAR}: {part!r} is not key=value")
-            if key not in ("kind", "step", "rank", "node", "factor", "bit", "repeat"):
-                raise ValueError(f"{key}: not an injection key (kind, step, rank, node, factor, bit, repeat)")
+            if key not in ("kind", "step", "rank", "node", "factor", "bit", "repeat", "param"):
+                raise ValueError(f"{key}: not an injection key (kind, step, rank, node, factor, bit, repeat, param)")
             fields[key] = value.strip()
         if "kind" not in fields:
             raise ValueError("kind: missing")
@@ -87,6 +104,7 @@ class Injection:
             factor=_number(fields, "factor", float, 1e4),
             bit=_number(fields, "bit", int, 22),
             repeat=_number(fields, "repeat", int, 1),
+            param=fields.get("param") or None,
         )
 
     def fires(self, step: int, rank: int, node: str) -> bool:
@@ -100,8 +118,9 @@ class Injection:
     def describe(self) -> str:
         """One line for the logs."""
         where = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
+        target = f" param={self.param}" if self.param else ""
         return (f"kind={self.kind} {where} step={self.step} repeat={self.repeat} "
-                f"factor={self.factor:g} bit={self.bit}")
+                f"factor={self.factor:g} bit={self.bit}{target}")
 
 
 def _number(fields: Mapping[str, str], key: str, kind: Callable[[str], object], default: object) -> Any:
@@ -141,10 +160,11 @@ def flip_bit(t: torch.Tensor, bit: int, index: int = 0) -> None:
 
 
 class Injector:
-    """Applies one injection at the points the guard and the hook offer.
+    """Applies one injection through hooks it installs on the guarded model (:meth:`install`).
 
-    The guard tells it the step and whether it is computing; the hooks ask it
-    whether to corrupt. Each method is a no-op unless the fault fires here.
+    It counts the computations (forwards of the module) of the current step:
+    the first is the rank's own micro-batch, later ones are recomputations.
+    Each hook is a no-op unless the fault fires here and now.
     """
 
     def __init__(self, injection: Injection | None, rank: int, node: str) -> None:
@@ -152,19 +172,69 @@ class Injector:
         self.rank = rank
         self.node = node
         self.step = -1
-        self.grad_target: str | None = None
-        """Name of the parameter whose local gradient grad_bitflip flipped this step."""
+        self.computation = 0
+        """Forwards of the module so far in this step (1 during the rank's own)."""
+        self.handles: list[Any] = []
         if injection is not None:
             announce(injection, rank)
 
     def _on(self, kind: str) -> bool:
         inj = self.injection
-        return inj is not None and inj.kind == kind and inj.fires(self.step, self.rank, self.node)
+        if inj is None or inj.kind != kind or not inj.fires(self.step, self.rank, self.node):
+            return False
+        # A transient fault (repeat=1) hits only the first computation of its step.
+        return inj.repeat > 1 or kind not in COMPUTE_KINDS or self.computation <= 1
 
     def begin_step(self, step: int) -> None:
-        """Arm for ``step``."""
+        """Arm for ``step`` (the guard's step hook calls it)."""
         self.step = step
-        self.grad_target = None
+        self.computation = 0
+
+    def install(self, guard: Any) -> None:
+        """Install the hooks this injection needs on ``guard``'s model and optimizer (nothing when off).
+
+        ``guard`` offers ``model`` (DDP), ``optimizer``, ``hook`` (the
+        communication hook, with ``after_reduce`` observers) and
+        ``register_step_hook``. Raises ``ValueError`` when the model lacks
+        what the injection needs (a ``Linear``, the named parameter).
+        """
+        inj = self.injection
+        if inj is None or inj.kind == "checkpoint_corrupt":
+            return
+        module: torch.nn.Module = guard.model.module
+        guard.register_step_hook(self.begin_step)
+        self.handles.append(module.register_forward_pre_hook(self._count))
+        if inj.kind in ("nan_activation", "finite_activation"):
+            # The last Linear (in a GPT, the head): no dropout after it can
+            # mask the corrupted element, as it could deeper inside the model.
+            linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+            if not linears:
+                raise ValueError("injection: an activation fault needs a torch.nn.Linear in the model")
+            self.handles.append(linears[-1].register_forward_hook(self.activation_hook()))
+        elif inj.kind == "grad_bitflip":
+            param = self._target(module, last=True)
+            self.handles.append(param.register_hook(self._flip_gradient))
+        elif inj.kind == "weight_bitflip":
+            param = self._target(module, last=False)
+            self.handles.append(guard.optimizer.register_step_post_hook(
+                lambda *_: self.weights([param])))
+        elif inj.kind == "reduced_grad_corrupt":
+            guard.hook.after_reduce.append(self.reduced_bucket)
+
+    def _target(self, module: torch.nn.Module, *, last: bool) -> torch.Tensor:
+        assert self.injection is not None
+        named = dict(module.named_parameters())
+        if self.injection.param is not None:
+            if self.injection.param not in named:
+                raise ValueError(f"param: the model has no parameter {self.injection.param!r}")
+            return named[self.injection.param]
+        trainable = [p for p in named.values() if p.requires_grad]
+        if not trainable:
+            raise ValueError("injection: the model has no trainable parameter to corrupt")
+        return trainable[-1] if last else trainable[0]
+
+    def _count(self, _module: torch.nn.Module, _inputs: tuple[object, ...]) -> None:
+        self.computation += 1
 
     def activation_hook(self) -> Callable[[torch.nn.Module, tuple[object, ...], torch.Tensor], torch.Tensor | None]:
         """A forward hook that corrupts one activation (nan_activation, finite_activation): the output's last element."""
@@ -185,22 +255,14 @@ class Injector:
 
         return hook
 
-    def wants_local_gradients(self) -> bool:
-        """Whether ``local_gradients`` may corrupt something this step (else the hook need not list them)."""
-        return self._on("grad_bitflip")
-
-    def local_gradients(self, names: list[str], grads: list[torch.Tensor]) -> None:
-        """grad_bitflip: flip a bit of the first local gradient of a bucket, before the all-reduce."""
-        if self._on("grad_bitflip") and grads and self.grad_target is None:
-            assert self.injection is not None
-            flip_bit(grads[0], self.injection.bit)
-            self.grad_target = names[0]
-
-    def recomputed_gradient(self, name: str, grad: torch.Tensor) -> None:
-        """grad_bitflip on the audit's recomputation: the same hardware corrupts the same gradient."""
-        if self._on("grad_bitflip") and name == self.grad_target:
-            assert self.injection is not None
-            flip_bit(grad, self.injection.bit)
+    def _flip_gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """grad_bitflip: the target parameter's gradient with one bit flipped, as it is computed."""
+        if not self._on("grad_bitflip"):
+            return None
+        assert self.injection is not None
+        out = grad.clone()
+        flip_bit(out, self.injection.bit)
+        return out
 
     def reduced_bucket(self, index: int, reduced: torch.Tensor) -> None:
         """reduced_grad_corrupt: scale one element of this rank's all-reduce result of bucket 0."""
@@ -210,7 +272,7 @@ class Injector:
             flat[0] = flat[0] * self.injection.factor if flat[0] != 0 else self.injection.factor
 
     def weights(self, params: list[torch.Tensor]) -> None:
-        """weight_bitflip: flip a bit of the first weight, after the update."""
+        """weight_bitflip: flip a bit of the first of ``params``, after the update."""
         if self._on("weight_bitflip") and params:
             assert self.injection is not None
             with torch.no_grad():

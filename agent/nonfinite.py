@@ -1,12 +1,14 @@
 """Detector 1 (non-finite gradients) and the reduced-gradient comparison, in one DDP communication hook.
 
 The hook wraps each bucket's all-reduce. Before it, the local (this rank's
-own) gradients are tested for NaN/Inf, which names the rank that made them;
-on audit steps the per-parameter fingerprints of the local gradients are
-recorded for the ring audit. After it, the reduced gradients are tested
-again and fingerprinted: every rank must have received the same bits. The
-results stay on the device as small tensors; :meth:`GradientHook.summary`
-packs them into one int64 vector that the guard gathers once per step.
+own) gradients are tested for NaN/Inf, which names the rank that made them,
+and their norm is taken (the magnitude trigger's statistic and part of the
+rank's claim that a confirmation checks); on audit steps the per-parameter
+fingerprints of the local gradients are recorded for the ring audit (digests,
+never copies). After it, the reduced gradients are tested again and
+fingerprinted: every rank must have received the same bits. The results stay
+on the device as small tensors; :meth:`GradientHook.summary` packs them into
+one int64 vector.
 
 Two facts shape the code. DDP rebuilds its buckets after the first step, so
 nothing is cached by bucket index across steps. The ``.then`` callbacks run on
@@ -17,6 +19,7 @@ its own dictionary entry and no scratch buffer is shared.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +27,6 @@ import torch.distributed as dist
 
 from agent import fingerprint as fp
 from agent import native
-from agent.inject import Injector
 
 # Bucket masks are one int64 word each; buckets beyond this still count in the
 # any-flags, they are only left out of the per-bucket evidence.
@@ -34,6 +36,8 @@ MASK_BUCKETS = 63
 LOCAL_ANY, REDUCED_ANY, LOCAL_MASK, REDUCED_MASK, LOSS_NONFINITE = range(5)
 REDUCED_FP = slice(5, 8)
 SUMMARY_WIDTH = 8
+MAX_EVIDENCE_BUCKETS = 4096
+"""The contract's bound on evidence items."""
 
 
 _CPU_FLAGS = (torch.zeros((), dtype=torch.bool), torch.ones((), dtype=torch.bool))
@@ -64,25 +68,28 @@ def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
 class GradientHook:
     """The communication hook and what it saw during the current step."""
 
-    def __init__(self, names: dict[int, str], world_size: int, injector: Injector,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, names: dict[int, str], world_size: int, group: dist.ProcessGroup | None = None) -> None:
         self.names = names
         """Parameter name by ``id(param)``, to record fingerprints by name."""
         self.world_size = world_size
-        self.injector = injector
         self.group = group
         self.check_nonfinite = True
         self.check_reduced = True
+        self.measure_norms = True
+        """Take each bucket's local-gradient norm (the magnitude trigger and confirmations use it)."""
         self.record_params = False
+        self.after_reduce: list[Callable[[int, torch.Tensor], None]] = []
+        """Observers called with (bucket index, this rank's reduced bucket) before it is checked (fault injection)."""
         self._local: dict[int, torch.Tensor] = {}
         self._reduced: dict[int, torch.Tensor] = {}
         self._reduced_fp: dict[int, torch.Tensor] = {}
-        self.bucket_names: dict[int, list[str]] = {}
-        """Parameter names of each bucket, in the bucket's order (audit steps)."""
-        self.bucket_fingerprints: dict[int, torch.Tensor] = {}
-        """Fingerprint of each bucket's local (pre-reduce) gradients (audit steps)."""
-        self.bucket_copies: dict[int, list[torch.Tensor]] = {}
-        """Copies of the local gradients, to name the parameters if the audit fails."""
+        self._norms: dict[int, torch.Tensor] = {}
+        self.layout: dict[int, list[str]] = {}
+        """Parameter names of each bucket, in the bucket's order: recorded on the first step and on audit
+        steps (after the settling pass DDP's layout no longer changes), so a recomputation can be laid out
+        as the owner's buckets were."""
+        self.param_fingerprints: dict[int, torch.Tensor] = {}
+        """Per-parameter fingerprints ``[n, 3]`` of each bucket's local gradients (audit steps)."""
 
     def begin_step(self, *, record_params: bool) -> None:
         """Forget the previous step; record per-parameter fingerprints this step if asked."""
@@ -90,38 +97,37 @@ class GradientHook:
         self._local = {}
         self._reduced = {}
         self._reduced_fp = {}
-        self.bucket_names = {}
-        self.bucket_fingerprints = {}
-        self.bucket_copies = {}
+        self._norms = {}
+        self.param_fingerprints = {}
+        if record_params:
+            self.layout = {}
 
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Install this hook on ``ddp`` (DDP allows one hook, before the first backward)."""
         ddp.register_comm_hook(state=self, hook=_comm_hook)
 
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Check and fingerprint the local gradients, all-reduce (mean), then check the result."""
+        """Check, measure and (audit steps) fingerprint the local gradients, all-reduce (mean), check the result."""
         index = bucket.index()
-        if self.record_params or self.injector.wants_local_gradients():
-            # Listing a bucket's gradients and parameters costs per parameter: only when needed.
-            grads = bucket.gradients()
-            names = [self.names.get(id(p), f"bucket{index}.{i}") for i, p in enumerate(bucket.parameters())]
-            self.injector.local_gradients(names, grads)
         buffer = bucket.buffer()
+        if self.record_params or index not in self.layout:
+            # Listing a bucket's parameters costs per parameter: only when needed.
+            self.layout[index] = [self.names.get(id(p), f"bucket{index}.{i}") for i, p in enumerate(bucket.parameters())]
         if self.check_nonfinite:
             self._local[index] = nonfinite_flag(buffer)
+        if self.measure_norms:
+            # The buffer is the bucket's gradients laid end to end, so a
+            # recomputation gets the same bits from their concatenation.
+            self._norms[index] = torch.linalg.vector_norm(buffer)
         if self.record_params:
-            # One fingerprint per bucket (a call per parameter cost more than
-            # the step on small models); the copies name parameters on failure.
-            self.bucket_names[index] = names
-            copies = [g.detach().clone() for g in grads]
-            self.bucket_copies[index] = copies
-            self.bucket_fingerprints[index] = gradients_fingerprint(copies)
+            self.param_fingerprints[index] = fp.fingerprint_many(bucket.gradients())
         buffer.div_(self.world_size)
         future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
         def after(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = done.value()[0]
-            self.injector.reduced_bucket(index, reduced)
+            for observer in self.after_reduce:
+                observer(index, reduced)
             if self.check_nonfinite:
                 self._reduced[index] = nonfinite_flag(reduced)
             if self.check_reduced:
@@ -129,6 +135,20 @@ class GradientHook:
             return reduced
 
         return future.then(after)
+
+    def local_mask(self, device: torch.device) -> torch.Tensor:
+        """A 0-dim int64: bit b set when bucket b's local gradients were non-finite (buckets below MASK_BUCKETS)."""
+        keys = sorted(self._local)
+        if not keys:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        weights = torch.tensor([1 << i if i < MASK_BUCKETS else 0 for i in keys], dtype=torch.int64, device=device)
+        return (torch.stack([self._local[i] for i in keys]).to(device).to(torch.int64) * weights).sum()
+
+    def bucket_norms(self, device: torch.device) -> torch.Tensor:
+        """Each bucket's local-gradient norm in index order, as fp64 (zeros when norms are not measured)."""
+        if not self._norms:
+            return torch.zeros(len(self.layout), dtype=torch.float64, device=device)
+        return torch.stack([self._norms[i] for i in sorted(self._norms)]).to(device, torch.float64)
 
     def summary(self, loss: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This step's findings as an int64 vector of SUMMARY_WIDTH (see the layout constants), on ``device``.
@@ -205,20 +225,22 @@ class NonFiniteVerdict:
 
 
 def judge_nonfinite(summaries: torch.Tensor) -> NonFiniteVerdict:
-    """Detector 1's reading of the gathered summaries (``[world, SUMMARY_WIDTH]`` int64, on the CPU)."""
-    rows = summaries.tolist()
+    """Detector 1's reading of the gathered summaries (``[world, SUMMARY_WIDTH]`` int64, on the CPU).
+
+    Vectorised: the Python work is proportional to the ranks that saw
+    something, not to the world."""
+    s = summaries[:, :SUMMARY_WIDTH]
+    local = torch.nonzero(s[:, LOCAL_ANY]).reshape(-1).tolist()
+    reduced = torch.nonzero(s[:, REDUCED_ANY]).reshape(-1).tolist()
+    loss = torch.nonzero(s[:, LOSS_NONFINITE]).reshape(-1).tolist()
     buckets: list[tuple[int, int, str]] = []
-    for rank, row in enumerate(rows):
-        if row[LOCAL_MASK]:
-            buckets += [(rank, b, "local") for b in buckets_of(row[LOCAL_MASK])]
-        if row[REDUCED_MASK]:
-            buckets += [(rank, b, "reduced") for b in buckets_of(row[REDUCED_MASK])]
-    return NonFiniteVerdict(
-        local_ranks=[r for r, row in enumerate(rows) if row[LOCAL_ANY]],
-        reduced_ranks=[r for r, row in enumerate(rows) if row[REDUCED_ANY]],
-        loss_ranks=[r for r, row in enumerate(rows) if row[LOSS_NONFINITE]],
-        buckets=buckets,
-    )
+    for rank in sorted(set(local) | set(reduced)):
+        if len(buckets) >= MAX_EVIDENCE_BUCKETS:
+            break  # the alarm carries at most this many; the rank lists stay whole
+        local_mask, reduced_mask = int(s[rank, LOCAL_MASK]), int(s[rank, REDUCED_MASK])
+        buckets += [(rank, b, "local") for b in buckets_of(local_mask)]
+        buckets += [(rank, b, "reduced") for b in buckets_of(reduced_mask)]
+    return NonFiniteVerdict(local_ranks=local, reduced_ranks=reduced, loss_ranks=loss, buckets=buckets[:MAX_EVIDENCE_BUCKETS])
 
 
 def reduced_fingerprints(summaries: torch.Tensor) -> list[torch.Tensor]:

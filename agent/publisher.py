@@ -6,6 +6,12 @@ local spool file and, when checkpoints live in S3, next to them under
 ``<prefix>/alarms/``, so an operator (or a later start) still finds it.
 Publishing never blocks longer than its budget: the network part runs on a
 daemon thread that is abandoned when the budget is spent.
+
+The next start of the job republishes what was spooled before it trains
+(:meth:`Publisher.republish_spooled`, called when the guard is built): each
+spooled alarm that EventBridge now accepts is removed from the spool; one it
+still refuses stays there for the start after. The alarm's id is stable, so a
+republished alarm the pipeline already saw is recognised there as the same.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from contract import DETAIL_TYPE, EVENT_SOURCE, Alarm
 
@@ -57,8 +65,17 @@ class Publisher:
 
     def publish(self, alarm: Alarm) -> PublishOutcome:
         """Deliver ``alarm``, or spool it; returns within ``publish_budget_s`` (plus a local file write)."""
+        deadline = time.monotonic() + self.config.publish_budget_s
+        outcome = self.deliver(alarm, deadline=deadline)
+        if not outcome.delivered:
+            log.error("alarm %s not delivered (%s); spooling it", alarm.alarm_id, outcome.error)
+            self._spool(alarm, outcome, deadline)
+        return outcome
+
+    def deliver(self, alarm: Alarm, *, deadline: float | None = None) -> PublishOutcome:
+        """Try EventBridge alone (no spool) within four fifths of the budget; the outcome says how it went."""
         budget = self.config.publish_budget_s
-        deadline = time.monotonic() + budget
+        deadline = time.monotonic() + budget if deadline is None else deadline
         outcome = PublishOutcome()
         done = threading.Event()
 
@@ -80,9 +97,65 @@ class Publisher:
             return outcome
         if outcome.error is None:
             outcome.error = f"no answer from EventBridge within {budget * 0.8:.1f} s"
-        log.error("alarm %s not delivered (%s); spooling it", alarm.alarm_id, outcome.error)
-        self._spool(alarm, outcome, deadline)
         return outcome
+
+    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
+        """Deliver the alarms an earlier start spooled (``spool_dir`` and ``<prefix>/alarms/`` in S3).
+
+        Returns the outcome by alarm id. A delivered alarm is removed from
+        both spools; one that is not stays (and is logged). Never raises for
+        an unreadable spool or an unreachable service: it logs and goes on.
+        """
+        found: dict[str, tuple[Alarm, list[str]]] = {}
+        if local:
+            folder = Path(self.config.spool_dir)
+            for path in sorted(folder.glob("alarm-*.json")) if folder.is_dir() else []:
+                try:
+                    alarm = Alarm.model_validate_json(path.read_text())
+                except (OSError, ValidationError) as exc:
+                    log.error("spooled alarm %s is unreadable, left alone: %s", path, exc)
+                    continue
+                found.setdefault(alarm.alarm_id, (alarm, []))[1].append(str(path))
+        location = self._s3_spool()
+        if s3 and location is not None:
+            bucket, key_prefix = location
+            try:
+                client = self._s3 or self._client("s3", self.config.publish_budget_s)
+                listed = client.list_objects_v2(Bucket=bucket, Prefix=key_prefix).get("Contents", [])
+                for item in listed:
+                    body = client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
+                    alarm = Alarm.model_validate_json(body)
+                    found.setdefault(alarm.alarm_id, (alarm, []))[1].append(f"s3://{bucket}/{item['Key']}")
+            except Exception as exc:  # an outage here must not stop the job from starting
+                log.error("could not read the S3 alarm spool s3://%s/%s: %s", bucket, key_prefix, exc)
+        outcomes: dict[str, PublishOutcome] = {}
+        for alarm_id, (alarm, places) in found.items():
+            outcome = self.deliver(alarm)
+            outcomes[alarm_id] = outcome
+            if not outcome.delivered:
+                log.error("spooled alarm %s still not delivered (%s); it stays in %s", alarm_id, outcome.error, places)
+                continue
+            log.warning("spooled alarm %s republished (event %s)", alarm_id, outcome.event_id)
+            for place in places:
+                self._unspool(place)
+        return outcomes
+
+    def _s3_spool(self) -> tuple[str, str] | None:
+        prefix = self.config.checkpoint_prefix
+        if not prefix.startswith("s3://"):
+            return None
+        bucket, _, key_prefix = prefix[len("s3://"):].partition("/")
+        return bucket, f"{key_prefix.strip('/')}/alarms/".lstrip("/")
+
+    def _unspool(self, place: str) -> None:
+        try:
+            if place.startswith("s3://"):
+                bucket, _, key = place[len("s3://"):].partition("/")
+                (self._s3 or self._client("s3", self.config.publish_budget_s)).delete_object(Bucket=bucket, Key=key)
+            else:
+                Path(place).unlink(missing_ok=True)
+        except Exception as exc:  # delivered already; a stale copy is only republished again
+            log.error("could not remove the spooled copy %s: %s", place, exc)
 
     def _deliver(self, alarm: Alarm, outcome: PublishOutcome, deadline: float) -> None:
         body = alarm.model_dump_json()
@@ -122,11 +195,11 @@ class Publisher:
             outcome.spooled.append(str(folder / name))
         except OSError as exc:
             log.error("could not spool alarm %s locally: %s", alarm.alarm_id, exc)
-        prefix = self.config.checkpoint_prefix
-        if not prefix.startswith("s3://"):
+        location = self._s3_spool()
+        if location is None:
             return
-        bucket, _, key_prefix = prefix[len("s3://"):].partition("/")
-        key = f"{key_prefix.strip('/')}/alarms/{name}".lstrip("/")
+        bucket, key_prefix = location
+        key = f"{key_prefix}{name}"
         done = threading.Event()
 
         def upload() -> None:

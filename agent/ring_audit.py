@@ -1,32 +1,37 @@
-"""Detector 2: the ring re-execution audit.
+"""Detector 2: the ring re-execution audit, and the recomputation it shares with confirmations.
 
 On an audit step every rank recomputes the micro-batch of the same local rank
 on the next node, with the same pre-update weights, the same data and the same
-random state, on the bare module (no all-reduce), and the guard gathers both
-sides in its one per-step collective. The loss must match bit for bit and so
-must the per-parameter fingerprints of the local gradients (recorded by the
-communication hook on the owner's side).
+random state, on the bare module (no all-reduce). The loss must match bit for
+bit and so must the fingerprint of every parameter's local gradient (recorded
+by the communication hook on the owner's side: digests, never copies). The
+auditor sends its record to the owner alone (point to point), the owner
+compares, and one flag joins the step's all-reduce: the audit costs O(1) in
+the world size while the ranks agree. Only when some pair disagreed are the
+records gathered and judged here, vectorised.
 
 A rank whose two audits both disagree (its own micro-batch recomputed by the
 previous node, and its recomputation of the next node's) is the suspect: its
 hardware got both wrong while its neighbours agree elsewhere. That needs at
-least 3 nodes; with 2 nodes each pair audits the other both ways, so every
-involved rank is reported and the alarm is not localised.
+least 3 nodes and a fault that hits every computation; the guard asks a third
+opinion (agent.confirm) for every failed pair, which also localises a fault
+that hit only the rank's own pass.
+
+A recomputation changes nothing: the module's buffers (batch-norm statistics)
+and the random state are saved before it and restored after it.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from agent import fingerprint as fp
-from agent.inject import Injector
-from agent.nonfinite import GradientHook, gradients_fingerprint
-from agent.topology import audited_by_ring
+from agent.nonfinite import GradientHook
 
 
 def loss_bits(loss: torch.Tensor) -> torch.Tensor:
@@ -39,70 +44,89 @@ def bits_to_hex(bits: int) -> str:
     return struct.unpack("<d", struct.pack("<q", bits))[0].hex()
 
 
-def owner_record(loss: torch.Tensor, hook: GradientHook, device: torch.device) -> torch.Tensor:
-    """This rank's own claim: its loss bits, then the local-gradient fingerprint of each bucket in index order."""
-    rows = [hook.bucket_fingerprints[i].to(device) for i in sorted(hook.bucket_fingerprints)]
-    return torch.cat([loss_bits(loss).reshape(1).to(device), *rows])
-
-
 @dataclass
 class Recomputation:
-    """The auditor's side: the recomputed loss and local gradients of the audited rank's micro-batch."""
+    """A micro-batch recomputed on the bare module: its loss and local gradients by parameter name."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
-    """Recomputed local gradient by parameter name."""
 
-    def record(self, hook: GradientHook, device: torch.device) -> torch.Tensor:
-        """Loss bits and per-bucket fingerprints laid out as the owner's bucket (DDP's layout is the same on all ranks)."""
-        rows = []
-        for i in sorted(hook.bucket_names):
-            grads = [self.grads[n] for n in hook.bucket_names[i]]
-            rows.append(gradients_fingerprint(grads).to(device))
-        return torch.cat([loss_bits(self.loss).reshape(1).to(device), *rows])
+
+class _Preserved:
+    """Saves the module's buffers and the random state on entry and puts them back on exit.
+
+    A forward in training mode updates batch-norm statistics, and dropout
+    draws from the generator: without this, every audit or confirmation would
+    change the training it checks."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.buffers = [b.detach().clone() for b in self.module.buffers()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+
+    def __exit__(self, *_: object) -> None:
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), self.buffers, strict=True):
+                buffer.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def preserved(module: torch.nn.Module) -> _Preserved:
+    """A context manager that restores ``module``'s buffers and the random state it found."""
+    return _Preserved(module)
 
 
 def recompute(
     module: torch.nn.Module,
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
     batch: Any,
-    names: list[str],
-    params: list[torch.nn.Parameter],
-    injector: Injector,
+    names: Sequence[str],
+    params: Sequence[torch.nn.Parameter],
+    seed: Callable[[], None],
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Recomputation:
-    """Recompute a micro-batch on the bare module (no all-reduce).
+    """Recompute a micro-batch on the bare module (no all-reduce), changing nothing.
 
-    The caller has seeded the random state for the audited rank. Gradients
-    come from ``torch.autograd.grad``, so the ``.grad`` fields (which hold this
+    ``seed()`` seeds the random state for the owner's micro-batch; the random
+    state and the module's buffers are restored afterwards. Gradients come
+    from ``torch.autograd.grad``, so the ``.grad`` fields (which hold this
     step's reduced gradients) are left alone. ``scale`` is the GradScaler's
-    scaling when one is in use: the owner's recorded gradients are scaled.
+    scaling when one is in use: the owner's gradients are scaled.
     """
-    loss = loss_fn(module, batch)
-    grads = torch.autograd.grad(scale(loss) if scale is not None else loss, params, allow_unused=True)
+    with preserved(module):
+        seed()
+        loss = loss_fn(module, batch)
+        grads = torch.autograd.grad(scale(loss) if scale is not None else loss, list(params), allow_unused=True)
     out: dict[str, torch.Tensor] = {}
     for name, p, g in zip(names, params, grads, strict=True):
         # DDP hands an unused parameter's bucket slot as zeros.
         out[name] = g if g is not None else torch.zeros_like(p)
-        injector.recomputed_gradient(name, out[name])
     return Recomputation(loss=loss.detach(), grads=out)
 
 
-def param_fingerprints(grads_by_name: dict[str, torch.Tensor], names: list[str], device: torch.device) -> torch.Tensor:
-    """Per-parameter fingerprints ``[P, 3]`` in ``names`` order (zeros for a missing one); used only after a failure."""
-    present = [n for n in names if n in grads_by_name]
-    out = torch.zeros(len(names), 3, dtype=torch.int64, device=device)
-    if present:
-        lanes = fp.fingerprint_many([grads_by_name[n] for n in present]).to(device)
-        index = {n: i for i, n in enumerate(names)}
-        for row, n in enumerate(present):
-            out[index[n]] = lanes[row]
-    return out
+def layout_order(layout: dict[int, list[str]]) -> list[str]:
+    """Parameter names in bucket order (buckets by index), the order of every per-parameter record."""
+    return [n for i in sorted(layout) for n in layout[i]]
 
 
-def owner_gradients(hook: GradientHook) -> dict[str, torch.Tensor]:
-    """The copies of the local gradients the hook kept this audit step, by parameter name."""
-    return {n: g for i in hook.bucket_names for n, g in zip(hook.bucket_names[i], hook.bucket_copies[i], strict=True)}
+def owner_record(loss: torch.Tensor, hook: GradientHook, device: torch.device) -> torch.Tensor:
+    """This rank's own claim: its loss bits, then every parameter's local-gradient fingerprint in bucket order."""
+    rows = [hook.param_fingerprints[i].to(device).reshape(-1) for i in sorted(hook.param_fingerprints)]
+    return torch.cat([loss_bits(loss).reshape(1).to(device), *rows])
+
+
+def audit_record(recomputation: Recomputation, layout: dict[int, list[str]], device: torch.device) -> torch.Tensor:
+    """The auditor's record laid out as the owner's (DDP's layout is the same on all ranks)."""
+    grads = [recomputation.grads[n] for n in layout_order(layout)]
+    lanes = fp.fingerprint_many(grads).to(device).reshape(-1) if grads else torch.zeros(0, dtype=torch.int64,
+                                                                                        device=device)
+    return torch.cat([loss_bits(recomputation.loss).reshape(1).to(device), lanes])
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,7 @@ class PairResult:
     expected_loss: str
     observed_loss: str
     mismatched_buckets: list[int]
+    """Indices of the digest rows that differed (per parameter, in bucket order)."""
     mismatched_params: list[str]
 
     @property
@@ -125,76 +150,79 @@ class PairResult:
 
 @dataclass(frozen=True)
 class AuditVerdict:
-    """The audit's outcome for one step."""
+    """The audit's outcome for one step: the pairs that disagreed, and whom they point at."""
 
-    pairs: list[PairResult]
+    mismatched: list[PairResult]
+    """The pairs that disagreed."""
     suspects: list[int]
     localized: bool
+    matched: list[tuple[int, int, str]] = field(default_factory=list)
+    """(auditor, audited, loss hex) of the pairs that agreed; built only for small worlds (``pairs``)."""
 
     @property
     def clean(self) -> bool:
         """Every pair matched."""
-        return all(p.match for p in self.pairs)
+        return not self.mismatched
 
     @property
-    def mismatched(self) -> list[PairResult]:
-        """The pairs that disagreed."""
-        return [p for p in self.pairs if not p.match]
+    def pairs(self) -> list[PairResult]:
+        """Every pair, matched ones included, by auditor (small worlds: the evidence, the tests)."""
+        agreed = [PairResult(a, t, True, h, h, [], []) for a, t, h in self.matched]
+        return sorted([*agreed, *self.mismatched], key=lambda p: p.auditor)
 
 
-def judge(owners: torch.Tensor, recomputed: torch.Tensor, ranks_per_node: int) -> AuditVerdict:
-    """Compare every rank's claim with its auditor's recomputation.
+def judge(owners: torch.Tensor, recomputed: torch.Tensor, ranks_per_node: int,
+          names: Sequence[str] | None = None, keep_matched_below: int = 64) -> AuditVerdict:
+    """Compare every rank's claim with its auditor's recomputation, vectorised over the world.
 
     ``owners[r]`` is rank r's own record, ``recomputed[a]`` is what auditor a
-    computed for ``(a + ranks_per_node) mod world``; both ``[world, 1+3B]``
-    int64 on the CPU (B buckets). The verdict is a pure function of them, so
-    every rank reaches the same one.
+    computed for ``(a + ranks_per_node) mod world``; both ``[world, 1+3R]``
+    int64 on the CPU (R digest rows). With ``names`` (one per row) the
+    differing parameters are named. The verdict is a pure function of them,
+    so every rank reaches the same one.
     """
     world = owners.shape[0]
     nodes = world // ranks_per_node
-    pairs = []
-    strikes = [0] * world
-    for auditor in range(world):
-        audited = audited_by_ring(auditor, world, ranks_per_node)
-        expected, observed = owners[audited], recomputed[auditor]
-        differs = (expected[1:].view(-1, 3) != observed[1:].view(-1, 3)).any(dim=1).tolist()
-        pair = PairResult(
-            auditor=auditor,
-            audited=audited,
-            loss_match=bool(expected[0] == observed[0]),
-            expected_loss=bits_to_hex(int(expected[0])),
-            observed_loss=bits_to_hex(int(observed[0])),
-            mismatched_buckets=[b for b, d in enumerate(differs) if d],
-            mismatched_params=[],
-        )
-        pairs.append(pair)
-        if not pair.match:
-            strikes[auditor] += 1
-            strikes[audited] += 1
-    if all(p.match for p in pairs):
-        return AuditVerdict(pairs=pairs, suspects=[], localized=False)
+    audited = (torch.arange(world) + ranks_per_node) % world  # audited_by_ring, for every auditor at once
+    expected = owners[audited]
+    loss_differs = expected[:, 0] != recomputed[:, 0]
+    rows = (expected[:, 1:] != recomputed[:, 1:]).reshape(world, -1, 3).any(dim=2)
+    bad = loss_differs | rows.any(dim=1)
+    bad_auditors = torch.nonzero(bad).reshape(-1)
+    mismatched = []
+    for a in bad_auditors.tolist():
+        t = int(audited[a])
+        differs = torch.nonzero(rows[a]).reshape(-1).tolist()
+        mismatched.append(PairResult(
+            auditor=a, audited=t, loss_match=not bool(loss_differs[a]),
+            expected_loss=bits_to_hex(int(expected[a, 0])), observed_loss=bits_to_hex(int(recomputed[a, 0])),
+            mismatched_buckets=differs, mismatched_params=[names[i] for i in differs] if names is not None else [],
+        ))
+    matched = []
+    if world <= keep_matched_below:
+        matched = [(a, int(audited[a]), bits_to_hex(int(expected[a, 0]))) for a in range(world) if not bool(bad[a])]
+    if not mismatched:
+        return AuditVerdict(mismatched=[], suspects=[], localized=False, matched=matched)
+    strikes = torch.bincount(torch.cat([bad_auditors, audited[bad_auditors]]), minlength=world)
     if nodes >= 3:
-        both = [r for r in range(world) if strikes[r] >= 2]
+        both = torch.nonzero(strikes >= 2).reshape(-1).tolist()
         if both:
-            return AuditVerdict(pairs=pairs, suspects=both, localized=True)
-    involved = [r for r in range(world) if strikes[r]]
-    return AuditVerdict(pairs=pairs, suspects=involved, localized=False)
+            return AuditVerdict(mismatched=mismatched, suspects=both, localized=True, matched=matched)
+    involved = torch.nonzero(strikes).reshape(-1).tolist()
+    return AuditVerdict(mismatched=mismatched, suspects=involved, localized=False, matched=matched)
 
 
 def name_parameters(verdict: AuditVerdict, owners: torch.Tensor, recomputed: torch.Tensor,
                     names: list[str], ranks_per_node: int) -> AuditVerdict:
     """The verdict with each failed pair's differing parameters named.
 
-    ``owners``/``recomputed`` are ``[world, P, 3]`` per-parameter fingerprints
-    gathered after a failed audit.
+    ``owners``/``recomputed`` are ``[world, P, 3]`` per-parameter fingerprints.
     """
     pairs = []
-    for pair in verdict.pairs:
-        if pair.match:
-            pairs.append(pair)
-            continue
+    for pair in verdict.mismatched:
         differs = (owners[pair.audited] != recomputed[pair.auditor]).any(dim=1).tolist()
         named = [n for n, d in zip(names, differs, strict=True) if d]
         pairs.append(PairResult(pair.auditor, pair.audited, pair.loss_match, pair.expected_loss,
                                 pair.observed_loss, pair.mismatched_buckets, named))
-    return AuditVerdict(pairs=pairs, suspects=verdict.suspects, localized=verdict.localized)
+    return AuditVerdict(mismatched=pairs, suspects=verdict.suspects, localized=verdict.localized,
+                        matched=verdict.matched)

@@ -5,6 +5,15 @@ or stored something wrong. Every rank fingerprints its parameters and its
 optimizer state, one all-gather brings all fingerprints to every rank, and
 each rank reaches the same verdict from the same data. The same vote serves
 the reduced-gradient comparison.
+
+What must agree: every parameter, trainable or frozen (a LoRA base, a frozen
+embedding: DDP broadcasts them once at construction and nothing reduces them
+afterwards, so a flipped bit there would live on), the optimizer state, and
+the buffers DDP keeps equal (``broadcast_buffers=True``, not in DDP's ignore
+list, not marked by the user, and not changed by a training forward).
+Batch-norm running statistics are left out: each rank updates its own from its
+micro-batch after DDP's broadcast, so at the check they differ by design, and
+DDP overwrites them from rank 0 at the next forward.
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ import torch
 from agent import fingerprint as fp
 
 
-def state_tensors(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The tensors that must agree across replicas: the parameters, then each one's optimizer state.
+def state_tensors(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                  extra: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """The tensors that must agree across replicas: the parameters, each one's optimizer state, then ``extra``.
 
-    The order is fixed (parameter order, then state keys sorted), because the
-    combined fingerprint is order-sensitive.
+    ``extra`` holds what the guard adds (frozen parameters, checked buffers).
+    The order is fixed (parameter order, then state keys sorted, then
+    ``extra``), because the combined fingerprint is order-sensitive.
     """
     tensors = [p.detach() for p in params]
     if optimizer is not None:
@@ -29,7 +40,7 @@ def state_tensors(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimiz
             for p in group["params"]:
                 state = optimizer.state.get(p, {})
                 tensors += [v.detach() for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-    return tensors
+    return tensors + [t.detach() for t in extra]
 
 
 # Tensors below this many elements are fingerprinted packed together (per
@@ -61,14 +72,26 @@ def packed_fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def state_fingerprint(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
-    """One fingerprint (int64 lanes, on the parameters' device) of the weights and optimizer state."""
-    return fp.combine(packed_fingerprints(state_tensors(params, optimizer)))
+def state_fingerprint(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                      extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """One fingerprint (int64 lanes, on the parameters' device) of the weights, optimizer state and ``extra``."""
+    return fp.combine(packed_fingerprints(state_tensors(params, optimizer, extra)))
 
 
-def state_fingerprint_hex(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> str:
+def state_fingerprint_hex(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                          extra: Sequence[torch.Tensor] = ()) -> str:
     """``state_fingerprint`` as the contract's hex Fingerprint (what a checkpoint manifest records)."""
-    return fp.to_hex(state_fingerprint(params, optimizer))
+    return fp.to_hex(state_fingerprint(params, optimizer, extra))
+
+
+def checked_buffers(ddp: torch.nn.parallel.DistributedDataParallel, changed_by_forward: set[str],
+                    unchecked: set[str]) -> list[str]:
+    """Names of the buffers the weight fingerprint covers (see the module docstring), in module order."""
+    if not ddp.broadcast_buffers:
+        return []
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    return [n for n, _ in ddp.module.named_buffers()
+            if n not in ignored and n not in changed_by_forward and n not in unchecked]
 
 
 @dataclass(frozen=True)
@@ -97,12 +120,39 @@ def vote(lanes_by_rank: list[torch.Tensor] | torch.Tensor) -> Vote:
     """Group ranks by fingerprint; a group holding more than half of the world is the majority.
 
     ``lanes_by_rank[r]`` is rank r's fingerprint lanes. With two ranks that
-    differ, or any even split, there is no strict majority.
+    differ, or any even split, there is no strict majority. Vectorised: the
+    Python work is proportional to the number of distinct fingerprints.
     """
-    by_hex: dict[str, list[int]] = {}
-    for rank, lanes in enumerate(lanes_by_rank):
-        by_hex.setdefault(fp.to_hex(lanes), []).append(rank)
-    groups = sorted(by_hex.items(), key=lambda item: (-len(item[1]), item[1][0]))
-    world = sum(len(ranks) for _, ranks in groups)
+    rows = torch.stack(list(lanes_by_rank)) if not isinstance(lanes_by_rank, torch.Tensor) else lanes_by_rank
+    rows = rows.reshape(rows.shape[0], -1).cpu()
+    world = rows.shape[0]
+    # One int64 key per rank (wrapping arithmetic: a sort of keys is far faster than a row-wise unique);
+    # each group is then checked against its first member's full row, so a key collision cannot merge two.
+    weights = torch.tensor(_KEY_WEIGHTS[: rows.shape[1]], dtype=torch.int64)
+    keys = (rows * weights).sum(dim=1)
+    _, inverse = torch.unique(keys, return_inverse=True)
+    groups = []
+    for g in range(int(inverse.max()) + 1 if world else 0):
+        ranks = torch.nonzero(inverse == g).reshape(-1)
+        first = rows[ranks[0]]
+        same = (rows[ranks] == first).all(dim=1)
+        if not bool(same.all()):
+            return _vote_by_rows(rows)
+        groups.append((fp.to_hex(first), ranks.tolist()))
+    groups.sort(key=lambda item: (-len(item[1]), item[1][0]))
     majority = groups[0][0] if len(groups[0][1]) * 2 > world else None
+    return Vote(groups=groups, majority=majority)
+
+
+# Odd multipliers, one per lane (fingerprints have three; any width up to eight works).
+_KEY_WEIGHTS = [0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019, 0x2545F4914F6CDD1D, 0x5851F42D4C957F2D,
+                0x14057B7EF767814F, 0x27BB2EE687B0B0FD, 0x2127599BF4325C37, 0x1B873593CC9E2D51]
+
+
+def _vote_by_rows(rows: torch.Tensor) -> Vote:
+    """The same vote by a row-wise unique (only if two different fingerprints ever share a key)."""
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    groups = sorted(((fp.to_hex(unique[g]), torch.nonzero(inverse == g).reshape(-1).tolist())
+                     for g in range(unique.shape[0])), key=lambda item: (-len(item[1]), item[1][0]))
+    majority = groups[0][0] if len(groups[0][1]) * 2 > rows.shape[0] else None
     return Vote(groups=groups, majority=majority)

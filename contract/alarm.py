@@ -32,6 +32,9 @@ Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]
 MAX_SUSPECTS = 1024
 MAX_EVIDENCE_ITEMS = 4096
 
+FaultPersistence = Literal["persistent", "transient", "unknown"]
+"""Whether the faulty hardware got the same computation wrong again when it replayed it once."""
+
 
 class Strict(BaseModel):
     """Base for every contract model: unknown fields are errors, values are frozen."""
@@ -88,6 +91,9 @@ class NonFiniteEvidence(Strict):
     reduced_nonfinite: bool
     """Whether the all-reduced gradients were non-finite (the update is blocked)."""
     buckets: Annotated[list[NonFiniteBucket], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
+    confirmation: Annotated[list[RingPair], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
+    """Recomputations of the non-finite ranks' micro-batches on other nodes in the same step (auditor: the
+    confirming rank); one that did not reproduce the NaN/Inf is what makes this a hardware alarm."""
 
 
 class RingPair(Strict):
@@ -109,6 +115,11 @@ class RingAuditEvidence(Strict):
 
     kind: Literal["ring_audit"] = "ring_audit"
     pairs: Annotated[list[RingPair], Field(min_length=1, max_length=MAX_EVIDENCE_ITEMS)]
+    """The recomputations that disagreed: the audit's pairs, or (trigger "magnitude") the confirmations'."""
+    trigger: Literal["audit", "magnitude"] = "audit"
+    """What asked for the recomputation: a scheduled audit step, or the magnitude trigger on any step."""
+    confirmation: Annotated[list[RingPair], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
+    """Every confirmation recomputation of the step (other nodes recomputing the suspicious micro-batches)."""
 
 
 class FingerprintGroup(Strict):
@@ -173,6 +184,10 @@ class Alarm(Strict):
     """Location of ``RESUME.json``."""
     publisher_rank: Rank = 0
     message: Text = ""
+    fault_persistence: FaultPersistence = "unknown"
+    """After a confirmed mismatch the suspect replays its computation once: ``persistent`` when it got it
+    wrong again, ``transient`` when it now agrees with the majority, ``unknown`` where no replay applies
+    (weight and reduced-gradient comparisons, alarms that are not localised)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Alarm:

@@ -97,18 +97,42 @@ def run_world(tmp: Path, standin: LocalStandIn, bus: str, world: int, ranks_per_
 
 # -- 3 nodes x 2 ranks --------------------------------------------------------------------------------
 
-# name, injection, expected detector, step and suspects.
+# name, injection, expected detector, step and suspects. repeat=2: a persistent fault, which also corrupts
+# what the faulty rank recomputes for its neighbour, so both of its audits fail.
 FAULTS = [
     ("nan_activation", "kind=nan_activation,rank=3,step=3", "nonfinite_grad", 3, [3]),
-    ("finite_activation", "kind=finite_activation,rank=3,step=4,factor=1e4", "ring_audit", 4, [3]),
-    ("grad_bitflip", "kind=grad_bitflip,rank=1,step=4,bit=22", "ring_audit", 4, [1]),
+    ("finite_activation", "kind=finite_activation,rank=3,step=4,factor=1e4,repeat=2", "ring_audit", 4, [3]),
+    ("grad_bitflip", "kind=grad_bitflip,rank=1,step=4,bit=22,repeat=2", "ring_audit", 4, [1]),
     ("reduced_grad_corrupt", "kind=reduced_grad_corrupt,rank=5,step=3,factor=2", "reduced_grad", 3, [5]),
     # The flip lands after step 3's update; the weight check at the start of step 4 sees it.
     ("weight_bitflip", "kind=weight_bitflip,rank=2,step=3,bit=22", "weight_fingerprint", 4, [2]),
+    # A frozen parameter (no gradient, no optimizer state) is in the weight fingerprint too.
+    ("frozen_bitflip", "kind=weight_bitflip,rank=2,step=3,bit=22,param=pos.weight", "weight_fingerprint", 4, [2]),
     ("node_fault", f"kind=finite_activation,node={node_name(2)},step=4,repeat=3", "ring_audit", 4, [4, 5]),
     ("scaler_nan", "kind=nan_activation,rank=4,step=3", "nonfinite_grad", 3, [4]),
 ]
 SCALER = {"scaler_nan": 1024.0}
+FROZEN = {"frozen_bitflip": ["pos.weight"]}
+
+# Issue 13: faults between audits, data faults, and checking that changes nothing.
+BETWEEN = {"audit_every": 10, "fingerprint_every": 5, "steps": 16}
+# Bit 30 of an fp32 is the top exponent bit: a gradient of ~1e-2 becomes ~1e36, finite (the silent case).
+TRIGGER_FAULT = "kind=grad_bitflip,rank=3,step=13,bit=30"
+NEW_SCENARIOS: list[dict[str, Any]] = [
+    {"name": "trigger_transient", **BETWEEN, "inject": TRIGGER_FAULT + ",repeat=1"},
+    {"name": "trigger_persistent", **BETWEEN, "inject": TRIGGER_FAULT + ",repeat=4"},
+    {"name": "data_inf", **BETWEEN, "poison": [[12, 4, float("inf")]], "stop_at_alarm": False},
+    {"name": "fp16_one_rank", **BETWEEN, "poison": [[12, 1, 1e36]], "scaler_init": 1024.0, "stop_at_alarm": False},
+    {"name": "data_limit", **BETWEEN, "poison": [[s, 0, float("inf")] for s in range(2, 16)], "max_data_faults": 2,
+     "stop_at_alarm": False},
+    # A trigger so sensitive that every step past its warm-up asks for a confirmation: clean steps reproduce.
+    {"name": "clean_confirmed", "steps": 14, "audit_every": 10, "fingerprint_every": 5, "trigger_ratio": 1.000001,
+     "track_weights": False, "stop_at_alarm": False},
+    {"name": "bn_audited", "model": "bn", "steps": 12, "audit_every": 1, "fingerprint_every": 1,
+     "track_weights": False, "stop_at_alarm": False},
+    {"name": "bn_unchecked", "model": "bn", "steps": 12, "audit_every": 0, "fingerprint_every": 0,
+     "trigger_ratio": 0.0, "track_weights": False, "stop_at_alarm": False},
+]
 
 
 CLEAN_SEEDS = (1, 2, 3)
@@ -121,9 +145,10 @@ def six(tmp_path_factory: pytest.TempPathFactory, standin: LocalStandIn,
     """One launch of 6 ranks (3 nodes x 2) that runs every scenario; each rank's results."""
     tmp = tmp_path_factory.mktemp("six")
     scenarios: list[dict[str, Any]] = [
-        {"name": name, "inject": inject, "steps": 6, "scaler_init": SCALER.get(name)}
+        {"name": name, "inject": inject, "steps": 6, "scaler_init": SCALER.get(name), "freeze": FROZEN.get(name)}
         for name, inject, *_ in FAULTS
     ]
+    scenarios += NEW_SCENARIOS
     scenarios += [
         # A loss scale so large that every rank's gradients overflow until the scaler backs off.
         {"name": "scaler_overflow", "steps": 24, "scaler_init": 2.0**127, "loss_gain": 100.0,
@@ -135,6 +160,9 @@ def six(tmp_path_factory: pytest.TempPathFactory, standin: LocalStandIn,
         {"name": "two_nodes", "ranks": [0, 1, 2, 3], "steps": 4,
          "inject": "kind=finite_activation,rank=3,step=2,factor=1e4"},
         {"name": "checkpoint_ok", "checkpoint": True, "steps": 3, "prefix": str(tmp / "ckpt-ok")},
+        # ... and in a sub-group: the checkpoint's collectives stay inside it (ranks 4-5 do not take part).
+        {"name": "checkpoint_group", "ranks": [0, 1, 2, 3], "checkpoint": True, "steps": 3,
+         "prefix": str(tmp / "ckpt-group")},
         {"name": "checkpoint_bad", "checkpoint": True, "steps": 3, "prefix": str(tmp / "ckpt-bad"),
          "inject": "kind=checkpoint_corrupt,rank=0,step=3"},
     ]
@@ -241,7 +269,7 @@ def test_two_nodes_detect_and_name_both_ranks(six: list[dict[str, Any]]) -> None
 
 
 def test_clean_runs_raise_no_alarm(six: list[dict[str, Any]]) -> None:
-    total = 0
+    total = triggered = 0
     for seed in CLEAN_SEEDS:
         for rank_results in six:
             run = rank_results[f"clean-{seed}"]
@@ -250,8 +278,92 @@ def test_clean_runs_raise_no_alarm(six: list[dict[str, Any]]) -> None:
             assert run["losses_finite"]
             assert run["audits"] == 17
             assert run["weight_checks"] == 34
+            assert run["data_faults"] == []
+            triggered += run["triggered"]
         total += CLEAN_STEPS
     assert total >= 500
+    # The magnitude trigger's budget: at most 1% of a clean run's rank-steps ask for a confirmation.
+    print(f"clean rank-steps {total * 6}, magnitude triggers {triggered}")
+    assert triggered <= 0.01 * total * 6
+
+
+def test_a_one_step_finite_fault_between_audits_is_caught_at_its_step_and_is_transient(
+    six: list[dict[str, Any]],
+) -> None:
+    # Given: a gradient of rank 3 turned ~1e36 at step 13, no audit until step 20, the faulty
+    # hardware right again on any recomputation (repeat=1).
+    alarms = [Alarm.model_validate(r["trigger_transient"]["alarm"]) for r in six]
+    # Then: the trigger asked, two other nodes recomputed, rank 3 alone is named, at that step.
+    alarm = alarms[0]
+    assert {a.alarm_id for a in alarms} == {alarm.alarm_id}
+    assert alarm.detector.value == "ring_audit"
+    assert alarm.step == 13
+    assert alarm.suspect_ranks == [3]
+    assert alarm.localized
+    assert alarm.evidence.kind == "ring_audit"
+    assert alarm.evidence.trigger == "magnitude"
+    assert {(p.auditor, p.audited) for p in alarm.evidence.confirmation} == {(1, 3), (5, 3)}
+    assert all(p.loss_match for p in alarm.evidence.confirmation)  # a gradient fault: the loss is right
+    assert alarm.fault_persistence == "transient"
+    assert all(r["trigger_transient"]["alarm_step_updated"] is False for r in six)
+    assert all(r["trigger_transient"]["weights_unchanged"] for r in six)
+    assert alarm.last_clean.ring_audit == 10
+
+
+def test_a_fault_that_repeats_on_the_replay_is_persistent(six: list[dict[str, Any]]) -> None:
+    alarm = Alarm.model_validate(six[0]["trigger_persistent"]["alarm"])
+    assert (alarm.step, alarm.suspect_ranks, alarm.localized) == (13, [3], True)
+    assert alarm.fault_persistence == "persistent"
+    # ... and one the ring audit catches with a persistent fault is classified the same way.
+    assert Alarm.model_validate(six[0]["finite_activation"]["alarm"]).fault_persistence == "persistent"
+    assert Alarm.model_validate(six[0]["nan_activation"]["alarm"]).fault_persistence == "transient"
+    assert Alarm.model_validate(six[0]["weight_bitflip"]["alarm"]).fault_persistence == "unknown"
+
+
+def test_a_nan_reproduced_on_another_node_is_a_data_fault_not_an_alarm(six: list[dict[str, Any]]) -> None:
+    for name in ("data_inf", "fp16_one_rank"):
+        for rank_results in six:
+            run = rank_results[name]
+            assert run["alarm_count"] == 0, (name, run["alarm"])
+            # data_fault on every rank, at the poisoned step only; the update skipped there; training goes on.
+            assert run["data_faults"] == [12], name
+            assert run["confirmed_steps"] == [12], name
+            assert run["updated"] == 15, name
+            assert run["error"] is None
+    # Under a GradScaler the skip is the scaler's, with its backoff, on every rank alike.
+    assert {r["fp16_one_rank"]["scale"] for r in six} == {512.0}
+    assert all(r["fp16_one_rank"]["overflow"] == 1 for r in six)
+
+
+def test_a_clean_step_confirmed_on_other_nodes_reproduces_bit_for_bit(six: list[dict[str, Any]]) -> None:
+    for rank_results in six:
+        run = rank_results["clean_confirmed"]
+        assert run["confirmed_steps"] == [10, 11, 12, 13]
+        assert run["alarm_count"] == 0, run["alarm"]
+        assert run["data_faults"] == []
+        assert run["updated"] == 14
+
+
+def test_data_faults_past_the_limit_stop_the_run_with_a_clear_error(six: list[dict[str, Any]]) -> None:
+    for rank_results in six:
+        run = rank_results["data_limit"]
+        assert run["alarm_count"] == 0
+        assert run["data_faults"] == [2, 3]
+        assert run["error"]["step"] == 4
+        assert "not the hardware" in run["error"]["message"]
+        assert "rank(s) [0]" in run["error"]["message"]
+
+
+def test_auditing_every_step_changes_nothing(six: list[dict[str, Any]]) -> None:
+    # A batch-norm model: an audit's forward in training mode would update the running statistics again.
+    for rank_results in six:
+        audited, unchecked = rank_results["bn_audited"], rank_results["bn_unchecked"]
+        assert audited["audits"] == 12
+        assert audited["alarm_count"] == unchecked["alarm_count"] == 0
+        assert audited["updated"] == unchecked["updated"] == 12
+        # Weights, optimizer state and every buffer, bit for bit.
+        assert audited["everything"] == unchecked["everything"]
+    assert len({r["bn_audited"]["everything"] for r in six}) > 1, "batch-norm statistics are per rank"
 
 
 def test_checkpoint_saved_by_the_guard_resumes_bit_exact(six: list[dict[str, Any]]) -> None:
@@ -261,6 +373,16 @@ def test_checkpoint_saved_by_the_guard_resumes_bit_exact(six: list[dict[str, Any
         assert run["resume_step"] == 3
         assert run["before_resume"] != run["expected"]
         assert run["after_resume"] == run["expected"]
+
+
+def test_a_checkpoint_in_a_sub_group_saves_and_resumes_within_it(six: list[dict[str, Any]]) -> None:
+    assert all("checkpoint_group" not in r for r in six[4:])
+    for rank_results in six[:4]:
+        run = rank_results["checkpoint_group"]
+        assert run["saved"]
+        assert run["resume_step"] == 3
+        assert run["after_resume"] == run["expected"] != run["before_resume"]
+    assert six[0]["checkpoint_group"]["manifest_world_size"] == 4  # rank 0 of the group wrote the manifest
 
 
 def test_corrupted_checkpoint_is_refused_on_every_rank(six: list[dict[str, Any]]) -> None:

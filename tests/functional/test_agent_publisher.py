@@ -87,3 +87,46 @@ def test_a_hanging_endpoint_never_blocks_past_the_budget(tmp_path: Path) -> None
     assert not outcome.delivered
     assert len(outcome.spooled) == 1
     assert "within" in (outcome.error or "")
+
+
+def test_the_next_start_republishes_what_was_spooled_locally_and_in_s3(tmp_path: Path, standin: LocalStandIn) -> None:
+    # Given: an alarm spooled (locally and under the checkpoint prefix) while EventBridge was unreachable.
+    suffix = uuid.uuid4().hex[:8]
+    events, sqs, s3 = standin.client("events"), standin.client("sqs"), standin.client("s3")
+    bucket = f"ckpt-{suffix}"
+    s3.create_bucket(Bucket=bucket)
+    events.create_event_bus(Name=f"bus-{suffix}")
+    events.put_rule(Name=f"r-{suffix}", EventBusName=f"bus-{suffix}",
+                    EventPattern=json.dumps({"source": ["sdcguard.agent"]}))
+    queue = sqs.create_queue(QueueName=f"q-{suffix}")["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    events.put_targets(Rule=f"r-{suffix}", EventBusName=f"bus-{suffix}", Targets=[{"Id": "q", "Arn": arn}])
+    dead = boto3.client("events", endpoint_url="http://127.0.0.1:9", region_name="us-east-1",
+                        aws_access_key_id="x", aws_secret_access_key="x",
+                        config=Config(retries={"max_attempts": 1}, connect_timeout=0.5))
+    config = GuardConfig(event_bus=f"bus-{suffix}", publish_budget_s=2.0, spool_dir=str(tmp_path / "spool"),
+                         checkpoint_prefix=f"s3://{bucket}/jobs/gpt")
+    alarm = sample_alarm()
+    assert not Publisher(config, events_client=dead, s3_client=s3).publish(alarm).delivered
+    key = f"jobs/gpt/alarms/alarm-{alarm.alarm_id}.json"
+    # An alarm only the S3 spool holds (its node's local spool is gone with the node).
+    only_s3 = sample_alarm()
+    s3.put_object(Bucket=bucket, Key=f"jobs/gpt/alarms/alarm-{only_s3.alarm_id}.json",
+                  Body=only_s3.model_dump_json().encode())
+
+    # When: the next start republishes, EventBridge reachable again.
+    outcomes = Publisher(config, events_client=events, s3_client=s3).republish_spooled()
+
+    # Then: both arrive once each and leave both spools.
+    assert set(outcomes) == {alarm.alarm_id, only_s3.alarm_id}
+    assert all(o.delivered for o in outcomes.values())
+    bodies = []
+    for _ in range(5):
+        bodies += [json.loads(m["Body"]) for m in
+                   sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages", [])]
+        if len(bodies) >= 2:
+            break
+    assert sorted(Alarm.model_validate(b["detail"]).alarm_id for b in bodies) == sorted(outcomes)
+    assert not (tmp_path / "spool" / f"alarm-{alarm.alarm_id}.json").exists()
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="jobs/gpt/alarms/").get("KeyCount", 0) == 0
+    assert key not in [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]

@@ -18,7 +18,10 @@ def test_defaults_are_the_documented_ones() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("on_alarm", "explode"), ("ranks_per_node", 0), ("audit_every", -1), ("fingerprint_every", -5),
-     ("publish_retries", 0), ("publish_budget_s", 0.0), ("threads", -1), ("event_bus", "")],
+     ("publish_retries", 0), ("publish_budget_s", 0.0), ("threads", -1), ("event_bus", ""),
+     ("trigger_ratio", 1.0), ("trigger_window", 0), ("trigger_warmup", 0), ("trigger_warmup", 33),
+     ("max_data_faults", -1), ("checkpoint_retries", 0), ("checkpoint_retry_delay_s", -1.0),
+     ("on_checkpoint_failure", "ignore")],
 )
 def test_a_bad_value_is_refused_naming_its_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field}:"):

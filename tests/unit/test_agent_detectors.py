@@ -7,7 +7,6 @@ import torch
 
 from agent import fingerprint as fp
 from agent import native
-from agent.inject import Injector
 from agent.nonfinite import (
     LOCAL_ANY,
     LOCAL_MASK,
@@ -210,7 +209,7 @@ def test_seeding_makes_dropout_reproduce_per_step_and_rank() -> None:
 
 
 def test_the_step_summary_packs_every_flag_and_the_reduced_fingerprint() -> None:
-    hook = GradientHook({}, world_size=2, injector=Injector(None, rank=0, node="n0"))
+    hook = GradientHook({}, world_size=2)
     yes, no = torch.tensor(True), torch.tensor(False)
     hook._local = {0: no, 2: yes, 70: yes}  # bucket 70 is past the mask: it counts, it has no bit
     hook._reduced = {0: yes, 1: no}
@@ -230,6 +229,17 @@ def test_the_step_summary_packs_every_flag_and_the_reduced_fingerprint() -> None
     assert verdict.loss_ranks == [0]
     assert verdict.buckets == [(0, 2, "local"), (0, 0, "reduced")]
 
-    clean = GradientHook({}, world_size=2, injector=Injector(None, rank=0, node="n0"))
+    clean = GradientHook({}, world_size=2)
     out = clean.summary(torch.tensor(1.0), torch.device("cpu"))
     assert torch.equal(out, torch.zeros(SUMMARY_WIDTH, dtype=torch.int64))
+
+
+def test_the_vote_stays_right_when_two_fingerprints_share_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import weights
+
+    ballot = [lanes(1), lanes(1), lanes(2), lanes(1)]
+    expected = vote(ballot)
+    monkeypatch.setattr(weights, "_KEY_WEIGHTS", [0] * 8)  # every key collides
+    collided = vote(ballot)
+    assert collided == expected
+    assert collided.dissenters == [2]

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import builtins
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard, replay
+from agent.checkpoint import CheckpointSaveFailed, CheckpointWriter
 from agent.config import OnAlarm
 from agent.inject import Injection
 from agent.publisher import Publisher, PublishOutcome
 from agent.train import JobShape, SyntheticData, build, loss_fn
 from agent.weights import state_fingerprint_hex
 from contract import Alarm
+from lineage.store import ObjectStore, open_store
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,23 +36,64 @@ def one_rank_world() -> Iterator[None]:
 class Recorder(Publisher):
     """Keeps what it was asked to publish instead of sending it."""
 
-    def __init__(self) -> None:
-        super().__init__(GuardConfig())
+    def __init__(self, config: GuardConfig | None = None) -> None:
+        super().__init__(config or GuardConfig())
         self.sent: list[Alarm] = []
 
     def publish(self, alarm: Alarm) -> PublishOutcome:
         self.sent.append(alarm)
         return PublishOutcome(delivered=True, event_id="recorded")
 
+    def deliver(self, alarm: Alarm, *, deadline: float | None = None) -> PublishOutcome:
+        return self.publish(alarm)
 
-def guard_for(tmp_path: Path, on_alarm: OnAlarm, inject: str | None) -> tuple[SDCGuard, Recorder]:
+
+class Flaky(ObjectStore):
+    """A local store whose first ``failures`` writes fail as an S3 outage would."""
+
+    def __init__(self, inner: ObjectStore, failures: int) -> None:
+        self.inner, self.failures, self.writes = inner, failures, 0
+
+    def put_bytes(self, key: str, data: bytes, **kwargs: Any) -> str:
+        self.writes += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("Could not connect to the endpoint URL")
+        return self.inner.put_bytes(key, data, **kwargs)
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        return self.inner.get_bytes(key)
+
+    def digest(self, key: str) -> tuple[str, int]:
+        return self.inner.digest(key)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.inner.list(prefix)
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def uri(self, key: str = "") -> str:
+        return self.inner.uri(key)
+
+
+def guard_for(tmp_path: Path, on_alarm: OnAlarm, inject: str | None, recorder: Recorder | None = None,
+              **kwargs: Any) -> tuple[SDCGuard, Recorder]:
     shape = JobShape(dim=16, layers=1, seq=8, batch=2)
     ddp, optimizer = build(shape, torch.device("cpu"))
-    recorder = Recorder()
+    recorder = recorder or Recorder()
     config = GuardConfig(on_alarm=on_alarm, audit_every=1, fingerprint_every=1, spool_dir=str(tmp_path),
-                         checkpoint_prefix=str(tmp_path / "ckpt"))
+                         checkpoint_prefix=str(tmp_path / "ckpt"), checkpoint_retry_delay_s=0.01,
+                         **kwargs.pop("config", {}))
     guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=SyntheticData(shape, torch.device("cpu")),
-                     config=config, publisher=recorder, injection=Injection.parse(inject) if inject else None)
+                     config=config, publisher=recorder, injection=Injection.parse(inject) if inject else None,
+                     **kwargs)
     return guard, recorder
 
 
@@ -112,3 +158,54 @@ def test_deterministic_algorithms_follow_the_audit(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the job's own choice is kept
     replay.use_deterministic_algorithms(torch.device("cuda", 0))
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_a_restart_restores_the_last_clean_steps_from_its_manifest(tmp_path: Path) -> None:
+    # Given: a checkpoint saved when the audit was last clean at step 2 and the weights at step 3.
+    guard, _ = guard_for(tmp_path, "raise", None)
+    for s in range(4):
+        guard.step(s)
+    guard.last_clean["ring_audit"] = 2
+    guard.save_checkpoint(4)
+    # When: a new start resumes from it.
+    fresh, _ = guard_for(tmp_path, "raise", None)
+    assert fresh.resume_step() == 4
+    # Then: it claims no more than the manifest does, and nothing for the every-step detectors yet.
+    assert fresh.last_clean == {"nonfinite_grad": None, "ring_audit": 2, "weight_fingerprint": 4,
+                                "reduced_grad": None}
+
+
+def test_a_spooled_alarm_is_republished_by_the_next_start_before_it_trains(tmp_path: Path) -> None:
+    guard, _ = guard_for(tmp_path, "continue", "kind=nan_activation,rank=0,step=0")
+    [alarm] = [r.alarm for r in [guard.step(0)] if r.alarm is not None]
+    (tmp_path / f"alarm-{alarm.alarm_id}.json").write_text(alarm.model_dump_json())  # as a failed publish leaves it
+    later = Recorder(GuardConfig(spool_dir=str(tmp_path)))
+    restarted, _ = guard_for(tmp_path, "raise", None, recorder=later)
+    assert later.sent == [alarm]
+    assert restarted.republished[alarm.alarm_id].delivered
+    assert not (tmp_path / f"alarm-{alarm.alarm_id}.json").exists()
+
+
+def test_an_s3_outage_at_checkpoint_time_is_retried_then_the_policy_applies(tmp_path: Path) -> None:
+    # A short outage: the first two writes fail, the third attempt goes through.
+    store = Flaky(open_store(str(tmp_path / "ckpt")), failures=2)
+    guard, _ = guard_for(tmp_path, "raise", None, checkpoints=CheckpointWriter(store))
+    guard.step(0)
+    saved = guard.save_checkpoint(1)
+    assert saved is not None
+    assert saved.step == 1
+    # A long one: "continue" (the default) logs it and returns None, "raise" raises CheckpointSaveFailed.
+    store.failures = 100
+    assert guard.save_checkpoint(2) is None
+    strict, _ = guard_for(tmp_path, "raise", None, checkpoints=CheckpointWriter(Flaky(store.inner, 100)),
+                          config={"on_checkpoint_failure": "raise", "checkpoint_retries": 2})
+    with pytest.raises(CheckpointSaveFailed):
+        strict.save_checkpoint(1)
+
+
+def test_the_run_id_does_not_follow_pythons_random_seed(tmp_path: Path) -> None:
+    random.seed(1234)
+    first, _ = guard_for(tmp_path, "raise", None)
+    random.seed(1234)
+    second, _ = guard_for(tmp_path, "raise", None)
+    assert first.run_id != second.run_id

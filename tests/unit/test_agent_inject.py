@@ -84,3 +84,20 @@ def test_checkpoint_corruption_changes_one_byte_when_it_fires() -> None:
     bad = corrupt_checkpoint_bytes(data, step=100, rank=0, injection=inj)
     assert len(bad) == len(data)
     assert sum(a != b for a, b in zip(bad, data, strict=True)) == 1
+
+
+@pytest.mark.parametrize(("repeat", "recomputations_hit"), [(1, False), (3, True)])
+def test_repeat_decides_whether_recomputations_on_the_same_hardware_are_hit(repeat: int,
+                                                                          recomputations_hit: bool) -> None:
+    # A forward hook counts computations; the rank's own pass is the first of its step.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    injector = Injector(Injection.parse(f"kind=nan_activation,rank=0,step=2,repeat={repeat}"), rank=0, node="n")
+    model.register_forward_pre_hook(injector._count)
+    model[0].register_forward_hook(injector.activation_hook())
+    injector.begin_step(2)
+    own = model(torch.ones(1, 3))
+    replay = model(torch.ones(1, 3))
+    assert torch.isnan(own[0, -1])
+    assert bool(torch.isnan(replay[0, -1])) is recomputations_hit
+    injector.begin_step(5)
+    assert not torch.isnan(model(torch.ones(1, 3))).any()
