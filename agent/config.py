@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 OnAlarm = Literal["stop", "raise", "continue"]
 OnCheckpointFailure = Literal["continue", "raise"]
+AutocastDtype = Literal["bfloat16", "float16"]
 
 ALARM_EXIT_CODE = 87
 """The exit status of a rank stopped by an alarm under ``on_alarm="stop"``.
@@ -35,6 +36,15 @@ class GuardConfig:
     """Run the ring re-execution audit on steps that are multiples of this; 0 turns it off."""
     fingerprint_every: int = 10
     """Compare weight and optimizer-state fingerprints on steps that are multiples of this; 0 turns it off."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step: with K > 1, ``batch_for(step, rank)`` returns a sequence of K, each
+    loss is divided by K before its backward, and DDP synchronises on the last one only."""
+    max_grad_norm: float | None = None
+    """Clip the global norm of the reduced gradients to this (``clip_grad_norm_``) after every check passed
+    and after unscaling; None does not clip."""
+    autocast_dtype: AutocastDtype | None = None
+    """Run every forward the guard runs (the rank's own and every recomputation) under ``torch.autocast``
+    with this dtype: "bfloat16" or "float16"; None runs them as the model is."""
     nonfinite: bool = True
     """Check gradients for NaN/Inf before and after the all-reduce (detector 1)."""
     reduced_grad: bool = True
@@ -92,6 +102,12 @@ class GuardConfig:
             raise ValueError(f"ranks_per_node: must be >= 1, got {self.ranks_per_node}")
         if self.on_checkpoint_failure not in ("continue", "raise"):
             raise ValueError(f"on_checkpoint_failure: must be continue or raise; got {self.on_checkpoint_failure!r}")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps: must be >= 1, got {self.grad_accum_steps}")
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < float("inf"):
+            raise ValueError(f"max_grad_norm: must be None or a finite number > 0, got {self.max_grad_norm}")
+        if self.autocast_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(f"autocast_dtype: must be bfloat16, float16 or None; got {self.autocast_dtype!r}")
         for name in ("audit_every", "fingerprint_every", "max_scaler_overflow_steps", "threads", "seed",
                      "max_data_faults"):
             if getattr(self, name) < 0:
@@ -166,4 +182,4 @@ def _parse(raw: str, hint: Any) -> Any:
     return raw
 
 
-__all__ = ["ALARM_EXIT_CODE", "GuardConfig", "OnAlarm", "OnCheckpointFailure"]
+__all__ = ["ALARM_EXIT_CODE", "AutocastDtype", "GuardConfig", "OnAlarm", "OnCheckpointFailure"]

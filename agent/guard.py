@@ -6,13 +6,16 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
    (trainable and frozen), the optimizer state and the buffers DDP keeps equal
    (the state after the updates of steps ``0 .. step-1``); a mismatch skips
    the whole step.
-2. Seed the random state for (step, rank), forward and backward through DDP;
-   the communication hook checks local and reduced gradients (detector 1),
+2. Seed the random state for (step, rank), then forward (under autocast when
+   ``autocast_dtype`` is set) and backward through DDP for each of the K
+   micro-batches (each loss divided by K, ``no_sync`` for all but the last);
+   on the last backward the communication hook sees the accumulated local
+   gradients and checks local and reduced gradients (detector 1),
    takes each bucket's local-gradient norm, fingerprints the reduced
    gradients, and on audit steps records per-parameter local-gradient
    fingerprints.
-3. On audit steps, recompute the audited rank's micro-batch (detector 2) and
-   send the record to its owner, who compares.
+3. On audit steps, recompute the audited rank's whole step, all K
+   micro-batches (detector 2), and send the record to its owner, who compares.
 4. The magnitude trigger compares this rank's loss and gradient norm with its
    own history.
 5. One small all-reduce (flags, and the min and max of the reduced-gradient
@@ -22,8 +25,10 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
    other nodes before anything is blamed (agent.confirm): the same data fault
    on any GPU is the data's; a recomputation that differs is the hardware's,
    and the suspect replays once to say whether it persists.
-6. Update, or skip it: on an alarm (publish, then the policy), on a data fault
-   (every rank skips, a warning names the rank), on a GradScaler overflow.
+6. Update (unscale, clip to ``max_grad_norm``, ``optimizer.step()`` or the
+   GradScaler's step, then the LR scheduler's step), or skip it all: on an
+   alarm (publish, then the policy), on a data fault (every rank skips, a
+   warning names the rank), on a GradScaler overflow.
 
 Every recomputation restores the module's buffers and the random state, so
 checking changes nothing.
@@ -31,6 +36,7 @@ checking changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -67,7 +73,7 @@ from agent.nonfinite import (
     judge_nonfinite,
 )
 from agent.publisher import Publisher, PublishOutcome
-from agent.ring_audit import AuditVerdict, audit_record, layout_order, owner_record, preserved, recompute
+from agent.ring_audit import AuditVerdict, audit_record, layout_order, owner_record, preserved, recompute_step
 from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
 from agent.trigger import MagnitudeTrigger
@@ -79,6 +85,9 @@ log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 BatchFor = Callable[[int, int], Any]
+
+LOOP_STATE = "sdcguard_loop"
+"""The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state."""
 
 # The gathered row of one rank (only on disagreement): its summary, then these, then its claim.
 ROW_TRIGGER, ROW_AUDIT_BAD = SUMMARY_WIDTH, SUMMARY_WIDTH + 1
@@ -116,7 +125,11 @@ class StepResult:
 
     step: int
     loss: float
-    """This rank's loss (NaN when the step was skipped before the forward)."""
+    """This rank's loss, the mean over its micro-batches (NaN when the step was skipped before the forward)."""
+    grad_norm: float = math.nan
+    """The global norm of the reduced gradients before clipping (unscaled, with a GradScaler): what
+    ``clip_grad_norm_`` returned when ``max_grad_norm`` is set, else the communication hook's measure.
+    NaN when not measured: the step stopped before the backward, or clipping is on and it skipped the update."""
     alarm: Alarm | None = None
     """The alarm raised at this step, or None."""
     updated: bool = False
@@ -158,10 +171,14 @@ class _Confirmation:
 class SDCGuard:
     """Wraps a DDP model and its optimizer; ``step(step)`` runs one checked training step.
 
-    ``loss_fn(module, batch)`` returns the scalar loss; ``batch_for(step, rank)``
-    returns the exact micro-batch ``rank`` trains on at ``step`` (the ring audit
-    and confirmations recompute other ranks' micro-batches with it). ``scaler``
-    is an optional ``torch.amp.GradScaler``. ``injection`` defaults to
+    ``loss_fn(module, batch)`` returns the scalar loss of one micro-batch;
+    ``batch_for(step, rank)`` returns the exact micro-batch ``rank`` trains on at
+    ``step`` (with ``grad_accum_steps`` K > 1, a sequence of K of them); the ring
+    audit and confirmations recompute other ranks' steps with it. ``scaler``
+    is an optional ``torch.amp.GradScaler`` (a disabled one counts as none);
+    ``scheduler`` an optional LR scheduler, stepped once after each applied
+    update and never on a skipped step; both are saved in every checkpoint and
+    restored by :meth:`resume_step`. ``injection`` defaults to
     ``SDCGUARD_INJECT``. ``unchecked_buffers`` names buffers the weight
     fingerprint must leave out. Raises ``ValueError`` for a model that is not
     DDP-wrapped or a bad setting.
@@ -177,6 +194,7 @@ class SDCGuard:
         config: GuardConfig | None = None,
         publisher: Publisher | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         injection: Injection | str | None = "env",
         group: dist.ProcessGroup | None = None,
         checkpoints: CheckpointWriter | None = None,
@@ -193,7 +211,9 @@ class SDCGuard:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.batch_for = batch_for
-        self.scaler = scaler
+        # A disabled GradScaler (GradScaler(enabled=False), the usual "fp16 only" switch) scales nothing.
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.scheduler = scheduler
         self.group = group
         self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node,
                                           rank=dist.get_rank(group), world_size=dist.get_world_size(group))
@@ -207,14 +227,19 @@ class SDCGuard:
         self.audit_enabled = cfg.audit_every > 0 and self.topology.nodes >= 2
         if cfg.deterministic and self.audit_enabled:
             replay.use_deterministic_algorithms(self.device)
-        changed = _settle_buckets(model, loss_fn, batch_for(0, dist.get_rank(group)))
+        # The settling pass runs the first micro-batch the way every step runs its last (autocast, synchronised).
+        changed = _settle_buckets(model, self._forward, self._micro_batches(0, dist.get_rank(group))[0])
         self.buffer_names = checked_buffers(model, changed, set(unchecked_buffers))
         """Buffers the weight fingerprint covers (DDP broadcasts them and a forward leaves them alone)."""
         self._step_hooks: list[Callable[[int], None]] = []
+        self._stepped = False
+        optimizer.register_step_post_hook(self._on_optimizer_step)
         self.hook = GradientHook({id(p): n for n, p in named}, self.topology.world_size, group)
         self.hook.check_nonfinite = cfg.nonfinite
         self.hook.check_reduced = cfg.reduced_grad
         self.hook.measure_norms = cfg.trigger_ratio > 0 or cfg.confirm
+        # With clipping, clip_grad_norm_ measures the norm itself.
+        self.hook.measure_reduced_norm = cfg.max_grad_norm is None
         self.hook.register(model)
         self.trigger = (MagnitudeTrigger(cfg.trigger_ratio, cfg.trigger_window, cfg.trigger_warmup, self.device)
                         if cfg.trigger_ratio > 0 else None)
@@ -272,6 +297,8 @@ class SDCGuard:
             own.trigger = self.trigger.fires(own.loss, self._grad_norm())
         agreed = self._agree(own)
         result.loss = float(own.loss.detach())
+        if self.hook.measure_reduced_norm:
+            result.grad_norm = float(self._unscaled(self.hook.reduced_norm(self.device)))
         result.triggered = bool(own.trigger) if own.trigger is not None else False
         if agreed:
             return self._update(step, result)
@@ -284,13 +311,41 @@ class SDCGuard:
         return self._update(step, result)
 
     def _forward_backward(self, step: int, audited: bool) -> _Pass:
-        """The rank's own pass through DDP (the communication hook checks as the gradients are reduced)."""
+        """The rank's own pass through DDP: every micro-batch's forward (under autocast) and backward, its loss
+        divided by K, DDP synchronising on the last only; so the communication hook sees the accumulated local
+        gradients before their all-reduce, and checks as they are reduced. The loss is the mean."""
         self.optimizer.zero_grad(set_to_none=True)
         replay.seed_micro_batch(self.config.seed, step, self.topology.rank)
         self.hook.begin_step(record_params=audited)
-        loss = self.loss_fn(self.model, self.batch_for(step, self.topology.rank))
-        self._scaled(loss).backward()
-        return _Pass(loss=loss, summary=self.hook.summary(loss, self.device))
+        batches = self._micro_batches(step, self.topology.rank)
+        k = len(batches)
+        total: torch.Tensor | None = None
+        for i, batch in enumerate(batches):
+            with contextlib.nullcontext() if i == k - 1 else self.model.no_sync():
+                loss = self._forward(self.model, batch)
+                if k > 1:
+                    loss = loss / k
+                self._scaled(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return _Pass(loss=total, summary=self.hook.summary(total, self.device))
+
+    def _forward(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """``loss_fn`` under ``torch.autocast`` when ``autocast_dtype`` is set: every forward the guard runs."""
+        with self._autocast():
+            return self.loss_fn(module, batch)
+
+    def _micro_batches(self, step: int, rank: int) -> list[Any]:
+        """``batch_for(step, rank)`` as a list of K micro-batches (ValueError when it returns another count)."""
+        k = self.config.grad_accum_steps
+        batch = self.batch_for(step, rank)
+        if k == 1:
+            return [batch]
+        batches = list(batch)
+        if len(batches) != k:
+            raise ValueError(f"batch_for: returned {len(batches)} micro-batches for step {step}, rank {rank}; "
+                             f"grad_accum_steps is {k}")
+        return batches
 
     def _audit(self, step: int, own: _Pass) -> None:
         """Detector 2: recompute the next node's micro-batch, send the record to its owner, compare ours."""
@@ -310,19 +365,28 @@ class SDCGuard:
         own.audit_bad = (theirs != own.own_record).any()
 
     def _recompute(self, step: int, owner: int) -> Any:
+        """``owner``'s whole step (all K micro-batches) on the bare module, bit for bit as its own pass ran it."""
         seed = functools.partial(replay.seed_micro_batch, self.config.seed, step, owner)
-        return recompute(self.model.module, self.loss_fn, self.batch_for(step, owner), self.names, self.params,
-                         seed, scale=self._scaled)
+        return recompute_step(self.model.module, self.loss_fn, self._micro_batches(step, owner), self.names,
+                              self.params, seed, scale=self._scaled, autocast=self._autocast)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        dtype = self.config.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
 
     def _grad_norm(self) -> torch.Tensor:
         """This rank's local-gradient norm (unscaled under a GradScaler), on the device, fp64."""
-        norms = self.hook.bucket_norms(self.device)
-        total = torch.linalg.vector_norm(norms)
-        if self.scaler is not None:
-            # The scale tensor itself (not get_scale(), which would synchronise with the host).
-            scale = getattr(self.scaler, "_scale", None)
-            total = total / (scale.to(total) if isinstance(scale, torch.Tensor) else self.scaler.get_scale())
-        return total
+        return self._unscaled(torch.linalg.vector_norm(self.hook.bucket_norms(self.device)))
+
+    def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
+        """A norm of scaled gradients divided by the GradScaler's scale (unchanged without one)."""
+        if self.scaler is None:
+            return norm
+        # The scale tensor itself (not get_scale(), which would synchronise with the host).
+        scale = getattr(self.scaler, "_scale", None)
+        return norm / (scale.to(norm) if isinstance(scale, torch.Tensor) else self.scaler.get_scale())
 
     def _agree(self, own: _Pass) -> bool:
         """The step's one collective while all is well: does every rank agree? (the same answer on every rank)."""
@@ -356,23 +420,44 @@ class SDCGuard:
             self.last_clean[Detector.RING_AUDIT.value] = step
         if self.trigger is not None:
             self.trigger.observe()
-        self._apply_update(overflow=False)
-        result.updated = True
+        result.updated = self._apply_update(overflow=False, result=result)
+        if result.updated and self.scheduler is not None:
+            self.scheduler.step()
         return result
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def _apply_update(self, *, overflow: bool) -> None:
+    def _apply_update(self, *, overflow: bool, result: StepResult | None = None) -> bool:
+        """Update (unscale, clip, step), or let the GradScaler skip, or skip; whether the optimizer stepped."""
+        self._stepped = False
         if self.scaler is not None:
+            if not overflow:
+                self.scaler.unscale_(self.optimizer)
+                self._clip(result)
             # On an overflow (or a data fault) every rank's reduced gradients are non-finite,
             # so the scaler skips the update and backs off on every rank alike.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif not overflow:
+            self._clip(result)
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        return self._stepped
+
+    def _clip(self, result: StepResult | None) -> None:
+        """Clip the reduced (and unscaled) gradients to ``max_grad_norm``; the norm before clipping is the
+        step's ``grad_norm``. Every rank holds the same reduced gradients, so all clip alike."""
+        if self.config.max_grad_norm is None:
+            return
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if result is not None:
+            result.grad_norm = float(norm)
+
+    def _on_optimizer_step(self, *_: Any) -> None:
+        # GradScaler.step calls optimizer.step only when the gradients were finite: this says which.
+        self._stepped = True
 
     # -- the disagreement path ------------------------------------------------------------------------
 
@@ -625,8 +710,9 @@ class SDCGuard:
         """Check that all replicas agree, then save the state a resumed job needs to run ``step`` next.
 
         Every rank calls it at the same ``step`` (the state after the updates
-        of steps ``0 .. step-1``). The weight fingerprint all replicas agreed
-        on goes into the manifest. If they disagree, nothing is saved: the
+        of steps ``0 .. step-1``); the LR scheduler's and the GradScaler's state
+        go with the model and the optimizer (under ``extra[LOOP_STATE]``). The
+        weight fingerprint all replicas agreed on goes into the manifest. If they disagree, nothing is saved: the
         alarm is published and the policy applies (None is returned under
         "continue"). A save that fails to store (an S3 outage) is tried
         ``checkpoint_retries`` times in all, waiting ``checkpoint_retry_delay_s``
@@ -646,7 +732,7 @@ class SDCGuard:
             try:
                 return self.checkpoints.save(
                     step, model=self.model, optimizer=self.optimizer, fingerprint=fingerprint,
-                    data_position=data_position, extra=extra,
+                    data_position=data_position, extra={**(extra or {}), **self._loop_state()},
                     last_clean_audit_step=self.last_clean[Detector.RING_AUDIT.value],
                     last_clean_fingerprint_step=self.last_clean[Detector.WEIGHT_FINGERPRINT.value],
                 )
@@ -669,7 +755,10 @@ class SDCGuard:
         """Load the checkpoint the resume pointer names (else the newest committed one); the first step to run.
 
         Returns 0 when there is no checkpoint. Every rank calls it together.
-        The last clean audit and fingerprint steps come back from the
+        The LR scheduler's and the GradScaler's state come back with the model
+        and the optimizer (a warning when the checkpoint holds none), so the
+        resumed run is the one that stopped, learning rate included. The last
+        clean audit and fingerprint steps come back from the
         manifest, so an alarm after the restart never claims a trusted step
         later than what was checked. Raises ``lineage.errors.CheckpointCorrupt``
         on every rank when an object fails its sha256 or the loaded state does
@@ -680,11 +769,33 @@ class SDCGuard:
         if loaded is None:
             return 0
         self.resumed = loaded
+        self._restore_loop_state(loaded)
         self.last_clean = {d.value: None for d in Detector}
         self.last_clean[Detector.RING_AUDIT.value] = loaded.manifest.last_clean_audit_step
         self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = loaded.manifest.last_clean_fingerprint_step
         log.warning("resumed from %s (step %d, via %s)", loaded.uri, loaded.step, loaded.source)
         return loaded.step
+
+    def _loop_state(self) -> dict[str, Any]:
+        """The schedule's and the GradScaler's state, for the checkpoint (under the extra key LOOP_STATE)."""
+        state: dict[str, Any] = {}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return {LOOP_STATE: state} if state else {}
+
+    def _restore_loop_state(self, loaded: LoadedCheckpoint) -> None:
+        """Put the schedule and the GradScaler back where the checkpoint left them (a warning when it lacks one)."""
+        state = loaded.extra.get(LOOP_STATE) or {}
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if obj is None:
+                continue
+            if name in state:
+                obj.load_state_dict(state[name])
+            else:
+                log.warning("%s holds no %s state: the %s starts afresh, so this run will not be the one that "
+                            "saved it", loaded.uri, name, name)
 
     # -- alarms ---------------------------------------------------------------------------------------
 

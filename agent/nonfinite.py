@@ -77,6 +77,8 @@ class GradientHook:
         self.check_reduced = True
         self.measure_norms = True
         """Take each bucket's local-gradient norm (the magnitude trigger and confirmations use it)."""
+        self.measure_reduced_norm = False
+        """Take each bucket's reduced-gradient norm (the step's gradient norm, when nothing clips)."""
         self.record_params = False
         self.after_reduce: list[Callable[[int, torch.Tensor], None]] = []
         """Observers called with (bucket index, this rank's reduced bucket) before it is checked (fault injection)."""
@@ -84,6 +86,7 @@ class GradientHook:
         self._reduced: dict[int, torch.Tensor] = {}
         self._reduced_fp: dict[int, torch.Tensor] = {}
         self._norms: dict[int, torch.Tensor] = {}
+        self._reduced_norms: dict[int, torch.Tensor] = {}
         self.layout: dict[int, list[str]] = {}
         """Parameter names of each bucket, in the bucket's order: recorded on the first step and on audit
         steps (after the settling pass DDP's layout no longer changes), so a recomputation can be laid out
@@ -98,6 +101,7 @@ class GradientHook:
         self._reduced = {}
         self._reduced_fp = {}
         self._norms = {}
+        self._reduced_norms = {}
         self.param_fingerprints = {}
         if record_params:
             self.layout = {}
@@ -132,6 +136,8 @@ class GradientHook:
                 self._reduced[index] = nonfinite_flag(reduced)
             if self.check_reduced:
                 self._reduced_fp[index] = fp.fingerprint(reduced)
+            if self.measure_reduced_norm:
+                self._reduced_norms[index] = torch.linalg.vector_norm(reduced)
             return reduced
 
         return future.then(after)
@@ -149,6 +155,13 @@ class GradientHook:
         if not self._norms:
             return torch.zeros(len(self.layout), dtype=torch.float64, device=device)
         return torch.stack([self._norms[i] for i in sorted(self._norms)]).to(device, torch.float64)
+
+    def reduced_norm(self, device: torch.device) -> torch.Tensor:
+        """The global norm of this step's reduced gradients (0-dim fp64; NaN when not measured)."""
+        if not self._reduced_norms:
+            return torch.full((), float("nan"), dtype=torch.float64, device=device)
+        norms = torch.stack([self._reduced_norms[i] for i in sorted(self._reduced_norms)]).to(device, torch.float64)
+        return torch.linalg.vector_norm(norms)
 
     def summary(self, loss: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This step's findings as an int64 vector of SUMMARY_WIDTH (see the layout constants), on ``device``.

@@ -23,6 +23,7 @@ and the random state are saved before it and restored after it.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,23 +92,57 @@ def recompute(
     seed: Callable[[], None],
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Recomputation:
-    """Recompute a micro-batch on the bare module (no all-reduce), changing nothing.
+    """Recompute one micro-batch on the bare module (no all-reduce), changing nothing: :func:`recompute_step`
+    of a step of that one micro-batch."""
+    return recompute_step(module, loss_fn, [batch], names, params, seed, scale)
 
-    ``seed()`` seeds the random state for the owner's micro-batch; the random
-    state and the module's buffers are restored afterwards. Gradients come
-    from ``torch.autograd.grad``, so the ``.grad`` fields (which hold this
-    step's reduced gradients) are left alone. ``scale`` is the GradScaler's
-    scaling when one is in use: the owner's gradients are scaled.
+
+def recompute_step(
+    module: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    names: Sequence[str],
+    params: Sequence[torch.nn.Parameter],
+    seed: Callable[[], None],
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Recomputation:
+    """Recompute a rank's whole step on the bare module (no all-reduce), as its own pass ran it; change nothing.
+
+    ``seed()`` seeds the random state for the owner's step; the random state
+    and the module's buffers are restored afterwards. Each of the K
+    ``batches`` runs its forward under ``autocast()``, its loss divided by K
+    (when K > 1), as the owner's did; the local gradients are summed in the
+    order the owner's ``.grad`` accumulated them (no_sync for all but the
+    last micro-batch), so the result has the owner's bits. A parameter that
+    gets no gradient in a micro-batch adds nothing (not a zero: -0.0 + 0.0 is
+    +0.0), and one that gets none in the whole step is zeros, as DDP hands its
+    bucket slot. Gradients come from ``torch.autograd.grad``, so the ``.grad``
+    fields (which hold this step's reduced gradients) are left alone.
+    ``scale`` is the GradScaler's scaling when one is in use. The loss is the
+    sum of the divided losses, in order: the mean the owner reports.
     """
+    k = len(batches)
+    total: torch.Tensor | None = None
+    summed: list[torch.Tensor | None] = [None] * len(params)
     with preserved(module):
         seed()
-        loss = loss_fn(module, batch)
-        grads = torch.autograd.grad(scale(loss) if scale is not None else loss, list(params), allow_unused=True)
+        for batch in batches:
+            with autocast():
+                loss = loss_fn(module, batch)
+            if k > 1:
+                loss = loss / k
+            grads = torch.autograd.grad(scale(loss) if scale is not None else loss, list(params), allow_unused=True)
+            for i, grad in enumerate(grads):
+                if grad is not None:
+                    prior = summed[i]
+                    summed[i] = grad if prior is None else prior + grad
+            total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None, "a step has at least one micro-batch"
     out: dict[str, torch.Tensor] = {}
-    for name, p, g in zip(names, params, grads, strict=True):
-        # DDP hands an unused parameter's bucket slot as zeros.
-        out[name] = g if g is not None else torch.zeros_like(p)
-    return Recomputation(loss=loss.detach(), grads=out)
+    for name, p, acc in zip(names, params, summed, strict=True):
+        out[name] = acc if acc is not None else torch.zeros_like(p)
+    return Recomputation(loss=total, grads=out)
 
 
 def layout_order(layout: dict[int, list[str]]) -> list[str]:

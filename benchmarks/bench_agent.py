@@ -10,11 +10,14 @@ to plain DDP (the same model, data and optimizer, no guard) from the same run:
 when the two ratios agree, the figure is not an artefact of the noise.
 ``./dev bench agent [-- --steps N --rounds R --dim D]``.
 
-Three more parts (``--only`` picks among verdict, overhead, big, trigger):
+Four more parts (``--only`` picks among verdict, overhead, loop, big, trigger):
 
 - verdict: the Python verdict alone at simulated worlds of 8, 1,024 and
   16,384 ranks, for a step where all agree (the all-reduced flags) and for one
   where one rank disagrees (the gathered rows judged, vectorised);
+- loop: the loop people run (K = 4 micro-batches, clipping, bf16 autocast, a
+  schedule) guarded, as a ratio to the same loop without the guard
+  (benchmarks/agent_loop.py);
 - big: plain DDP, the defaults and an audit step on a model of 20 M+
   parameters, where the fixed per-step cost no longer dominates;
 - trigger: the magnitude trigger's rate on clean steps of the reference job
@@ -41,6 +44,7 @@ from agent.nonfinite import LOCAL_ANY, LOCAL_MASK, REDUCED_FP, SUMMARY_WIDTH, ju
 from agent.ring_audit import judge as judge_audit
 from agent.train import JobShape, SyntheticData, build, init_process_group, launch, loss_fn, shutdown
 from agent.weights import vote
+from benchmarks.agent_loop import loop_table
 
 # name -> GuardConfig overrides (None: plain DDP without a guard).
 CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -125,19 +129,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--big-layers", type=int, default=6)
     parser.add_argument("--big-rounds", type=int, default=8)
     parser.add_argument("--trigger-steps", type=int, default=2000, help="clean steps for the trigger's rate")
-    parser.add_argument("--only", default="verdict,overhead,big,trigger", help="comma-separated parts to run")
+    parser.add_argument("--loop-k", type=int, default=4, help="micro-batches per step in the loop part")
+    parser.add_argument("--loop-rounds", type=int, default=40)
+    parser.add_argument("--only", default="verdict,overhead,loop,big,trigger", help="comma-separated parts to run")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if unknown := parts - {"verdict", "overhead", "big", "trigger"}:
+    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger"}:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}")
-    if args.steps < 1 or args.rounds < 4 or args.big_rounds < 4:
-        parser.error("--steps must be at least 1, --rounds and --big-rounds at least 4 (quartiles need data)")
+    if args.steps < 1 or min(args.rounds, args.big_rounds, args.loop_rounds) < 4 or args.loop_k < 1:
+        parser.error("--steps and --loop-k must be at least 1, --rounds, --big-rounds and --loop-rounds at least 4 "
+                     "(quartiles need data)")
     status = 0
     if "verdict" in parts:
         verdict_table()
     if "overhead" in parts:
         shape = JobShape(vocab=256, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch)
         status |= overhead_table(shape, args.steps, args.rounds, tuple(CONFIGS))
+    if "loop" in parts:
+        shape = JobShape(vocab=256, dim=args.dim, layers=args.layers, seq=args.seq, batch=args.batch)
+        status |= loop_table(shape, args.loop_k, args.loop_rounds)
     if "big" in parts:
         shape = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch,
                          heads=8)
