@@ -1,0 +1,10 @@
+"""``./dev bench coverage [--quick] [--out DIR] [--replay ROW-ID]``: the fault-injection campaign (benchmarks/coverage/)."""
+
+from __future__ import annotations
+
+from benchmarks.coverage import main
+
+WHOLE_SET_ARGS = ["--quick"]
+"""A plain ``./dev bench`` (every benchmark) runs the quick campaign; the full one (~30 min) only when named."""
+
+__all__ = ["WHOLE_SET_ARGS", "main"]

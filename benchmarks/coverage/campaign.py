@@ -1,0 +1,297 @@
+"""The fault-injection campaign: plan the faults, run them on 3 simulated nodes, judge, print, write JSON and a PNG.
+
+``run_campaign(settings, out_dir)`` is the entry for code (a CLI command can
+wrap it); ``main(argv)`` is the command line (``./dev bench coverage``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.train import JobShape, launch
+from benchmarks.coverage import baselines, detectors, report
+from benchmarks.coverage.faults import (
+    CAMPAIGN_MODELS,
+    MODELS,
+    PERSISTENCES,
+    FaultSpec,
+    draw,
+    parse_row_id,
+    row_id,
+)
+from benchmarks.coverage.outcome import Detection, FaultOutcome, judge, table
+from benchmarks.coverage.worker import rank_main
+
+
+class CampaignFailed(RuntimeError):
+    """The ranks did not finish (a crash or the time limit), or the clean run was not reproducible."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How big the campaign is. Bad values raise ``ValueError`` naming the field."""
+
+    faults_per_model: int = 51
+    """Faults drawn per fault model (persistence cycles transient, intermittent, persistent)."""
+    models: tuple[str, ...] = CAMPAIGN_MODELS
+    horizon: int = 12
+    """Steps a faulted run trains from the fault's first step (also a fault's window)."""
+    lead: int = 2
+    """Clean steps a faulted run trains before its fault."""
+    trigger_lead: int = 12
+    """Clean steps before the fault for runs with the magnitude trigger, so that it has a history (at least
+    GuardConfig's trigger_warmup; its full trigger_window is 32)."""
+    first_step: int = 24
+    """The earliest fault step (the baselines' running statistics warm up before it)."""
+    span: int = 20
+    """Fault steps are drawn uniformly from ``first_step .. first_step + span - 1``."""
+    audit_every: int = 10
+    fingerprint_every: int = 5
+    checkpoint_every: int = 10
+    """The job's checkpoint cadence, for the rollback each alarm would lead to."""
+    checkpoint_gap: int = 5
+    """checkpoint faults: the steps between the two checkpoints written."""
+    soak_steps: int = 33_334
+    """Clean steps of the soak (times 3 ranks: >= 100,000 rank-steps)."""
+    world: int = 3
+    seed: int = 0
+    device: str = "cpu"
+    """``cpu`` (gloo), or ``cuda``: one GPU per rank (``world`` GPUs), NCCL."""
+    job: dict[str, Any] = field(default_factory=dict)
+    """JobShape overrides of the reference job's model."""
+    timeout_s: float = 4 * 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("faults_per_model", "horizon", "first_step", "span", "checkpoint_every", "checkpoint_gap",
+                     "world", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("lead", "trigger_lead", "audit_every", "fingerprint_every", "soak_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: must be cpu or cuda, got {self.device!r}")
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown:
+            raise ValueError(f"models: unknown fault model(s) {unknown}; known: {', '.join(MODELS)}")
+        if self.world < 3:
+            raise ValueError(f"world: the ring audit localises only with 3 or more nodes, got {self.world}")
+        if self.first_step <= max(self.checkpoint_gap, self.lead, self.trigger_lead):
+            raise ValueError(f"first_step: must exceed checkpoint_gap, lead and trigger_lead, got {self.first_step}")
+        JobShape(**self.job)
+
+    @property
+    def last_step(self) -> int:
+        """The clean reference runs to here: the last fault's window ends at it."""
+        return self.first_step + self.span + self.horizon
+
+
+QUICK = Settings(faults_per_model=3, models=(*CAMPAIGN_MODELS, "null"), horizon=8, span=10, soak_steps=150,
+                 trigger_lead=10, first_step=12, timeout_s=1800.0)
+"""The short form the test runs: 3 faults per model (one of each persistence) and the null control, an
+8-step window, a 450-rank-step soak; the trigger gets only its warm-up (10 steps) of history, not its full
+window."""
+
+
+def plan(settings: Settings, replay: str | None = None) -> list[FaultSpec]:
+    """Every fault of the campaign, drawn from its row id (or only ``replay``'s). ValueError for a bad row id."""
+    kwargs = {"world": settings.world, "first_step": settings.first_step, "span": settings.span,
+              "horizon": settings.horizon, "checkpoint_gap": settings.checkpoint_gap}
+    if replay is not None:
+        parse_row_id(replay)
+        return [draw(settings.seed, replay, **kwargs)]
+    return [draw(settings.seed, row_id(model, PERSISTENCES[i % len(PERSISTENCES)], i), **kwargs)
+            for model in settings.models for i in range(settings.faults_per_model)]
+
+
+def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None = None,
+                 soak: bool = True, echo: bool = True) -> dict[str, Any]:
+    """Run the campaign into ``out_dir`` (coverage.json, coverage.txt, coverage.png); returns the JSON's content.
+
+    ``replay`` runs the one row with that id (no soak). Raises CampaignFailed
+    when a rank fails or times out, or when the clean run does not reproduce
+    (then every outcome would be wrong); ValueError for bad settings.
+    """
+    if settings.device == "cuda" and torch.cuda.device_count() < settings.world:
+        raise ValueError(f"device: cuda needs {settings.world} GPUs (one per rank), "
+                         f"{torch.cuda.device_count()} visible")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    faults = plan(settings, replay)
+    configs = detectors.configs(settings.audit_every, settings.fingerprint_every)
+    fault_configs = [n for n in configs if n not in ("none", "defaults")]
+    phases = ["clean", "faults"] + (["soak"] if soak and replay is None and settings.soak_steps else [])
+    work = Path(tempfile.mkdtemp(prefix="sdcguard-coverage-"))
+    try:
+        runs = work / "runs.jsonl"
+        plan_doc = {"settings": {**dataclasses.asdict(settings), "last_step": settings.last_step},
+                    "configs": configs, "fault_configs": fault_configs, "phases": phases,
+                    "faults": [f.to_dict() for f in faults], "out": str(work)}
+        (work / "plan.json").write_text(json.dumps(plan_doc))
+        started = time.perf_counter()
+        codes = launch(settings.world, rank_main, (str(work / "plan.json"),), timeout=settings.timeout_s)
+        seconds = time.perf_counter() - started
+        records = [json.loads(line) for line in runs.read_text().splitlines()] if runs.exists() else []
+        shutil.copy(work / "plan.json", out / "plan.json")
+        if runs.exists():
+            shutil.copy(runs, out / "runs.jsonl")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if any(c != 0 for c in codes):
+        raise CampaignFailed(f"ranks exited with {codes} after {seconds:.0f} s "
+                             f"({sum(r['kind'] in ('fault', 'checkpoint_fault') for r in records)} of "
+                             f"{len(faults)} faults done); the runs so far are in {out / 'runs.jsonl'}")
+    result = summarize(settings, records, fault_configs, seconds, replay)
+    (out / "coverage.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "coverage.txt").write_text(result["text"] + "\n")
+    outcomes = [FaultOutcome(**{**o, "detections": {k: Detection(**v) for k, v in o["detections"].items()}})
+                for o in result["outcomes"]]
+    report.plot(outcomes, result["rows"], settings.horizon, out / "coverage.png",
+                f"sdcguard fault-injection campaign: {len(outcomes)} faults, {settings.world} nodes x 1 rank, "
+                f"audit every {settings.audit_every}, weights every {settings.fingerprint_every}")
+    if echo:
+        print(result["text"], flush=True)
+        print(f"\nwritten: {out / 'coverage.json'}, {out / 'coverage.txt'}, {out / 'coverage.png'}", flush=True)
+    if not result["clean_ok"]:
+        raise CampaignFailed("the clean run did not reproduce or a detector fired on it: "
+                             + "; ".join(result["clean_problems"]))
+    return result
+
+
+def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: list[str], seconds: float,
+              replay: str | None) -> dict[str, Any]:
+    """The JSON document: settings, clean checks, every outcome, the tables, the soak, and the printed text."""
+    reference, outcomes = judge(records, settings.checkpoint_every)
+    rows = ["none", "loss_spike", "mad", *fault_configs, "checkpoint_verify"]
+    clean: dict[str, Any] = next((r for r in records if r["kind"] == "clean_checks"),
+                                 {"configs": {}, "restart": None})
+    problems = []
+    for name, check in clean["configs"].items():
+        if check["alarms"]:
+            problems.append(f"{name} raised {len(check['alarms'])} alarm(s) on the clean run: {check['alarms'][:3]}")
+        if not check["identical"]:
+            problems.append(f"{name}: the clean run's final state differs from the reference's")
+    if clean["restart"] is not None and not clean["restart"]["identical"]:
+        problems.append("a run restarted from a snapshot does not reproduce the clean run")
+    mean_losses = [sum(row) / len(row) for row in reference["losses"]]
+    reference_baselines = baselines.count_firings(mean_losses, reference["norms"])
+    for name, count in reference_baselines.items():
+        if count:
+            problems.append(f"baseline {name} fired {count} time(s) on the clean reference run")
+    soak = next((r for r in records if r["kind"] == "soak"), None)
+    soak_summary = None
+    if soak is not None:
+        soak_summary = {k: v for k, v in soak.items() if k not in ("mean_losses", "norms")}
+        soak_summary["world"] = settings.world
+        soak_summary["dropout"] = JobShape(**settings.job).dropout
+        soak_summary["baselines"] = baselines.count_firings(soak["mean_losses"], soak["norms"])
+        soak_summary["false_alarms"] = len(soak["alarms"])
+    models = list(dict.fromkeys(o.model for o in outcomes))
+    tables = {m: table([o for o in outcomes if o.model == m], rows) for m in models}
+    text_parts = [
+        f"sdcguard coverage campaign: {len(outcomes)} faults in {seconds:.0f} s; {settings.world} nodes x 1 rank "
+        f"({'nccl, cuda' if settings.device == 'cuda' else 'gloo, cpu'}), the "
+        f"reference job (TinyGPT); faults from step {settings.first_step} to "
+        f"{settings.first_step + settings.span - 1}, each run {settings.horizon} steps past its fault; "
+        f"ring audit every {settings.audit_every}, weights every {settings.fingerprint_every}, "
+        f"checkpoints every {settings.checkpoint_every}; seed {settings.seed}",
+        "caught = of the silent corruptions; latency in steps after the fault's first step; localised = named "
+        "exactly the faulty node; rollback ok = the checkpoint it leads to predates the fault; persist. = its "
+        "transient/persistent verdict fits the fault (computation faults); on benign = alarms on faults that changed nothing",
+    ]
+    if problems:
+        text_parts.append("CLEAN-RUN PROBLEMS (the outcomes below are not valid):\n  " + "\n  ".join(problems))
+    for model in models:
+        text_parts.append(report.model_table(model, [o for o in outcomes if o.model == model], rows))
+    text_parts.append("silent corruptions caught, by persistence:\n" + report.persistence_table(outcomes, rows))
+    if soak_summary is not None:
+        text_parts.append(report.soak_lines(soak_summary))
+    replays = {o.row_id: f"--replay {o.row_id}" for o in outcomes}
+    return {
+        "settings": dataclasses.asdict(settings),
+        "seconds": seconds,
+        "replay": replay,
+        "rows": rows,
+        "clean_ok": not problems,
+        "clean_problems": problems,
+        "clean_checks": clean,
+        "reference": {k: v for k, v in reference.items() if k not in ("losses", "norms")},
+        "reference_baselines": reference_baselines,
+        "outcomes": [o.to_dict() for o in outcomes],
+        "tables": tables,
+        "soak": soak_summary,
+        "replays": replays,
+        "text": "\n\n".join(text_parts),
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    """The campaign's command line."""
+    p = argparse.ArgumentParser(prog="./dev bench coverage",
+                                description="How much silent corruption does sdcguard catch? A fault-injection "
+                                            "campaign on 3 simulated nodes (gloo, CPU or GPU).")
+    p.add_argument("--quick", action="store_true", help="about a minute: 3 faults per model and a short soak")
+    p.add_argument("--out", default="build/coverage", help="output folder (default: build/coverage)")
+    p.add_argument("--replay", metavar="ROW-ID", help="run only this row (e.g. matmul_fwd/transient/007), with "
+                                                      "the same size options as the run that listed it")
+    p.add_argument("--faults-per-model", type=int)
+    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)}")
+    p.add_argument("--horizon", type=int)
+    p.add_argument("--audit-every", type=int)
+    p.add_argument("--fingerprint-every", type=int)
+    p.add_argument("--trigger-lead", type=int, help="clean steps before a fault for runs with the magnitude trigger")
+    p.add_argument("--soak-steps", type=int, help="clean soak steps (x 3 ranks); 0 skips the soak")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", choices=["cpu", "cuda"], help="cpu (gloo, default) or cuda (a GPU per rank, NCCL)")
+    p.add_argument("--timeout", type=float, help="seconds before the ranks are stopped")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Settings from the parsed arguments (``--quick`` first, then each option given). ValueError naming a field."""
+    base = QUICK if args.quick else Settings()
+    overrides: dict[str, Any] = {k: v for k, v in {
+        "faults_per_model": args.faults_per_model, "horizon": args.horizon, "audit_every": args.audit_every,
+        "fingerprint_every": args.fingerprint_every, "soak_steps": args.soak_steps, "seed": args.seed,
+        "trigger_lead": args.trigger_lead, "device": args.device,
+        "timeout_s": args.timeout}.items() if v is not None}
+    if args.models:
+        overrides["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    return dataclasses.replace(base, **overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: 0 when the campaign ran and its clean run was clean, 1 otherwise, 2 for bad arguments."""
+    args = parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+        if args.replay:
+            parse_row_id(args.replay)
+    except ValueError as exc:
+        print(f"coverage: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_campaign(settings, args.out, replay=args.replay)
+    except ValueError as exc:
+        print(f"coverage: error: {exc}", file=sys.stderr)
+        return 2
+    except CampaignFailed as exc:
+        print(f"coverage: FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

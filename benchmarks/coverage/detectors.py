@@ -1,0 +1,58 @@
+"""Which sdcguard detectors a campaign run switches on: one ``GuardConfig`` override set per row.
+
+Each detector alone is every other detector off; ``all`` is GuardConfig's
+defaults with the campaign's cadences; ``none`` is everything off (the guard
+then only all-reduces, so every configuration trains with the same
+arithmetic and the runs are comparable bit for bit); ``defaults`` is
+GuardConfig's defaults untouched (the soak). The per-step magnitude trigger,
+when GuardConfig has one (``trigger_ratio``, 0 = off), is a row of its own
+and off in the others' "alone" rows; the confirmation by recomputation
+(``confirm``), when there is one, belongs to every detector and is off only
+in ``none``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from agent.config import GuardConfig
+
+SAMPLED = {"ring_audit": "audit_every", "weight_fingerprint": "fingerprint_every"}
+PER_STEP = {"nonfinite": "nonfinite", "reduced_grad": "reduced_grad"}
+
+
+_FIELDS = {f.name: f.default for f in dataclasses.fields(GuardConfig)}
+TRIGGER = "trigger_ratio"
+CONFIRM = "confirm"
+
+
+def has_trigger() -> bool:
+    """Whether this agent has the magnitude trigger."""
+    return TRIGGER in _FIELDS
+
+
+def trigger_on(overrides: dict[str, Any]) -> bool:
+    """Whether a configuration runs the magnitude trigger (it then needs clean history before the fault)."""
+    return has_trigger() and bool(overrides.get(TRIGGER, _FIELDS[TRIGGER]))
+
+
+def configs(audit_every: int, fingerprint_every: int) -> dict[str, dict[str, Any]]:
+    """Row name -> GuardConfig overrides, in table order (``none`` first, ``all`` last, then ``defaults``)."""
+    off: dict[str, Any] = {"nonfinite": False, "reduced_grad": False, "audit_every": 0, "fingerprint_every": 0}
+    if has_trigger():
+        off[TRIGGER] = 0.0
+    alone = dict(off)
+    if CONFIRM in _FIELDS:
+        off[CONFIRM] = False
+        alone[CONFIRM] = _FIELDS[CONFIRM]
+    rows: dict[str, dict[str, Any]] = {"none": off}
+    rows["nonfinite"] = {**alone, "nonfinite": True}
+    rows["reduced_grad"] = {**alone, "reduced_grad": True}
+    rows["ring_audit"] = {**alone, "audit_every": audit_every}
+    rows["weight_fingerprint"] = {**alone, "fingerprint_every": fingerprint_every}
+    if has_trigger():
+        rows["magnitude_trigger"] = {**alone, TRIGGER: _FIELDS[TRIGGER]}
+    rows["all"] = {"audit_every": audit_every, "fingerprint_every": fingerprint_every}
+    rows["defaults"] = {}
+    return rows

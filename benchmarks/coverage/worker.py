@@ -1,0 +1,535 @@
+"""What every rank of the campaign runs: one process per simulated node, many faults per process lifetime.
+
+Starting processes and process groups dominates on a small machine, so the
+ranks start once and then, in lockstep, (1) train the clean reference run,
+keeping the state at the start of every step; (2) run every detector
+configuration on the clean run (no alarm allowed, final state bit-identical
+to the reference) and check that a run restarted from a snapshot reproduces
+it; (3) for every fault, run the faulted training with no detector (the
+outcome: benign or silent, and its size; the series the baselines read),
+then once per detector configuration (until its first alarm); (4) the clean
+soak. Every faulted run starts from the reference's state a few steps before
+its fault, since training before the fault is the clean run.
+
+Rank 0 appends one JSON line per finished unit to ``runs.jsonl``; the parent
+reads and judges them (``outcome.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.checkpoint import MODEL, OPTIMIZER, TRAINER, CheckpointWriter, rng_name
+from agent.config import GuardConfig
+from agent.guard import SDCGuard, StepResult
+from agent.publisher import Publisher, PublishOutcome
+from agent.train import JobShape, SyntheticData, build, loss_fn, shutdown
+from benchmarks.coverage import detectors
+from benchmarks.coverage.faults import FaultSpec
+from benchmarks.coverage.injectors import ModelShape, ProductMode, checkpoint_corrupter, install
+from contract import Alarm, LastClean
+from contract.checkpoint import checkpoint_dir
+from lineage.errors import CheckpointCorrupt, NoSafeCheckpoint
+from lineage.selection import select_checkpoint
+from lineage.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+
+class _Quiet(Publisher):
+    """Publishes nothing: the campaign reads alarms from the step results."""
+
+    def publish(self, alarm: Alarm) -> PublishOutcome:
+        return PublishOutcome()
+
+
+class _Data:
+    """The reference job's micro-batches, cached (every run of the campaign trains on the same ones)."""
+
+    def __init__(self, shape: JobShape, device: torch.device) -> None:
+        self.source = SyntheticData(shape, device)
+        self.cache: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, step: int, rank: int) -> Any:
+        key = (step, rank)
+        if key not in self.cache:
+            if len(self.cache) > 8192:
+                self.cache.clear()
+            self.cache[key] = self.source(step, rank)
+        return self.cache[key]
+
+
+class _Probe:
+    """Records what a run's own monitoring would see: the loss (from the step) and the local gradient norm.
+
+    Tensor hooks on the parameters see each local gradient before DDP
+    reduces it; only the first pass of a step counts (not an audit's
+    recomputation). Install it after a fault's hooks, so it sees their work.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.passes = -1
+        self.squares: list[torch.Tensor] = []
+        self.handles = [module.register_forward_pre_hook(lambda *_: setattr(self, "passes", self.passes + 1))]
+        for p in module.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_hook(self._grad))
+
+    def _grad(self, grad: torch.Tensor) -> None:
+        if self.passes == 0:
+            self.squares.append(grad.detach().double().pow(2).sum())
+
+    def begin_step(self) -> None:
+        self.passes = -1
+        self.squares = []
+
+    def norm(self) -> float:
+        return float(torch.stack(self.squares).sum().sqrt()) if self.squares else math.nan
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _flat_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all weights, all weights and optimizer state) as flat fp32 copies, in a fixed order."""
+    params = [p.detach().reshape(-1) for p in module.parameters()]
+    state: list[torch.Tensor] = []
+    for p in module.parameters():
+        for key in sorted(optimizer.state.get(p, {})):
+            value = optimizer.state[p][key]
+            if isinstance(value, torch.Tensor):
+                state.append(value.detach().reshape(-1).float())
+    weights = torch.cat(params)
+    return weights.clone(), torch.cat([weights, *state])
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    params: list[torch.Tensor]
+    optimizer: dict[str, Any]
+
+
+class Rank:
+    """One rank's side of the campaign (every method is collective: all ranks call it in the same order)."""
+
+    def __init__(self, plan: dict[str, Any], out: Path) -> None:
+        self.plan = plan
+        self.settings = plan["settings"]
+        self.out = out
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.job = JobShape(**self.settings["job"])
+        self.device = device_for(self.settings["device"])
+        self.data = _Data(self.job, self.device)
+        self.configs: dict[str, dict[str, Any]] = plan["configs"]
+        self.snapshots: dict[int, _Snapshot] = {}
+        self.clean_state: dict[int, torch.Tensor] = {}
+        self.clean_weights: dict[int, torch.Tensor] = {}
+        self.shape: ModelShape | None = None
+        self.scratch = out / "scratch"
+
+    # -- building one run -----------------------------------------------------------------------------
+
+    def config(self, name: str) -> GuardConfig:
+        return GuardConfig(on_alarm="continue", ranks_per_node=1, seed=self.job.seed,
+                           spool_dir=str(self.scratch / "spool"), checkpoint_prefix=str(self.scratch / "unused"),
+                           **self.configs[name])
+
+    def guard(self, name: str, start: int, checkpoints: CheckpointWriter | None = None,
+              ) -> tuple[SDCGuard, torch.nn.Module, torch.optim.Optimizer]:
+        """A fresh model at the reference's state at ``start``, under a guard configured as ``name``."""
+        ddp, optimizer = build(self.job, self.device)
+        if start:
+            snap = self.snapshots[start]
+            with torch.no_grad():
+                for p, saved in zip(ddp.module.parameters(), snap.params, strict=True):
+                    p.copy_(saved)
+            # load_state_dict keeps same-device tensors as they are: hand it copies.
+            optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        config = self.config(name)
+        guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=self.data, config=config,
+                         publisher=_Quiet(config), checkpoints=checkpoints)
+        return guard, ddp.module, optimizer
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            with (self.out / "runs.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _gather(self, values: list[float]) -> list[list[float]]:
+        local = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(out, local)
+        return [t.cpu().tolist() for t in out]
+
+    def _all(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    # -- (1) the clean reference ----------------------------------------------------------------------
+
+    def reference(self) -> None:
+        """Train the clean run from step 0, keeping the state at the start of every step and the series."""
+        end = self.settings["last_step"]
+        guard, module, optimizer = self.guard("none", 0)
+        probe = _Probe(module)
+        counts = {"fwd": 0, "bwd": 0}
+        allreduces = [0]
+        losses, norms = [], []
+        started = time.perf_counter()
+        for step in range(end + 1):
+            self.snapshots[step] = _Snapshot([p.detach().clone() for p in module.parameters()],
+                                             copy.deepcopy(optimizer.state_dict()))
+            self.clean_weights[step], self.clean_state[step] = _flat_state(module, optimizer)
+            if step == end:
+                break
+            probe.begin_step()
+            if step == 1:
+                result = self._measured_step(guard, step, counts, allreduces)
+            else:
+                result = guard.step(step)
+            losses.append(result.loss)
+            norms.append(probe.norm())
+        probe.remove()
+        self.shape = ModelShape(
+            products=dict(counts), allreduces=allreduces[0],
+            linears=[n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)],
+            params=[(n, p.numel()) for n, p in module.named_parameters() if p.requires_grad])
+        seconds = time.perf_counter() - started
+        del guard
+        series = self._gather(losses + norms)
+        self._write({"kind": "reference", "steps": end, "seconds": seconds,
+                     "shape": dataclasses.asdict(self.shape),
+                     "losses": [[series[r][s] for r in range(self.world)] for s in range(end)],
+                     "norms": [[series[r][end + s] for r in range(self.world)] for s in range(end)]})
+
+    def _measured_step(self, guard: SDCGuard, step: int, counts: dict[str, int], allreduces: list[int]) -> StepResult:
+        """One clean step that also counts the matrix products per direction and the float all-reduces."""
+        original = dist.all_reduce
+
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if tensor.is_floating_point():
+                allreduces[0] += 1
+            return original(tensor, *args, **kwargs)
+
+        def count(_out: torch.Tensor, direction: str) -> None:
+            counts[direction] += 1
+
+        dist.all_reduce = counting
+        try:
+            with ProductMode(count):
+                return guard.step(step)
+        finally:
+            dist.all_reduce = original
+
+    # -- (2) the clean checks -------------------------------------------------------------------------
+
+    def clean_checks(self) -> None:
+        """Every configuration on the clean run: alarms (must be none) and a bit-identical final state."""
+        end = self.settings["last_step"]
+        record: dict[str, Any] = {"kind": "clean_checks", "configs": {}}
+        for name in self.plan["fault_configs"]:
+            record["configs"][name] = self._clean_run(name, 0, end)
+        restart = self.settings["first_step"]
+        record["restart"] = self._clean_run("none", restart, end)
+        record["restart"]["from_step"] = restart
+        self._write(record)
+
+    def _clean_run(self, name: str, start: int, end: int) -> dict[str, Any]:
+        guard, module, optimizer = self.guard(name, start)
+        alarms: list[dict[str, Any]] = []
+        counters: dict[str, int] = {}
+        started = time.perf_counter()
+        for step in range(start, end):
+            result = guard.step(step)
+            _count_flags(result, counters)
+            if result.alarm is not None:
+                alarms.append({"step": step, "detector": result.alarm.detector.value,
+                               "suspects": result.alarm.suspect_ranks})
+        identical = self._all(torch.equal(_flat_state(module, optimizer)[1], self.clean_state[end]))
+        seconds = time.perf_counter() - started
+        del guard
+        return {"alarms": alarms, "identical": identical, "steps": end - start, "seconds": seconds,
+                "flags": counters}
+
+    # -- (3) the faults -------------------------------------------------------------------------------
+
+    def fault(self, fault: FaultSpec) -> None:
+        """Every run of one fault; rank 0 writes its record."""
+        started = time.perf_counter()
+        if fault.model == "checkpoint":
+            record = self._checkpoint_fault(fault)
+        else:
+            record = self._compute_fault(fault)
+        record["seconds"] = time.perf_counter() - started
+        self._write(record)
+        gc.collect()
+
+    def _compute_fault(self, fault: FaultSpec) -> dict[str, Any]:
+        horizon = self.settings["horizon"]
+        end = fault.step + horizon
+        base = self._run(fault, "none", self._start(fault, "none"), end, stop_after=None)
+        runs: dict[str, Any] = {}
+        for name in self.plan["fault_configs"]:
+            runs[name] = self._run(fault, name, self._start(fault, name), end, stop_after=base["benign_at"])
+        start = base["series_start"]
+        return {"kind": "fault", "fault": fault.to_dict(), "start": start, "end": end, "none": base, "runs": runs}
+
+    def _start(self, fault: FaultSpec, name: str) -> int:
+        """Where a run of ``name`` starts: a few clean steps before the fault, or the trigger's full history."""
+        lead = self.settings["trigger_lead"] if detectors.trigger_on(self.configs[name]) else self.settings["lead"]
+        return max(1, fault.step - lead)
+
+    def _run(self, fault: FaultSpec, name: str, start: int, end: int, stop_after: int | None) -> dict[str, Any]:
+        """One faulted run under configuration ``name``, until its first alarm, a known-benign state, or ``end``."""
+        assert self.shape is not None
+        guard, module, optimizer = self.guard(name, start)
+        inst = install(fault, rank=self.rank, module=module, optimizer=optimizer, shape=self.shape)
+        probe = _Probe(module) if name == "none" else None
+        losses: list[float] = []
+        norms: list[float] = []
+        alarm: dict[str, Any] | None = None
+        benign_at: int | None = None
+        counters: dict[str, int] = {}
+        step = start
+        try:
+            for step in range(start, end):
+                inst.begin_step(step)
+                if probe is not None:
+                    probe.begin_step()
+                with inst.active():
+                    result = guard.step(step)
+                _count_flags(result, counters)
+                losses.append(result.loss)
+                if probe is not None:
+                    norms.append(probe.norm())
+                if result.alarm is not None:
+                    alarm = self._alarm(result.alarm, name, start, fault)
+                    break
+                if step >= fault.last_step:
+                    if stop_after is not None and step >= stop_after:
+                        break
+                    if name == "none" and self._all(torch.equal(_flat_state(module, optimizer)[1],
+                                                                self.clean_state[step + 1])):
+                        # Back on the clean trajectory after the fault's last step: the rest is the clean run.
+                        benign_at = step
+                        break
+        finally:
+            inst.remove()
+            if probe is not None:
+                probe.remove()
+        fired = sum(row[0] for row in self._gather([float(inst.fired)]))
+        out: dict[str, Any] = {"alarm": alarm, "last_step": step, "fired": int(fired), "flags": counters}
+        if name == "none":
+            out.update(self._outcome(module, optimizer, step + 1, losses, norms, start))
+            out["benign_at"] = benign_at
+        del guard
+        return out
+
+    def _outcome(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, at: int, losses: list[float],
+                 norms: list[float], start: int) -> dict[str, Any]:
+        """The faulted run's end state against the clean run's at the same step, and its series (every rank's)."""
+        weights, state = _flat_state(module, optimizer)
+        clean_w = self.clean_weights[at]
+        exact = bool(torch.equal(state, self.clean_state[at]))
+        finite = bool(torch.isfinite(state).all())
+        rel = float((weights.double() - clean_w.double()).norm() / clean_w.double().norm())
+        rel = rel if math.isfinite(rel) else math.inf
+        rows = self._gather([float(exact), float(finite), rel, *losses, *norms])
+        n = len(losses)
+        return {
+            "end_step": at,
+            "exact_final": all(bool(r[0]) for r in rows),
+            "finite_final": all(bool(r[1]) for r in rows),
+            "weight_rel": max(r[2] for r in rows),
+            "losses": [[rows[r][3 + s] for r in range(self.world)] for s in range(n)],
+            "norms": [[rows[r][3 + n + s] for r in range(self.world)] for s in range(n)],
+            "series_start": start,
+        }
+
+    def _alarm(self, alarm: Alarm, name: str, start: int, fault: FaultSpec) -> dict[str, Any]:
+        """The first alarm of a run, with the checkpoint the pipeline would roll back to."""
+        # The run began at ``start`` from the clean run's state, where the sampled
+        # detectors had last passed at their cadence: give the alarm that history.
+        cadences = {"ring_audit": self.configs[name].get("audit_every", GuardConfig.audit_every),
+                    "weight_fingerprint": self.configs[name].get("fingerprint_every", GuardConfig.fingerprint_every)}
+        history = {}
+        for detector, every in cadences.items():
+            if every and getattr(alarm.last_clean, detector) is None and start >= 1:
+                history[detector] = (start - 1) // every * every
+        full = alarm.model_copy(update={"last_clean": LastClean(**{**alarm.last_clean.model_dump(), **history})})
+        trusted = full.trusted_through_step()
+        every = self.settings["checkpoint_every"]
+        rollback = trusted // every * every if trusted >= 0 else 0
+        persistence = getattr(alarm, "fault_persistence", None)
+        return {"step": alarm.step, "detector": alarm.detector.value, "suspects": alarm.suspect_ranks,
+                "localized": alarm.localized, "trusted_through": trusted, "rollback_step": rollback,
+                "rollback_ok": rollback <= fault.step,
+                "fault_persistence": getattr(persistence, "value", persistence)}
+
+    # -- checkpoint faults ----------------------------------------------------------------------------
+
+    def _checkpoint_fault(self, fault: FaultSpec) -> dict[str, Any]:
+        earlier, last = fault.extra["checkpoints"]
+        prefix = self.scratch / "checkpoints" / fault.row_id.replace("/", "-")
+        if self.rank == 0:
+            shutil.rmtree(prefix, ignore_errors=True)
+            prefix.mkdir(parents=True)
+        dist.barrier()
+        corrupted = [0]
+        writer = CheckpointWriter(str(prefix), corrupt=checkpoint_corrupter(fault, self.rank, corrupted))
+        guard, _, _ = self.guard("none", earlier, checkpoints=writer)
+        guard.save_checkpoint(earlier)
+        for step in range(earlier, last):
+            guard.step(step)
+        guard.save_checkpoint(last)
+        del guard
+        fired = int(sum(r[0] for r in self._gather([float(corrupted[0])])))
+
+        # sdcguard: the agent's verified resume.
+        verifier, _, _ = self.guard("all" if "all" in self.configs else "none", 0,
+                                    checkpoints=CheckpointWriter(str(prefix)))
+        try:
+            resumed: int | None = verifier.resume_step()
+            refused = None
+        except CheckpointCorrupt as exc:
+            resumed, refused = None, str(exc)[:300]
+        del verifier
+        # The pipeline's choice for a restart that must not trust the refused checkpoint.
+        chosen: int | None = None
+        if self.rank == 0:
+            try:
+                chosen = select_checkpoint(LocalStore(prefix), trusted_through_step=last).step
+            except NoSafeCheckpoint:
+                chosen = None
+        verified = {"resumed": resumed, "refused": refused, "rollback_step": chosen,
+                    "rollback_ok": chosen is None or not fault.fires(chosen)}
+
+        # No verification: what a loader that trusts the bytes does.
+        horizon = self.settings["horizon"]
+        guard, module, optimizer = self.guard("none", 0)
+        problem = None
+        try:
+            store = LocalStore(prefix)
+
+            def load(name: str) -> Any:
+                data, _ = store.get_bytes(f"{checkpoint_dir(last)}/{name}")
+                return torch.load(io.BytesIO(data), weights_only=True)
+
+            trainer = load(TRAINER)
+            module.load_state_dict(load(MODEL))
+            optimizer.load_state_dict(load(OPTIMIZER))
+            torch.set_rng_state(load(rng_name(self.rank))["torch"])
+            wrong_step = trainer.get("step") != last
+        except Exception as exc:  # a loader without checks fails however the bytes make it fail
+            problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+            wrong_step = False
+        loud = not self._all(problem is None)
+        unverified: dict[str, Any] = {"loud": loud, "problem": problem, "wrong_step": wrong_step}
+        if not loud:
+            probe = _Probe(module)
+            losses, norms = [], []
+            for step in range(last, last + horizon):
+                probe.begin_step()
+                losses.append(guard.step(step).loss)
+                norms.append(probe.norm())
+            probe.remove()
+            unverified.update(self._outcome(module, optimizer, last + horizon, losses, norms, last))
+            unverified["exact_final"] = unverified["exact_final"] and not self._any_wrong(wrong_step)
+        del guard
+        if self.rank == 0:
+            shutil.rmtree(prefix, ignore_errors=True)
+        return {"kind": "checkpoint_fault", "fault": fault.to_dict(), "fired": fired, "verified": verified,
+                "unverified": unverified}
+
+    def _any_wrong(self, flag: bool) -> bool:
+        return not self._all(not flag)
+
+    # -- (4) the clean soak ---------------------------------------------------------------------------
+
+    def soak(self) -> None:
+        """Clean training at the defaults: alarms (false alarms), the guard's flags, and the baselines' series."""
+        steps = self.settings["soak_steps"]
+        guard, module, _ = self.guard("defaults", 0)
+        probe = _Probe(module)
+        alarms: list[dict[str, Any]] = []
+        counters: dict[str, int] = {}
+        losses, norms = [], []
+        started = time.perf_counter()
+        for step in range(steps):
+            probe.begin_step()
+            result = guard.step(step)
+            _count_flags(result, counters)
+            losses.append(result.loss)
+            norms.append(probe.norm())
+            if result.alarm is not None:
+                alarms.append({"step": step, "detector": result.alarm.detector.value,
+                               "suspects": result.alarm.suspect_ranks, "message": result.alarm.message[:200]})
+        seconds = time.perf_counter() - started
+        probe.remove()
+        del guard
+        rows = self._gather(losses + norms)
+        self._write({"kind": "soak", "steps": steps, "rank_steps": steps * self.world, "seconds": seconds,
+                     "alarms": alarms, "flags": counters,
+                     "mean_losses": [sum(rows[r][s] for r in range(self.world)) / self.world for s in range(steps)],
+                     "norms": [[rows[r][steps + s] for r in range(self.world)] for s in range(steps)]})
+
+
+def _count_flags(result: StepResult, counters: dict[str, int]) -> None:
+    """Add up the step result's yes/no fields (``audited``, ``overflow``, and whatever the guard adds)."""
+    for f in dataclasses.fields(result):
+        value = getattr(result, f.name)
+        if isinstance(value, bool) and value:
+            counters[f.name] = counters.get(f.name, 0) + 1
+
+
+def device_for(name: str) -> torch.device:
+    """``cpu``, or for ``cuda`` this rank's GPU (``LOCAL_RANK``): one GPU per rank, NCCL between them."""
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def rank_main(plan_path: str) -> None:
+    """The entry of every spawned rank: read the plan, run it, leave the process group."""
+    logging.basicConfig(level=logging.CRITICAL)
+    for name in ("agent", "lineage", "benchmarks"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ.pop("SDCGUARD_INJECT", None)
+    plan = json.loads(Path(plan_path).read_text())
+    out = Path(plan["out"])
+    device = device_for(plan["settings"]["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # Every configuration must run the same kernels, the audit's or not.
+    torch.use_deterministic_algorithms(True)
+    worker = Rank(plan, out)
+    phases = plan["phases"]
+    if "faults" in phases or "clean" in phases:
+        worker.reference()
+    if "clean" in phases:
+        worker.clean_checks()
+    if "faults" in phases:
+        for raw in plan["faults"]:
+            worker.fault(FaultSpec.from_dict(raw))
+    if "soak" in phases:
+        worker.soak()
+    shutdown()
+
