@@ -122,6 +122,9 @@ class Decision(Strict):
     reviewer: Annotated[str, Field(min_length=1, max_length=512)]
     reason: Annotated[str, Field(min_length=1, max_length=1024)]
     at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    execution_arn: Annotated[str, Field(max_length=2048)] | None = None
+    """The decide machine's execution that delivered the decision, as Step Functions reports it
+    (``$$.Execution.Id``): CloudTrail's StartExecution event for it names the caller who started it."""
 
 
 class Failure(Strict):
@@ -163,6 +166,13 @@ class Incident(Strict):
     checkpoint_after: Annotated[str, Field(max_length=1024)] | None = None
     resumed_from_step: Step | None = None
     failure: Failure | None = None
+    opened_by: Annotated[str, Field(max_length=2048)] | None = None
+    """The incident machine's execution that opened the incident: a retried ``record`` of that execution
+    recognises its own write instead of counting itself as a duplicate."""
+    nodes_released_at: datetime | None = None
+    """For an incident that stopped with nodes quarantined (NEEDS_ATTENTION, CONTAINED, FAILED): when the
+    guard found none of them quarantined any more (released by a human, or gone); from then on they no
+    longer count toward the blast radius."""
     transitions: list[Transition] = []
 
     @property

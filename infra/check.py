@@ -2,9 +2,14 @@
 
 ruff and mypy on the whole tree; import-linter's layers contract
 (``[tool.importlinter]`` in ``pyproject.toml``: imports point down only);
-cfn-lint on the CloudFormation templates and statelint on the state machines
-when they exist. Exits non-zero if any fails,
-after running all of them.
+on the CloudFormation templates cfn-lint, checkov (security checks) and
+parliament (every IAM policy against the real action and ARN catalogue), each
+finding fixed or justified in ``infra/deploy/lint-exceptions.yaml`` (see
+:mod:`infra.deploy.template_lint`); statelint on the state machines. checkov
+runs from its own environment, ``.venv/tools/checkov``: when it is missing
+the check fails and says so. ``mkdocs build --strict`` of the documentation
+site (a broken link or anchor, a missing page, an unknown generated part
+fails it). Exits non-zero if any fails, after running all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ["contract", "lineage", "agent", "lambdas", "infra", "sdcguard", "tests", "benchmarks"]
+PACKAGES = ["contract", "lineage", "agent", "lambdas", "infra", "sdcguard", "tests", "benchmarks", "examples", "docs"]
 
 
 def _bin(name: str) -> str:
@@ -34,10 +39,17 @@ def checks() -> list[tuple[str, list[str]]]:
     )
     if templates:
         out.append(("cfn-lint", [_bin("cfn-lint"), *templates]))
+        lint = [sys.executable, "-m", "infra.deploy.template_lint"]
+        out.append(("checkov", [*lint, "checkov", *templates]))
+        out.append(("iam policies (parliament)", [*lint, "parliament", *templates]))
     machines = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "stepfunctions").glob("*.asl.json"))
     if machines:
         # Resources are ${Placeholder}s until the template substitutes them.
         out.append(("statelint", [_bin("statelint"), "--ignore=URI", *machines]))
+    if (ROOT / "mkdocs.yml").exists():
+        # Not --quiet: it hides the warnings that --strict turns into a failure. Built into a folder of
+        # its own, so a check never overwrites the site `./dev docs build` made.
+        out.append(("docs", [_bin("mkdocs"), "build", "--strict", "--site-dir", str(ROOT / "build" / "check-site")]))
     return out
 
 

@@ -22,9 +22,10 @@ def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str
     instances = evidence.get("instances")
     for entry in instances if isinstance(instances, list) else []:
         if isinstance(entry, dict):
-            lines.append(f"  {entry.get('instance_id')}: {entry.get('verdict')}: {'; '.join(entry.get('reasons', []))}")
+            reasons = "; ".join(str(r) for r in entry.get("reasons", []))
+            lines.append(f"  {entry.get('instance_id')}: {entry.get('verdict')}: {notify.quote(reasons)}")
     if evidence.get("note"):
-        lines.append(f"Note: {evidence['note']}")
+        lines.append(f"Note: {notify.quote(evidence['note'])}")
     lines += [
         "",
         "The node is cordoned and the job suspended. To replace the node and resume from the last clean checkpoint:",

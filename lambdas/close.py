@@ -15,7 +15,7 @@ from lambdas import notify
 from lambdas.cordon import uncordon_node
 from lambdas.decide import record_decision
 from lambdas.errors import IncidentNotWaiting
-from lambdas.job import resume_job
+from lambdas.job import holds_job, resume_job
 from lambdas.ledger import Ledger
 
 S = IncidentState
@@ -87,7 +87,7 @@ def release_incident(
     for suspect in incident.suspects:
         uncordon_node(api, suspect.node, incident_id)
     job = incident.alarm.job
-    resume_job(api, job.namespace, job.job_name, incident_id)
+    resume_job(api, job.namespace, job.job_name, incident_id, still_open=lambda other: holds_job(ledger, other))
     reviewer = incident.decision.reviewer if incident.decision else "unknown"
     released = ledger.update(
         incident_id,

@@ -15,6 +15,7 @@ from typing import Any
 from kubernetes import client as k8s
 
 from contract import IncidentState
+from contract.naming import instance_id_of
 from lambdas.errors import IncidentNotWaiting, NotInCluster
 from lambdas.kube_errors import kubernetes_errors
 from lambdas.ledger import Ledger
@@ -118,6 +119,9 @@ def cordon_for_incident(
     suspect = next((s for s in incident.suspects if s.instance_id == instance_id), None)
     if suspect is None:
         raise NotInCluster(f"incident {incident_id} does not name instance {instance_id}")
+    named = instance_id_of(suspect.node)
+    if named is not None and named != instance_id:  # a HyperPod node name carries its instance: they must agree
+        raise NotInCluster(f"incident {incident_id}: node {suspect.node} is not the node of instance {instance_id}")
     if incident.state not in (S.SUSPENDED, S.CORDONED):
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; cordoning follows the job's suspension")
     change = cordon_node(api, suspect.node, incident_id)

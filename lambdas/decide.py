@@ -28,9 +28,11 @@ def decide(
     *,
     reviewer: str,
     reason: str,
+    execution_arn: str | None = None,
     sfn: Any = None,
 ) -> Incident:
-    """Deliver ``decision`` to the waiting incident and record it with reviewer and reason.
+    """Deliver ``decision`` to the waiting incident and record it with reviewer, reason and ``execution_arn``
+    (the decide execution, whose StartExecution event in CloudTrail names the caller).
 
     The token is answered first and the ledger written after: a decision that
     never reached the machine is never recorded. Raises
@@ -40,7 +42,7 @@ def decide(
     """
     if decision not in DECISIONS:
         raise UnknownDecision(f"decision must be 'approve' or 'reject', not {decision!r}")
-    record = Decision(decision=decision, reviewer=reviewer, reason=reason)
+    record = Decision(decision=decision, reviewer=reviewer, reason=reason, execution_arn=execution_arn)
     incident = ledger.get(incident_id)
     stored = ledger.get_token(incident_id)
     if incident.state == S.NEEDS_ATTENTION and incident.failure and "Timeout" in incident.failure.error:
@@ -79,7 +81,7 @@ def record_decision(incident: Incident, decision: Decision) -> Incident:
         return incident
     return incident.advance(
         DECISIONS[decision.decision],
-        actor=decision.reviewer,
-        note=decision.reason,
+        actor=decision.reviewer[:256],
+        note=(decision.reason + (f" (decide execution {decision.execution_arn})" if decision.execution_arn else ""))[:1024],
         decision=decision,
     )

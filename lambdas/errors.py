@@ -26,6 +26,11 @@ class SuspectUnresolvable(PipelineError):
     """A suspect rank cannot be traced to an EC2 instance (or the alarm names none)."""
 
 
+class SuspectMismatch(PipelineError):
+    """What the alarm says about a suspect is not what the cluster says: its pod does not exist, is not
+    of the alarm's job, or runs on another node than the alarm names. Nothing is touched."""
+
+
 class NotInCluster(PipelineError):
     """An instance or an alarm that does not belong to the cluster this pipeline guards."""
 
@@ -59,7 +64,7 @@ class ReplacementTimedOut(PipelineError):
 
 
 class PointerOutsidePrefix(PipelineError):
-    """The alarm's checkpoint prefix is not under the bucket and prefix this pipeline may write."""
+    """The alarm's checkpoint prefix is not exactly the bucket and prefix this pipeline guards."""
 
 
 class TransientKubernetesError(PipelineError):
@@ -71,7 +76,15 @@ class KubernetesObjectMissing(PipelineError):
 
 
 class LedgerConflict(PipelineError):
-    """The ledger item kept changing under us: the write was not made."""
+    """The ledger item kept changing under us (or the guard lost its cluster lock): the write was not made."""
+
+
+class LockLost(LedgerConflict):
+    """The guard's cluster lock expired and was taken over before the guard wrote: nothing was written."""
+
+
+class Throttled(PipelineError):
+    """An AWS API kept throttling after the client's own retries; the call took no effect, retrying is safe."""
 
 
 __all__ = [
@@ -81,6 +94,7 @@ __all__ = [
     "IncidentNotWaiting",
     "KubernetesObjectMissing",
     "LedgerConflict",
+    "LockLost",
     "MalformedEvent",
     "NoSafeCheckpoint",
     "NodeHeldByHyperPod",
@@ -89,7 +103,9 @@ __all__ = [
     "PointerOutsidePrefix",
     "ReplacementFailed",
     "ReplacementTimedOut",
+    "SuspectMismatch",
     "SuspectUnresolvable",
+    "Throttled",
     "TransientKubernetesError",
     "UnknownDecision",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar
 
 from aws_lambda_powertools.utilities.parser import parse
+from aws_lambda_powertools.utilities.parser.exceptions import InvalidModelTypeError
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,6 +35,17 @@ class TaskInput(BaseModel):
     """Base of the state machine's task inputs: unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+ExecutionArn = Annotated[str, Field(min_length=1, max_length=2048, pattern=r"^arn:aws[a-z-]*:states:")]
+
+
+class RecordRequest(TaskInput):
+    """What the incident machine hands ``record``: the alarm event, and which execution records it."""
+
+    event: AlarmEvent
+    execution_id: ExecutionArn
+    """``$$.Execution.Id``: a retry of the same execution recognises its own write."""
 
 
 class IncidentRef(TaskInput):
@@ -99,6 +111,9 @@ class DecideInput(TaskInput):
     decision: Annotated[str, Field(max_length=32)]
     reason: Annotated[str, Field(min_length=1, max_length=1024)]
     reviewer: Annotated[str, Field(min_length=1, max_length=512)]
+    execution_arn: ExecutionArn | None = None
+    """Added by the decide machine (``$$.Execution.Id``), not typed by the reviewer: joins CloudTrail's
+    StartExecution event, which names the caller."""
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -116,5 +131,5 @@ def parse_input(model: type[M], event: object) -> M:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:10])
         raise MalformedEvent(f"not a valid {model.__name__}: {problems}") from None
-    except Exception as exc:
+    except InvalidModelTypeError as exc:  # what powertools' parser raises for input it cannot hand to the model
         raise MalformedEvent(f"not a valid {model.__name__}: {exc}") from None

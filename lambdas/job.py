@@ -1,20 +1,23 @@
 """Suspend and resume the PyTorchJob (``spec.runPolicy.suspend``).
 
-A job we suspend carries an annotation naming the incident; resuming only
-un-suspends a job that this incident suspended, so a job someone else paused
-stays paused.
+A job we suspend carries an annotation naming the incidents that hold it
+suspended (comma-separated, in the order they came); a second incident on a
+job already suspended by a first adds itself. Resuming removes the incident
+from that list and un-suspends the job only when no other incident named
+there is still open; a job someone else paused (no annotation) stays paused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubernetes import client as k8s
 
 from contract import IncidentState
-from lambdas.errors import IncidentNotWaiting
+from lambdas.errors import IncidentNotFound, IncidentNotWaiting
 from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
+from lambdas.ledger import STOPPED_HOLDING, Ledger
 
 S = IncidentState
 
@@ -30,6 +33,8 @@ class JobChange:
     changed: bool
     suspended: bool
     """The job's ``spec.runPolicy.suspend`` afterwards."""
+    held_by: tuple[str, ...] = ()
+    """The incidents holding the job suspended afterwards."""
 
 
 def _read(api: k8s.CustomObjectsApi, namespace: str, name: str) -> dict:
@@ -40,45 +45,82 @@ def _suspended(job: dict) -> bool:
     return bool(job.get("spec", {}).get("runPolicy", {}).get("suspend"))
 
 
+def holders(job: dict) -> list[str]:
+    """The incidents the job's annotation names as holding it suspended."""
+    value = (job.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SUSPENDED_BY) or ""
+    return [h for h in (part.strip() for part in value.split(",")) if h]
+
+
+def _metadata(job: dict, held: list[str] | None) -> dict:
+    # The resource version makes the patch conditional: a concurrent change to
+    # the list is a 409, retried, never a lost holder.
+    version = job.get("metadata", {}).get("resourceVersion")
+    meta: dict = {"annotations": {ANNOTATION_SUSPENDED_BY: ",".join(held) if held else None}}
+    if version:
+        meta["resourceVersion"] = version
+    return meta
+
+
 def suspend_job(api: k8s.ApiClient, namespace: str, name: str, incident_id: str) -> JobChange:
-    """Suspend the PyTorchJob ``namespace/name`` for ``incident_id``.
+    """Suspend the PyTorchJob ``namespace/name`` for ``incident_id``, or join the incidents holding it.
 
-    Idempotent: an already suspended job is not patched again (and, if someone
-    else suspended it, not claimed). Raises :class:`KubernetesObjectMissing`
-    and :class:`TransientKubernetesError`.
-    """
-    custom = k8s.CustomObjectsApi(api)
-    with kubernetes_errors(f"pytorchjob {namespace}/{name}"):
-        job = _read(custom, namespace, name)
-        if _suspended(job):
-            return JobChange(name, changed=False, suspended=True)
-        body = {
-            "metadata": {"annotations": {ANNOTATION_SUSPENDED_BY: incident_id}},
-            "spec": {"runPolicy": {"suspend": True}},
-        }
-        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
-    return JobChange(name, changed=True, suspended=True)
-
-
-def resume_job(api: k8s.ApiClient, namespace: str, name: str, incident_id: str) -> JobChange:
-    """Un-suspend the PyTorchJob if ``incident_id`` suspended it.
-
-    Idempotent: a running job is left alone; a job suspended by someone else
-    stays suspended. Raises :class:`KubernetesObjectMissing` and
+    Idempotent. A job suspended by someone else (no sdcguard annotation) is
+    not claimed. Raises :class:`KubernetesObjectMissing` and
     :class:`TransientKubernetesError`.
     """
     custom = k8s.CustomObjectsApi(api)
     with kubernetes_errors(f"pytorchjob {namespace}/{name}"):
         job = _read(custom, namespace, name)
-        owner = (job.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_SUSPENDED_BY)
-        if not _suspended(job) or owner != incident_id:
-            return JobChange(name, changed=False, suspended=_suspended(job))
-        body = {
-            "metadata": {"annotations": {ANNOTATION_SUSPENDED_BY: None}},
-            "spec": {"runPolicy": {"suspend": False}},
-        }
+        held = holders(job)
+        if _suspended(job) and (not held or incident_id in held):
+            return JobChange(name, changed=False, suspended=True, held_by=tuple(held))
+        if _suspended(job):
+            held = [*held, incident_id]
+            body: dict = {"metadata": _metadata(job, held)}
+        else:
+            held = [incident_id]  # a running job: whatever the annotation said is stale
+            body = {"metadata": _metadata(job, held), "spec": {"runPolicy": {"suspend": True}}}
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
+    return JobChange(name, changed=True, suspended=True, held_by=tuple(held))
+
+
+def resume_job(
+    api: k8s.ApiClient,
+    namespace: str,
+    name: str,
+    incident_id: str,
+    *,
+    still_open: Callable[[str], bool] = lambda _: True,
+) -> JobChange:
+    """Release ``incident_id``'s hold on the PyTorchJob; un-suspend it when no other holder is ``still_open``.
+
+    Idempotent: a running job, or one this incident does not hold, is left
+    alone (a job suspended by someone else stays suspended). Raises
+    :class:`KubernetesObjectMissing` and :class:`TransientKubernetesError`.
+    """
+    custom = k8s.CustomObjectsApi(api)
+    with kubernetes_errors(f"pytorchjob {namespace}/{name}"):
+        job = _read(custom, namespace, name)
+        held = holders(job)
+        if not _suspended(job) or incident_id not in held:
+            return JobChange(name, changed=False, suspended=_suspended(job), held_by=tuple(held))
+        others = [h for h in held if h != incident_id and still_open(h)]
+        if others:
+            custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"metadata": _metadata(job, others)})
+            return JobChange(name, changed=False, suspended=True, held_by=tuple(others))
+        body = {"metadata": _metadata(job, None), "spec": {"runPolicy": {"suspend": False}}}
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
     return JobChange(name, changed=True, suspended=False)
+
+
+def holds_job(ledger: Ledger, incident_id: str) -> bool:
+    """Whether ``incident_id`` still holds its job suspended: open, or stopped for a human (the safe stops
+    keep the job suspended until someone acts). An incident the ledger does not know holds nothing."""
+    try:
+        incident = ledger.get(incident_id)
+    except IncidentNotFound:
+        return False
+    return not incident.state.terminal or incident.state in STOPPED_HOLDING
 
 
 def suspend_for_incident(ledger: Ledger, api: k8s.ApiClient, incident_id: str, *, actor: str = "suspend_job") -> JobChange:
@@ -108,8 +150,10 @@ def resume_for_incident(ledger: Ledger, api: k8s.ApiClient, incident_id: str, *,
     if incident.state not in (S.POINTER_REWRITTEN, S.RESUMED):
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; the job resumes after the pointer rewrite")
     job = incident.alarm.job
-    change = resume_job(api, job.namespace, job.job_name, incident_id)
+    change = resume_job(api, job.namespace, job.job_name, incident_id, still_open=lambda other: holds_job(ledger, other))
     note = f"resumed {job.namespace}/{job.job_name} from {incident.checkpoint_after}"
+    if change.held_by:
+        note = f"{job.namespace}/{job.job_name} stays suspended for incident(s) {', '.join(change.held_by)}; pointer at {incident.checkpoint_after}"
     ledger.update(
         incident_id,
         lambda current: current if current.state != S.POINTER_REWRITTEN else current.advance(S.RESUMED, actor=actor, note=note),

@@ -1,18 +1,26 @@
 """The incident ledger: one DynamoDB item per incident, written with conditional updates.
 
-Table layout (the template creates it): partition key ``incident_id`` (S) only;
-TTL attribute ``expires_at``. Item kinds:
+Table layout (the template creates it): partition key ``incident_id`` (S);
+TTL attribute ``expires_at``; one sparse global secondary index,
+:data:`OPEN_INDEX_DEFINITION` (partition ``open_cluster``, sort ``open_until``,
+keys only), holding only the incidents that still count toward a cluster's
+blast radius, so the guard reads those and never the closed ones. Item kinds:
 
 - the incident: ``incident_id``, ``kind="incident"``, ``version`` (N),
   ``state``, ``hyperpod_cluster``, ``created_at``, ``body`` (the
   :class:`contract.Incident` as JSON), ``duplicates`` (N, an atomic counter of
-  the alarms that collapsed into it, merged into ``duplicate_alarms`` on read);
+  the alarms that collapsed into it, merged into ``duplicate_alarms`` on read),
+  ``opened_by`` (the execution that opened it), ``fault_persistence``, and,
+  while it counts toward the blast radius (:func:`counts_until`),
+  ``open_cluster`` and ``open_until`` (epoch seconds);
 - its approval task token: ``incident_id="token#<id>"``, ``kind="token"``,
   ``token``, ``expires_at`` (epoch seconds, also the TTL);
 - a lock per HyperPod cluster: ``incident_id="lock#<cluster>"``,
   ``kind="lock"``, ``owner``, ``expires_at`` (a lease), held by the guard so
   that two incidents are never admitted against the same count of
-  quarantined nodes.
+  quarantined nodes; ``recent`` maps the incidents admitted in the last
+  :data:`RECENT_SECONDS` to when, so a guard also sees an admission that the
+  (eventually consistent) index does not show yet.
 
 An incident's id is derived from its idempotency key (cluster, job, suspect
 nodes, suspect window), so duplicate alarms (many ranks, re-deliveries,
@@ -22,22 +30,83 @@ wins and the others only count themselves into ``duplicate_alarms``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
 
 from contract import Alarm, Incident, IncidentState, Transition
-from lambdas.errors import IncidentNotFound, LedgerConflict
+from lambdas.errors import IncidentNotFound, LedgerConflict, LockLost
 
 UNLOCALISED = "unlocalised"
 _TOKEN = "token#"
 _LOCK = "lock#"
 _MAX_ATTEMPTS = 12
+S = IncidentState
+
+OPEN_INDEX = "open-by-cluster"
+OPEN_INDEX_ATTRIBUTES = [
+    {"AttributeName": "open_cluster", "AttributeType": "S"},
+    {"AttributeName": "open_until", "AttributeType": "N"},
+]
+OPEN_INDEX_DEFINITION: dict[str, Any] = {
+    "IndexName": OPEN_INDEX,
+    "KeySchema": [
+        {"AttributeName": "open_cluster", "KeyType": "HASH"},
+        {"AttributeName": "open_until", "KeyType": "RANGE"},
+    ],
+    "Projection": {"ProjectionType": "KEYS_ONLY"},
+}
+"""The ledger's index of the incidents that count toward a cluster's blast radius (the template's
+``GlobalSecondaryIndexes`` entry; its attributes are :data:`OPEN_INDEX_ATTRIBUTES`)."""
+FOREVER = 32_503_680_000.0
+"""``open_until`` of an incident that counts until something changes it (the year 3000)."""
+REPLACEMENT_WINDOW = timedelta(hours=24)
+STOPPED_HOLDING = frozenset({S.NEEDS_ATTENTION, S.CONTAINED, S.FAILED})
+"""Terminal states that may leave nodes quarantined for a human."""
+RECENT_SECONDS = 60.0
+
+
+def counts_until(incident: Incident) -> float | None:
+    """Until when (epoch seconds) ``incident`` counts toward its cluster's blast radius, or None if it does not.
+
+    An open incident counts (it may hold nodes at any moment). One that stopped
+    after its guard admitted it (NEEDS_ATTENTION, CONTAINED, FAILED) may have
+    left nodes cordoned: it counts until the guard has seen them released
+    (``nodes_released_at``). One that requested replacements counts toward the
+    daily limit for 24 hours after the request. A failed incident never frees
+    quota by failing.
+    """
+    stopped_holding = (
+        incident.state in STOPPED_HOLDING and incident.entered(S.GUARDED) is not None and incident.nodes_released_at is None
+    )
+    until = FOREVER if not incident.state.terminal or stopped_holding else None
+    replacing = incident.entered(S.REPLACING)
+    if replacing is not None:
+        until = max(until or 0.0, (replacing + REPLACEMENT_WINDOW).timestamp())
+    return until
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held cluster lock: who holds it, until when, and the admissions it remembers."""
+
+    name: str
+    owner: str
+    expires_at: float
+    recent: dict[str, float]
+    """Incident id -> epoch seconds of its admission, for the last :data:`RECENT_SECONDS`."""
+
+    @property
+    def key(self) -> dict[str, Any]:
+        return {"incident_id": {"S": _LOCK + self.name}}
 
 
 def idempotency_key(alarm: Alarm) -> str:
@@ -68,11 +137,17 @@ class Ledger:
 
     # -- incidents ------------------------------------------------------------
 
-    def open(self, alarm: Alarm, *, mode: str, actor: str = "record") -> tuple[Incident, bool]:
+    def open(
+        self, alarm: Alarm, *, mode: str, actor: str = "record", opened_by: str | None = None
+    ) -> tuple[Incident, bool]:
         """Open the incident for ``alarm``, or count the alarm into the existing one.
 
         Returns ``(incident, created)``; ``created`` is False for a duplicate.
-        Raises :class:`LedgerConflict` if the item keeps changing under us.
+        ``opened_by`` names the execution recording it: when the incident
+        already exists because that same execution opened it (a retried
+        ``record``, or a request botocore resent after a lost reply), it comes
+        back as created and nothing is counted. Raises :class:`LedgerConflict`
+        if the item keeps changing under us.
         """
         key = idempotency_key(alarm)
         incident = Incident(
@@ -80,6 +155,7 @@ class Ledger:
             idempotency_key=key,
             alarm=alarm,
             mode=mode,
+            opened_by=opened_by,
             transitions=[Transition(state=IncidentState.RECORDED, actor=actor, note="alarm recorded")],
         )
         try:
@@ -94,19 +170,26 @@ class Ledger:
                 raise
         # An atomic counter, not a rewrite of the body: a storm of duplicates
         # must not contend with each other or with the handlers' writes.
+        condition, values = "attribute_exists(incident_id)", {":one": {"N": "1"}}
+        if opened_by is not None:
+            condition += " AND (attribute_not_exists(opened_by) OR opened_by <> :me)"
+            values[":me"] = {"S": opened_by}
         try:
             item = self.client.update_item(
                 TableName=self.table,
                 Key={"incident_id": {"S": incident.incident_id}},
                 UpdateExpression="ADD duplicates :one",
-                ConditionExpression="attribute_exists(incident_id)",
-                ExpressionAttributeValues={":one": {"N": "1"}},
+                ConditionExpression=condition,
+                ExpressionAttributeValues=values,
                 ReturnValues="ALL_NEW",
             )["Attributes"]
         except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
-                raise LedgerConflict(f"incident {incident.incident_id} vanished while counting a duplicate") from None
-            raise
+            if _code(exc) != "ConditionalCheckFailedException":
+                raise
+            existing = self.get(incident.incident_id)  # IncidentNotFound if it vanished
+            if opened_by is not None and existing.opened_by == opened_by:
+                return existing, True  # our own earlier write: go on as its opener
+            raise LedgerConflict(f"incident {incident.incident_id} changed while counting a duplicate") from None
         return self._incident(item), False
 
     def get(self, incident_id: str) -> Incident:
@@ -122,38 +205,69 @@ class Ledger:
             raise IncidentNotFound(f"no incident {incident_id!r} in the ledger {self.table}")
         return self._incident(item), int(item["version"]["N"])
 
-    def save(self, incident: Incident, expected_version: int) -> int:
+    def save(self, incident: Incident, expected_version: int, *, lease: Lease | None = None) -> int:
         """Write ``incident`` if the item is still at ``expected_version``; returns the new version.
 
-        Raises :class:`LedgerConflict` when someone else wrote it first.
+        With ``lease``, the write is one transaction with a check that the lease
+        is still held (and it records the admission on the lock): a guard whose
+        lease expired meanwhile writes nothing. Raises :class:`LedgerConflict`
+        when someone else wrote it first and :class:`LockLost` when the lease is gone.
         """
         item = self._item(incident, expected_version + 1)
         del item["incident_id"]
+        gone = [k for k in _INDEX_KEYS if k not in item]
+        # SET, not a whole-item put: the duplicates counter is someone else's.
+        update: dict[str, Any] = {
+            "TableName": self.table,
+            "Key": {"incident_id": {"S": incident.incident_id}},
+            "UpdateExpression": "SET " + ", ".join(f"#{k} = :{k}" for k in item)
+            + (" REMOVE " + ", ".join(f"#{k}" for k in gone) if gone else ""),
+            "ConditionExpression": "version = :expected",
+            "ExpressionAttributeNames": {f"#{k}": k for k in [*item, *gone]},
+            "ExpressionAttributeValues": {**{f":{k}": v for k, v in item.items()}, ":expected": {"N": str(expected_version)}},
+        }
+        if lease is None:
+            try:
+                self.client.update_item(**update)
+            except ClientError as exc:
+                if _code(exc) == "ConditionalCheckFailedException":
+                    raise LedgerConflict(f"incident {incident.incident_id} changed since version {expected_version}") from None
+                raise
+            return expected_version + 1
+        now = time.time()
+        stale = [i for i, at in lease.recent.items() if at < now - RECENT_SECONDS and i != incident.incident_id]
+        names = {"#o": "owner", "#me": incident.incident_id, **{f"#r{n}": i for n, i in enumerate(stale)}}
+        lock = {
+            "TableName": self.table,
+            "Key": lease.key,
+            "UpdateExpression": "SET recent.#me = :now" + "".join(f" REMOVE recent.#r{n}" if n == 0 else f", recent.#r{n}" for n in range(len(stale))),
+            "ConditionExpression": "#o = :owner AND expires_at > :now",
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": {":owner": {"S": lease.owner}, ":now": {"N": str(now)}},
+        }
         try:
-            # SET, not a whole-item put: the duplicates counter is someone else's.
-            self.client.update_item(
-                TableName=self.table,
-                Key={"incident_id": {"S": incident.incident_id}},
-                UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in item),
-                ConditionExpression="version = :expected",
-                ExpressionAttributeNames={f"#{k}": k for k in item},
-                ExpressionAttributeValues={**{f":{k}": v for k, v in item.items()}, ":expected": {"N": str(expected_version)}},
-            )
+            self.client.transact_write_items(TransactItems=[{"Update": lock}, {"Update": update}])
         except ClientError as exc:
-            if _code(exc) == "ConditionalCheckFailedException":
+            if _code(exc) != "TransactionCanceledException":
+                raise
+            reasons = [r.get("Code", "") for r in exc.response.get("CancellationReasons", [])]
+            if reasons[:1] == ["ConditionalCheckFailed"]:
+                raise LockLost(f"lock {lease.name}: the lease of {lease.owner} expired before its write") from None
+            if reasons[1:2] == ["ConditionalCheckFailed"]:
                 raise LedgerConflict(f"incident {incident.incident_id} changed since version {expected_version}") from None
-            raise
+            raise LedgerConflict(f"incident {incident.incident_id}: transaction cancelled ({', '.join(reasons)})") from None
         return expected_version + 1
 
     @contextlib.contextmanager
-    def locked(self, name: str, owner: str, *, lease_seconds: float = 30.0, wait_seconds: float = 20.0) -> Iterator[None]:
-        """Hold the lock item ``lock#<name>`` while the block runs.
+    def locked(self, name: str, owner: str, *, lease_seconds: float = 30.0, wait_seconds: float = 20.0) -> Iterator[Lease]:
+        """Hold the lock item ``lock#<name>`` while the block runs; yields the :class:`Lease`.
 
         Decisions that read many incidents (the blast radius) run under the
-        cluster's lock, so two of them never act on the same picture. A lease
-        that its holder never released (a crashed Lambda) expires after
-        ``lease_seconds``. Raises :class:`LedgerConflict` when the lock stays
-        taken for ``wait_seconds``.
+        cluster's lock, so two of them never act on the same picture; their
+        write passes the lease to :meth:`update`, which re-checks it in the same
+        transaction. A lease that its holder never released (a crashed Lambda)
+        expires after ``lease_seconds``. Raises :class:`LedgerConflict` when the
+        lock stays taken for ``wait_seconds``.
         """
         key = {"incident_id": {"S": _LOCK + name}}
         deadline = time.monotonic() + wait_seconds
@@ -161,17 +275,21 @@ class Ledger:
         while True:
             now = time.time()
             try:
-                self.client.put_item(
+                item = self.client.update_item(
                     TableName=self.table,
-                    Item={
-                        **key,
-                        "kind": {"S": "lock"},
-                        "owner": {"S": owner},
-                        "expires_at": {"N": str(now + lease_seconds)},
+                    Key=key,
+                    UpdateExpression="SET kind = :lock, #o = :me, expires_at = :until, recent = if_not_exists(recent, :none)",
+                    ConditionExpression="attribute_not_exists(#o) OR expires_at < :now",
+                    ExpressionAttributeNames={"#o": "owner"},
+                    ExpressionAttributeValues={
+                        ":lock": {"S": "lock"},
+                        ":me": {"S": owner},
+                        ":until": {"N": str(now + lease_seconds)},
+                        ":now": {"N": str(now)},
+                        ":none": {"M": {}},
                     },
-                    ConditionExpression="attribute_not_exists(incident_id) OR expires_at < :now",
-                    ExpressionAttributeValues={":now": {"N": str(now)}},
-                )
+                    ReturnValues="ALL_NEW",
+                )["Attributes"]
                 break
             except ClientError as exc:
                 if _code(exc) != "ConditionalCheckFailedException":
@@ -180,13 +298,16 @@ class Ledger:
                 raise LedgerConflict(f"lock {name} stayed taken for {wait_seconds:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+        recent = {k: float(v["N"]) for k, v in item.get("recent", {}).get("M", {}).items()}
         try:
-            yield
+            yield Lease(name=name, owner=owner, expires_at=now + lease_seconds, recent=recent)
         finally:
             try:
-                self.client.delete_item(
+                # The item stays (its ``recent`` admissions are the next guard's); only the lease goes.
+                self.client.update_item(
                     TableName=self.table,
                     Key=key,
+                    UpdateExpression="REMOVE #o, expires_at",
                     ConditionExpression="#o = :me",
                     ExpressionAttributeNames={"#o": "owner"},
                     ExpressionAttributeValues={":me": {"S": owner}},
@@ -195,13 +316,17 @@ class Ledger:
                 if _code(exc) != "ConditionalCheckFailedException":  # our lease expired and was taken over
                     raise
 
-    def update(self, incident_id: str, change: Callable[[Incident], Incident]) -> Incident:
+    def update(
+        self, incident_id: str, change: Callable[[Incident], Incident], *, lease: Lease | None = None
+    ) -> Incident:
         """Read, apply ``change``, write conditionally; re-read and re-apply on a conflict.
 
         ``change`` returning the incident unchanged (the same object) writes
         nothing: a retried handler does no second thing. Exceptions from
-        ``change`` propagate and nothing is written. Raises
-        :class:`IncidentNotFound` and :class:`LedgerConflict` (still losing
+        ``change`` propagate and nothing is written. With ``lease`` the write
+        also checks the lease (see :meth:`save`). Raises
+        :class:`IncidentNotFound`, :class:`LockLost` (not retried: the
+        decision must be made again) and :class:`LedgerConflict` (still losing
         after several attempts).
         """
         for attempt in range(_MAX_ATTEMPTS):
@@ -210,8 +335,10 @@ class Ledger:
             if changed is current:
                 return current
             try:
-                self.save(changed, version)
+                self.save(changed, version, lease=lease)
                 return changed
+            except LockLost:
+                raise
             except LedgerConflict:
                 time.sleep(min(0.05 * 2**attempt, 1.0))
         raise LedgerConflict(f"incident {incident_id}: gave up after {_MAX_ATTEMPTS} conflicting writes")
@@ -230,6 +357,37 @@ class Ledger:
         for page in self.client.get_paginator("scan").paginate(**kwargs):
             out.extend(self._incident(item) for item in page.get("Items", []))
         return sorted(out, key=lambda i: i.created_at, reverse=True)
+
+    def counting(self, hyperpod_cluster: str, *, lease: Lease | None = None) -> builtins.list[Incident]:
+        """The incidents that count toward ``hyperpod_cluster``'s blast radius now, read consistently.
+
+        One query of :data:`OPEN_INDEX` (closed incidents are not in it), plus
+        the admissions the lease remembers (the index may not show them yet);
+        each incident is then read from the table itself, so its state is the
+        current one. Incidents whose :func:`counts_until` has passed are left out.
+        """
+        now = time.time()
+        ids: set[str] = set()
+        pages = self.client.get_paginator("query").paginate(
+            TableName=self.table,
+            IndexName=OPEN_INDEX,
+            KeyConditionExpression="open_cluster = :c AND open_until > :now",
+            ExpressionAttributeValues={":c": {"S": hyperpod_cluster}, ":now": {"N": str(now)}},
+        )
+        for page in pages:
+            ids.update(item["incident_id"]["S"] for item in page.get("Items", []))
+        if lease is not None:
+            ids.update(i for i, at in lease.recent.items() if at >= now - RECENT_SECONDS)
+        out: builtins.list[Incident] = []
+        for incident_id in sorted(ids):
+            try:
+                incident = self.get(incident_id)
+            except IncidentNotFound:
+                continue
+            until = counts_until(incident)
+            if until is not None and until > now and incident.alarm.job.hyperpod_cluster == hyperpod_cluster:
+                out.append(incident)
+        return out
 
     # -- approval task tokens ---------------------------------------------------
 
@@ -268,15 +426,26 @@ class Ledger:
 
     @staticmethod
     def _item(incident: Incident, version: int) -> dict[str, Any]:
-        return {
+        item: dict[str, Any] = {
             "incident_id": {"S": incident.incident_id},
             "kind": {"S": "incident"},
             "version": {"N": str(version)},
             "state": {"S": incident.state.value},
             "hyperpod_cluster": {"S": incident.alarm.job.hyperpod_cluster},
             "created_at": {"S": incident.created_at.isoformat()},
+            "fault_persistence": {"S": incident.alarm.fault_persistence},
             "body": {"S": incident.model_dump_json()},
         }
+        if incident.opened_by is not None:
+            item["opened_by"] = {"S": incident.opened_by}
+        until = counts_until(incident)
+        if until is not None:
+            item["open_cluster"] = {"S": incident.alarm.job.hyperpod_cluster}
+            item["open_until"] = {"N": f"{until:.3f}"}
+        return item
+
+
+_INDEX_KEYS = ("open_cluster", "open_until")
 
 
 def _code(exc: ClientError) -> str:

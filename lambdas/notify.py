@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import boto3
@@ -9,6 +11,22 @@ import boto3
 from contract import Incident
 
 SUBJECT_LIMIT = 100
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+PERSISTENCE = {
+    "persistent": "persistent: the suspect replayed its computation and got it wrong again",
+    "transient": "transient: the suspect replayed its computation and now agrees with the majority",
+    "unknown": "unknown: no replay applies to this detector",
+}
+
+
+def quote(value: object) -> str:
+    """``value`` as a JSON string literal: newlines, control and non-ASCII characters escaped.
+
+    Every string an alarm or a reviewer supplied goes through this before it is
+    put in a notification, so a crafted message or name cannot start a line of
+    its own (a forged "Suspect:" or approve command) in the reviewers' e-mail.
+    """
+    return json.dumps(str(value), ensure_ascii=True)
 
 
 def publish(topic_arn: str, subject: str, message: str, *, incident: Incident | None = None, client: Any = None) -> str:
@@ -18,6 +36,7 @@ def publish(topic_arn: str, subject: str, message: str, *, incident: Incident | 
     travel as message attributes so subscribers can filter.
     """
     client = client or boto3.client("sns")
+    subject = _UNPRINTABLE.sub(" ", subject)  # SNS refuses a subject with a line break or non-ASCII
     attributes: dict[str, Any] = {}
     if incident is not None:
         attributes = {
@@ -36,20 +55,30 @@ def publish(topic_arn: str, subject: str, message: str, *, incident: Incident | 
 def describe(incident: Incident) -> str:
     """A plain-text description of the incident for a human."""
     alarm = incident.alarm
+    job = alarm.job
     lines = [
         f"Incident {incident.incident_id}: {incident.state.value}",
-        f"Job: {alarm.job.namespace}/{alarm.job.job_name} on HyperPod {alarm.job.hyperpod_cluster} (EKS {alarm.job.eks_cluster})",
+        f"Job: {quote(job.namespace)}/{quote(job.job_name)} on HyperPod {quote(job.hyperpod_cluster)} "
+        f"(EKS {quote(job.eks_cluster)})",
         f"Detector: {alarm.detector.value} at step {alarm.step} ({'localised' if alarm.localized else 'not localised'})",
+        f"Fault persistence: {PERSISTENCE[alarm.fault_persistence]}",
         f"Trusted through step: {alarm.trusted_through_step()}",
         f"Duplicate alarms: {incident.duplicate_alarms}",
     ]
     for suspect in incident.suspects:
-        lines.append(f"Suspect: rank {suspect.global_rank} pod {suspect.pod} node {suspect.node} instance {suspect.instance_id}")
+        lines.append(
+            f"Suspect: rank {suspect.global_rank} pod {quote(suspect.pod)} node {quote(suspect.node)} "
+            f"instance {suspect.instance_id}"
+        )
     if not incident.suspects:
         for raw in alarm.suspects:
-            lines.append(f"Suspect (unresolved): rank {raw.global_rank} pod {raw.pod} node {raw.node}")
+            lines.append(f"Suspect (unresolved): rank {raw.global_rank} pod {quote(raw.pod)} node {quote(raw.node)}")
     if alarm.message:
-        lines.append(f"Agent says: {alarm.message}")
+        lines.append(f"Agent says: {quote(alarm.message)}")
+    if incident.decision is not None:
+        d = incident.decision
+        lines.append(f"Decision: {d.decision} by {quote(d.reviewer)}: {quote(d.reason)}")
     if incident.failure is not None:
-        lines.append(f"Stopped in {incident.failure.state}: {incident.failure.error}: {incident.failure.cause}")
+        f = incident.failure
+        lines.append(f"Stopped in {quote(f.state)}: {quote(f.error)}: {quote(f.cause)}")
     return "\n".join(lines)

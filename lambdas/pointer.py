@@ -15,9 +15,14 @@ WRITER = "sdcguard-pipeline"
 
 
 def allowed_prefix(checkpoint_prefix: str, *, bucket: str, prefix: str) -> bool:
-    """Whether the alarm's ``s3://`` checkpoint prefix lies under the bucket/prefix we may write."""
-    base = f"s3://{bucket}/" + (prefix.strip("/") + "/" if prefix.strip("/") else "")
-    return (checkpoint_prefix.rstrip("/") + "/").startswith(base)
+    """Whether the alarm's ``s3://`` checkpoint prefix is exactly the bucket/prefix this stack guards.
+
+    Not any prefix under it: an alarm naming ``<prefix>/other-job`` would
+    otherwise move another job's pointer (or one an attacker planted there).
+    A trailing ``/`` on either side does not matter; an empty prefix is the bucket's root.
+    """
+    guarded = f"s3://{bucket}/{prefix.strip('/')}".rstrip("/")
+    return checkpoint_prefix.rstrip("/") == guarded
 
 
 def rewrite_for_incident(
@@ -43,7 +48,8 @@ def rewrite_for_incident(
     location = incident.alarm.checkpoint_prefix
     if not allowed_prefix(location, bucket=checkpoint_bucket, prefix=checkpoint_prefix):
         raise PointerOutsidePrefix(
-            f"checkpoints at {location} are outside s3://{checkpoint_bucket}/{checkpoint_prefix}, which this pipeline may write"
+            f"checkpoints at {location} are not s3://{checkpoint_bucket}/{checkpoint_prefix.strip('/')}, "
+            "the one prefix this pipeline guards; the pointer is left as it is"
         )
     store = open_store(location, client=s3)
     trusted = incident.alarm.trusted_through_step()

@@ -18,11 +18,11 @@ class Recorded:
     duplicate: bool
 
 
-def record_alarm(ledger: Ledger, alarm: Alarm, settings: Settings, *, actor: str = "record") -> Recorded:
-    """Open (or deduplicate into) the incident of ``alarm``.
+def check_scope(alarm: Alarm, settings: Settings) -> None:
+    """Raises :class:`NotInCluster` unless ``alarm`` is about what this deployment guards.
 
-    Raises :class:`NotInCluster`, writing nothing, for an alarm about another
-    HyperPod or EKS cluster (or another namespace, when one is configured).
+    That is the HyperPod and EKS cluster, and the job namespace; a deployment
+    without ``JOB_NAMESPACE`` guards no namespace, so it acts on no alarm.
     """
     job = alarm.job
     if job.hyperpod_cluster != settings.hyperpod_cluster or job.eks_cluster != settings.eks_cluster:
@@ -30,9 +30,27 @@ def record_alarm(ledger: Ledger, alarm: Alarm, settings: Settings, *, actor: str
             f"alarm {alarm.alarm_id} is for HyperPod {job.hyperpod_cluster} / EKS {job.eks_cluster}; "
             f"this pipeline guards HyperPod {settings.hyperpod_cluster} / EKS {settings.eks_cluster}"
         )
-    if settings.job_namespace and job.namespace != settings.job_namespace:
+    if not settings.job_namespace:
+        raise NotInCluster(
+            f"alarm {alarm.alarm_id}: this deployment guards no namespace (JobNamespace / JOB_NAMESPACE is empty); "
+            "nothing is acted on"
+        )
+    if job.namespace != settings.job_namespace:
         raise NotInCluster(
             f"alarm {alarm.alarm_id} is for namespace {job.namespace}; this pipeline guards {settings.job_namespace}"
         )
-    incident, created = ledger.open(alarm, mode=settings.mode, actor=actor)
+
+
+def record_alarm(
+    ledger: Ledger, alarm: Alarm, settings: Settings, *, opened_by: str | None = None, actor: str = "record"
+) -> Recorded:
+    """Open (or deduplicate into) the incident of ``alarm``.
+
+    ``opened_by`` is the recording execution: the same execution recording
+    again (a retry) gets its own incident back, not a duplicate. Raises
+    :class:`NotInCluster`, writing nothing, for an alarm outside what the
+    settings guard (:func:`check_scope`).
+    """
+    check_scope(alarm, settings)
+    incident, created = ledger.open(alarm, mode=settings.mode, actor=actor, opened_by=opened_by)
     return Recorded(incident=incident, duplicate=not created)

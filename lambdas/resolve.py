@@ -1,23 +1,103 @@
-"""Resolution: suspect rank -> pod -> node -> EC2 instance, confirmed against HyperPod.
+"""Resolution: suspect rank -> pod -> node -> EC2 instance, each link confirmed by the cluster.
 
-On HyperPod EKS clusters a node is named ``hyperpod-i-0123456789abcdef0``; the
-instance id is in the name. When it is not (a renamed node), the node is
-matched against the cluster's own node list by private DNS host name. Either
-way the instance must be one of the HyperPod cluster's nodes, or nothing is
-touched.
+An alarm is a claim, and anyone who can put an event on the bus can make one;
+so nothing it names is believed. The suspect's pod is read through the
+Kubernetes API: it must exist in the job's namespace, carry the alarm's job
+in its job-name label, and run (``spec.nodeName``) on the node the alarm
+names. That node is then traced to its instance: on HyperPod EKS clusters a
+node is named ``hyperpod-i-0123456789abcdef0`` (:mod:`contract.naming`); a
+renamed node is matched by its own name or addresses (never by a host name
+the alarm supplies) against the private DNS names of the cluster's node list.
+The instance must be one of the HyperPod cluster's nodes, and the node's
+provider id, when it has one, must name it. Any mismatch touches nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import boto3
+from kubernetes import client as k8s
 
-from contract import Alarm, Incident, IncidentState, ResolvedSuspect
+from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Suspect
 from contract.naming import instance_id_of
-from lambdas.errors import NotInCluster, SuspectUnresolvable
+from lambdas.errors import NotInCluster, SuspectMismatch, SuspectUnresolvable
+from lambdas.kube_errors import kubernetes_errors
 from lambdas.ledger import Ledger
+from lambdas.record import check_scope
+from lambdas.settings import Settings
+
+JOB_NAME_LABELS = ("training.kubeflow.org/job-name", "job-name")
+"""The Kubeflow training operator's job-name label on the pods it makes (and its older name)."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the Kubernetes API says about one suspect's pod and the node it runs on."""
+
+    pod_exists: bool
+    job_name: str | None = None
+    """The pod's job-name label."""
+    node: str | None = None
+    """The pod's ``spec.nodeName``."""
+    node_exists: bool = False
+    node_addresses: tuple[str, ...] = ()
+    provider_id: str = ""
+
+
+def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict[int, Observed]:
+    """Read each suspect's pod (in ``namespace``) and the node it runs on; by global rank.
+
+    Reads only (pods get, nodes get). Raises :class:`TransientKubernetesError`.
+    """
+    core = k8s.CoreV1Api(api)
+    out: dict[int, Observed] = {}
+    for suspect in suspects:
+        pod = _read(lambda s=suspect: core.read_namespaced_pod(s.pod, namespace), f"pod {namespace}/{suspect.pod}")
+        if pod is None:
+            out[suspect.global_rank] = Observed(pod_exists=False)
+            continue
+        labels = pod.metadata.labels or {}
+        job = next((labels[k] for k in JOB_NAME_LABELS if k in labels), None)
+        node_name = pod.spec.node_name if pod.spec else None
+        node = _read(lambda n=node_name: core.read_node(n), f"node {node_name}") if node_name else None
+        addresses = tuple(a.address for a in (node.status.addresses or [])) if node is not None and node.status else ()
+        out[suspect.global_rank] = Observed(
+            pod_exists=True,
+            job_name=job,
+            node=node_name,
+            node_exists=node is not None,
+            node_addresses=addresses,
+            provider_id=(node.spec.provider_id or "") if node is not None and node.spec else "",
+        )
+    return out
+
+
+def _read(call: Any, what: str) -> Any:
+    with kubernetes_errors(what):
+        try:
+            return call()
+        except k8s.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def mismatch(suspect: Suspect, seen: Observed, *, namespace: str, job_name: str) -> str | None:
+    """Why the cluster contradicts what the alarm says about ``suspect``, or None when it agrees."""
+    where = f"rank {suspect.global_rank}: pod {suspect.pod}"
+    if not seen.pod_exists:
+        return f"{where} does not exist in namespace {namespace}"
+    if seen.job_name != job_name:
+        label = f"job-name label {seen.job_name!r}" if seen.job_name is not None else "no job-name label"
+        return f"{where} is not a pod of PyTorchJob {namespace}/{job_name} (it has {label})"
+    if seen.node != suspect.node:
+        return f"{where} runs on node {seen.node!r}, not on node {suspect.node!r} that the alarm names"
+    if not seen.node_exists:
+        return f"{where}: its node {seen.node!r} does not exist"
+    return None
 
 
 @dataclass(frozen=True)
@@ -63,11 +143,16 @@ def list_cluster_nodes(cluster: str, client: Any = None) -> dict[str, ClusterNod
             return nodes
 
 
-def resolve_suspects(alarm: Alarm, nodes: dict[str, ClusterNode]) -> list[ResolvedSuspect]:
-    """Each suspect traced to an instance of the cluster whose node list is ``nodes``.
+def resolve_suspects(
+    alarm: Alarm, nodes: dict[str, ClusterNode], *, node_addresses: Mapping[str, tuple[str, ...]] | None = None
+) -> list[ResolvedSuspect]:
+    """Each suspect's node traced to an instance of the cluster whose node list is ``nodes``.
 
-    Raises :class:`SuspectUnresolvable` when the alarm names no suspect (not
-    localised) or a suspect's node cannot be traced to an instance, and
+    A node not named ``hyperpod-<instance id>`` is matched by its name, or by
+    one of its own ``node_addresses`` (as the Kubernetes API reports them),
+    against the cluster's private DNS names; the alarm's ``host`` is never
+    used. Raises :class:`SuspectUnresolvable` when the alarm names no suspect
+    (not localised) or a suspect's node cannot be traced to an instance, and
     :class:`NotInCluster` when the instance is not one of the cluster's nodes.
     """
     if not alarm.suspects:
@@ -79,7 +164,8 @@ def resolve_suspects(alarm: Alarm, nodes: dict[str, ClusterNode]) -> list[Resolv
     for suspect in sorted(alarm.suspects, key=lambda s: s.global_rank):
         instance_id = instance_id_from_node_name(suspect.node)
         if instance_id is None:
-            match = by_dns.get(suspect.node) or by_dns.get(suspect.host)
+            names = (suspect.node, *(node_addresses or {}).get(suspect.node, ()))
+            match = next((by_dns[n] for n in names if n in by_dns), None)
             if match is None:
                 raise SuspectUnresolvable(
                     f"rank {suspect.global_rank}: node {suspect.node!r} is neither a HyperPod node name "
@@ -104,21 +190,58 @@ def resolve_suspects(alarm: Alarm, nodes: dict[str, ClusterNode]) -> list[Resolv
     return resolved
 
 
-def resolve_incident(ledger: Ledger, incident_id: str, *, sagemaker: Any = None, actor: str = "resolve") -> Incident:
-    """Resolve the incident's suspects and record them (RECORDED -> RESOLVED).
+def resolve_incident(
+    ledger: Ledger,
+    incident_id: str,
+    settings: Settings,
+    *,
+    kubernetes: k8s.ApiClient,
+    sagemaker: Any = None,
+    actor: str = "resolve",
+) -> Incident:
+    """Resolve the incident's suspects, each confirmed by the cluster, and record them (RECORDED -> RESOLVED).
 
-    Idempotent: an incident already resolved is returned unchanged. Raises
-    :class:`SuspectUnresolvable` and :class:`NotInCluster` and records nothing.
+    Idempotent: an incident already resolved is returned unchanged. Records
+    nothing and raises :class:`NotInCluster` (an alarm outside what the
+    settings guard, or an instance that is not the cluster's),
+    :class:`SuspectMismatch` (the pod is missing, not of the job, or on
+    another node; the node's provider id names another instance) and
+    :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node).
     """
     incident = ledger.get(incident_id)
     if incident.entered(IncidentState.RESOLVED):
         return incident
-    nodes = list_cluster_nodes(incident.alarm.job.hyperpod_cluster, sagemaker)
-    suspects = resolve_suspects(incident.alarm, nodes)
-    note = ", ".join(f"rank {s.global_rank} -> {s.instance_id}" for s in suspects)
+    alarm = incident.alarm
+    check_scope(alarm, settings)
+    if not alarm.suspects:
+        resolve_suspects(alarm, {})  # raises: not localised
+    job = alarm.job
+    observed = observe(kubernetes, job.namespace, list(alarm.suspects))
+    reasons = [
+        reason
+        for suspect in sorted(alarm.suspects, key=lambda s: s.global_rank)
+        if (reason := mismatch(suspect, observed[suspect.global_rank], namespace=job.namespace, job_name=job.job_name))
+    ]
+    if reasons:
+        raise SuspectMismatch(f"alarm {alarm.alarm_id} does not match the cluster; nothing touched: " + "; ".join(reasons))
+    nodes = list_cluster_nodes(job.hyperpod_cluster, sagemaker)
+    addresses = {s.node: observed[s.global_rank].node_addresses for s in alarm.suspects}
+    # The node to act on is the one Kubernetes says the pod runs on (checked equal to the alarm's above).
+    suspects = [
+        s.model_copy(update={"node": observed[s.global_rank].node})
+        for s in resolve_suspects(alarm, nodes, node_addresses=addresses)
+    ]
+    for s in suspects:
+        provider = observed[s.global_rank].provider_id
+        if provider and s.instance_id not in provider:
+            raise SuspectMismatch(
+                f"rank {s.global_rank}: node {s.node} is instance {provider!r} to Kubernetes, "
+                f"not {s.instance_id}; nothing touched"
+            )
+    note = ", ".join(f"rank {s.global_rank} -> pod {s.pod} on {s.node} -> {s.instance_id}" for s in suspects)
     return ledger.update(
         incident_id,
         lambda current: current
         if current.entered(IncidentState.RESOLVED)
-        else current.advance(IncidentState.RESOLVED, actor=actor, note=note, suspects=suspects),
+        else current.advance(IncidentState.RESOLVED, actor=actor, note=note[:1024], suspects=suspects),
     )

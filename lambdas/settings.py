@@ -9,27 +9,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-# Env var -> field. The names are shared with the CloudFormation template.
-ENV = {
-    "LEDGER_TABLE": "ledger_table",
-    "IDEMPOTENCY_TABLE": "idempotency_table",
-    "TOPIC_ARN": "topic_arn",
-    "HYPERPOD_CLUSTER": "hyperpod_cluster",
-    "EKS_CLUSTER": "eks_cluster",
-    "JOB_NAMESPACE": "job_namespace",
-    "CHECKPOINT_BUCKET": "checkpoint_bucket",
-    "CHECKPOINT_PREFIX": "checkpoint_prefix",
-    "MODE": "mode",
-    "MAX_QUARANTINED_NODES": "max_quarantined_nodes",
-    "MAX_REPLACEMENTS_PER_DAY": "max_replacements_per_day",
-    "APPROVAL_TIMEOUT_SECONDS": "approval_timeout_seconds",
-    "DCGM_METRIC_NAMES": "dcgm_metric_names",
-    "DECIDE_STATE_MACHINE_ARN": "decide_state_machine_arn",
-    "REPLACEMENT_POLL_SECONDS": "replacement_poll_seconds",
-    "REPLACEMENT_MAX_POLLS": "replacement_max_polls",
-}
-REQUIRED = ("LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "CHECKPOINT_BUCKET")
-
 # The DCGM counters that, when the cluster's CloudWatch agent scrapes
 # dcgm-exporter, say the hardware itself noticed something.
 DEFAULT_DCGM_METRICS = (
@@ -47,42 +26,42 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseModel):
-    """What every handler reads from its environment."""
+    """What every handler reads from its environment; each field's alias is its variable (shared with the template)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
 
-    ledger_table: Annotated[str, Field(min_length=3)]
+    ledger_table: Annotated[str, Field(alias="LEDGER_TABLE", min_length=3)]
     """DynamoDB table of the incident ledger."""
-    idempotency_table: Annotated[str, Field(min_length=3)]
+    idempotency_table: Annotated[str, Field(alias="IDEMPOTENCY_TABLE", min_length=3)]
     """DynamoDB table of powertools' idempotency records."""
-    topic_arn: Annotated[str, Field(pattern=r"^arn:aws[a-z-]*:sns:")]
+    topic_arn: Annotated[str, Field(alias="TOPIC_ARN", pattern=r"^arn:aws[a-z-]*:sns:")]
     """SNS topic the reviewers subscribe to."""
-    hyperpod_cluster: Annotated[str, Field(min_length=1)]
+    hyperpod_cluster: Annotated[str, Field(alias="HYPERPOD_CLUSTER", min_length=1)]
     """The HyperPod cluster this pipeline guards: alarms for any other are refused."""
-    eks_cluster: Annotated[str, Field(min_length=1)]
+    eks_cluster: Annotated[str, Field(alias="EKS_CLUSTER", min_length=1)]
     """The EKS cluster that orchestrates it."""
-    job_namespace: str = ""
-    """When set, alarms for jobs in another namespace are refused."""
-    checkpoint_bucket: Annotated[str, Field(min_length=3)]
+    job_namespace: Annotated[str, Field(alias="JOB_NAMESPACE")] = ""
+    """The namespace of the guarded jobs. Empty: no alarm is acted on (each is refused, naming this)."""
+    checkpoint_bucket: Annotated[str, Field(alias="CHECKPOINT_BUCKET", min_length=3)]
     """The bucket of the checkpoints the pipeline may rewrite the pointer in."""
-    checkpoint_prefix: str = ""
-    """The prefix inside it (empty: the whole bucket)."""
-    mode: Literal["normal", "dry_run", "cordon_only"] = "normal"
+    checkpoint_prefix: Annotated[str, Field(alias="CHECKPOINT_PREFIX")] = ""
+    """The guarded job's checkpoint prefix inside it: an alarm must name exactly this one (empty: the bucket's root)."""
+    mode: Annotated[Literal["normal", "dry_run", "cordon_only"], Field(alias="MODE")] = "normal"
     """dry_run decides and records only; cordon_only contains and stops for a human."""
-    max_quarantined_nodes: Annotated[int, Field(ge=0)] = 2
+    max_quarantined_nodes: Annotated[int, Field(alias="MAX_QUARANTINED_NODES", ge=0)] = 2
     """Nodes under sdcguard quarantine at once, per cluster."""
-    max_replacements_per_day: Annotated[int, Field(ge=0)] = 4
+    max_replacements_per_day: Annotated[int, Field(alias="MAX_REPLACEMENTS_PER_DAY", ge=0)] = 4
     """Replacements requested in any 24 hours, per cluster."""
-    approval_timeout_seconds: Annotated[int, Field(ge=2, le=31_536_000)] = 86_400
+    approval_timeout_seconds: Annotated[int, Field(alias="APPROVAL_TIMEOUT_SECONDS", ge=2, le=31_536_000)] = 86_400
     """How long a reviewer has to decide before the incident stops safely."""
-    dcgm_metric_names: tuple[str, ...] = DEFAULT_DCGM_METRICS
+    dcgm_metric_names: Annotated[tuple[str, ...], Field(alias="DCGM_METRIC_NAMES")] = DEFAULT_DCGM_METRICS
     """DCGM counters published to CloudWatch whose non-zero value corroborates an alarm."""
-    decide_state_machine_arn: str = ""
+    decide_state_machine_arn: Annotated[str, Field(alias="DECIDE_STATE_MACHINE_ARN")] = ""
     """The decision machine, named in the reviewers' notification."""
-    replacement_poll_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
+    replacement_poll_seconds: Annotated[int, Field(alias="REPLACEMENT_POLL_SECONDS", ge=1, le=3600)] = 30
     """How often the wait loop asks HyperPod whether the replacement runs."""
-    replacement_max_polls: Annotated[int, Field(ge=1, le=10_000)] = 120
-    """The wait loop's upper bound: after this many polls the replacement has failed."""
+    replacement_max_polls: Annotated[int, Field(alias="REPLACEMENT_MAX_POLLS", ge=1, le=10_000)] = 120
+    """The wait loop's upper bound: after this many polls the replacement has failed (deploy bounds it by the execution history limit)."""
 
     def timeouts(self) -> dict[str, int]:
         """The bounds the state machine reads from its data (HeartbeatSecondsPath, TimeoutSecondsPath, SecondsPath).
@@ -115,15 +94,19 @@ class Settings(BaseModel):
         missing = [name for name in REQUIRED if not environ.get(name)]
         if missing:
             raise SettingsError(f"missing environment variable(s): {', '.join(missing)}")
-        values = {field: environ[name] for name, field in ENV.items() if environ.get(name)}
+        # An empty variable (a template parameter left at "") means the field's default.
+        values = {name: environ[name] for name in ENV if environ.get(name)}
         try:
-            return cls.model_validate(values)
+            settings = cls.model_validate(values)
         except ValidationError as exc:
-            by_field = {field: name for name, field in ENV.items()}
-            problems = "; ".join(
-                f"{by_field.get(str(err['loc'][0]), err['loc'][0])}: {err['msg']}" for err in exc.errors()
-            )
+            problems = "; ".join(f"{err['loc'][0]}: {err['msg']}" for err in exc.errors())
             raise SettingsError(f"invalid environment: {problems}") from None
+        return settings
+
+
+ENV: dict[str, str] = {str(field.alias): name for name, field in Settings.model_fields.items()}
+"""Environment variable -> field: the variables the template sets on every function."""
+REQUIRED = tuple(str(f.alias) for f in Settings.model_fields.values() if f.is_required())
 
 
 @functools.cache

@@ -2,7 +2,8 @@
 
 The rule (the same for the pipeline and for ``sdcguard checkpoints select``):
 the newest checkpoint whose step is at or before the trusted-through step, whose
-manifest exists and whose objects all verify. A checkpoint's step is the first
+manifest exists and lists every object a resume needs, and whose objects all
+verify. A checkpoint's step is the first
 step a resumed job runs (it holds the updates of steps ``0 .. step-1``), so a
 checkpoint at step ``S <= T`` contains no update made after step ``T-1``; for an
 alarm, ``T`` is :meth:`contract.Alarm.trusted_through_step`.
@@ -21,7 +22,7 @@ from contract.checkpoint import CheckpointManifest, checkpoint_dir
 from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, NoSafeCheckpoint, PassedOver
 from lineage.listing import checkpoint_steps
 from lineage.store import ObjectStore
-from lineage.verify import verify_checkpoint
+from lineage.verify import RESUME_OBJECTS, missing_for_resume, read_manifest, verify_objects
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,16 @@ class Selection:
         }
 
 
-def select_checkpoint(store: ObjectStore, trusted_through_step: int) -> Selection:
-    """The newest committed, verified checkpoint at or before ``trusted_through_step``.
+def select_checkpoint(
+    store: ObjectStore, trusted_through_step: int, *, required: tuple[str, ...] = RESUME_OBJECTS
+) -> Selection:
+    """The newest committed, verified checkpoint at or before ``trusted_through_step`` that lists ``required``.
 
     Raises :class:`NoSafeCheckpoint` ("nothing safe to resume from", carrying
     every reason) when the prefix is empty, the trusted step is before the
     first checkpoint (or negative: nothing was ever clean), or every candidate
-    is incomplete or corrupt. Store errors other than missing objects propagate.
+    is incomplete, lacks an object a resume needs, or is corrupt. Store errors
+    other than missing objects propagate.
     """
     steps = checkpoint_steps(store)
     passed: list[PassedOver] = []
@@ -70,7 +74,15 @@ def select_checkpoint(store: ObjectStore, trusted_through_step: int) -> Selectio
             )
             continue
         try:
-            manifest = verify_checkpoint(store, step)
+            manifest = read_manifest(store, step)
+            missing = missing_for_resume(manifest, required)
+            if missing:
+                passed.append(
+                    PassedOver(step, f"cannot be resumed from: its manifest lists no {', '.join(missing)} "
+                               f"(a resume needs {', '.join(required)})")
+                )
+                continue
+            verify_objects(store, manifest)
         except CheckpointIncomplete:
             passed.append(PassedOver(step, "incomplete: no manifest (never committed)"))
             continue
@@ -106,5 +118,5 @@ def _why_nothing(store: ObjectStore, steps: list[int], trusted: int, passed: lis
     bad = sum(1 for p in passed if p.step <= trusted)
     return (
         f"nothing safe to resume from: all {bad} checkpoint(s) at or before step {trusted} under {where} "
-        "are incomplete or fail verification"
+        "are incomplete, lack an object a resume needs, or fail verification"
     )

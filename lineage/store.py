@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lineage.errors import InvalidStoreUri, ObjectNotFound, PreconditionFailed
+from lineage.errors import CheckpointCorrupt, InvalidStoreUri, ObjectNotFound, PreconditionFailed
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 # enough that a Lambda verifying a multi-GB checkpoint stays within memory.
 _CHUNK = 8 * 1024 * 1024
 _LOCK_NAME = ".sdcguard.lock"
+META_SHA256 = "sdcguard-sha256"
+"""Object metadata: the whole object's sha256 (hex), on objects uploaded in parts."""
+META_COMPOSITE = "sdcguard-parts-sha256"
+"""Object metadata: the sha256 of the parts' sha256 digests (base64), as S3 computes it for the object."""
 
 
 def sha256_hex(data: bytes) -> str:
@@ -76,6 +80,11 @@ class ObjectStore(ABC):
     @abstractmethod
     def digest(self, key: str) -> tuple[str, int]:
         """The sha256 (hex) and size of the object, read in chunks. Raises :class:`ObjectNotFound`."""
+
+    def stored_digest(self, key: str) -> tuple[str, int] | None:
+        """The object's sha256 (hex) and size as the store itself keeps them, without reading the bytes;
+        None when it keeps no such checksum (then :meth:`digest` must read them). Raises :class:`ObjectNotFound`."""
+        return None
 
     @abstractmethod
     def list(self, prefix: str = "") -> builtins.list[str]:
@@ -192,13 +201,24 @@ class S3Store(ObjectStore):
 
     def _put_parts(self, key: str, data: bytes) -> str:
         full = self._full(key)
-        upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256")
+        chunks = [data[start : start + self.part_size] for start in range(0, len(data), self.part_size)]
+        digests = [hashlib.sha256(chunk).digest() for chunk in chunks]
+        # S3 keeps a multipart object's checksum as the checksum of its parts' checksums
+        # (COMPOSITE), never the whole object's sha256. The metadata carries both, from the
+        # same bytes: S3 computes the composite of what it stored, and stored_digest
+        # accepts the whole-object digest only when that composite is the writer's.
+        metadata = {
+            META_SHA256: sha256_hex(data),
+            META_COMPOSITE: base64.b64encode(hashlib.sha256(b"".join(digests)).digest()).decode(),
+        }
+        upload = self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256", Metadata=metadata
+        )
         upload_id = upload["UploadId"]
         parts = []
         try:
-            for number, start in enumerate(range(0, len(data), self.part_size), start=1):
-                chunk = data[start : start + self.part_size]
-                checksum = base64.b64encode(hashlib.sha256(chunk).digest()).decode()
+            for number, (chunk, digest) in enumerate(zip(chunks, digests, strict=True), start=1):
+                checksum = base64.b64encode(digest).decode()
                 response = self.client.upload_part(
                     Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=chunk,
                     ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum,
@@ -231,6 +251,44 @@ class S3Store(ObjectStore):
             hasher.update(chunk)
             size += len(chunk)
         return hasher.hexdigest(), size
+
+    def stored_digest(self, key: str) -> tuple[str, int] | None:
+        """The sha256 S3 computed and checked when the object was stored (GetObjectAttributes), and its size.
+
+        For a multipart object S3 keeps only the composite of the parts'
+        checksums: the whole-object sha256 its writer recorded (our metadata)
+        is returned when S3's composite is the one the writer computed from the
+        same bytes (one HeadObject more). None when S3 keeps no SHA256 checksum
+        or the object carries no writer's digest: then the bytes must be read.
+        Raises :class:`ObjectNotFound`, and ``CheckpointCorrupt`` when S3's
+        composite differs from the writer's (the object is not what was written).
+        """
+        full = self._full(_check_key(key))
+        try:
+            attributes = self.client.get_object_attributes(
+                Bucket=self.bucket, Key=full, ObjectAttributes=["Checksum", "ObjectSize"]
+            )
+        except self.client.exceptions.ClientError as exc:
+            if _status(exc) == 404:
+                raise ObjectNotFound(f"no object at {self.uri(key)}") from exc
+            raise
+        size = int(attributes["ObjectSize"])
+        checksum = attributes.get("Checksum", {})
+        stored = str(checksum.get("ChecksumSHA256", ""))
+        if not stored:
+            return None
+        composite = checksum.get("ChecksumType") == "COMPOSITE" or "-" in stored
+        if not composite:
+            return base64.b64decode(stored).hex(), size
+        metadata = self.client.head_object(Bucket=self.bucket, Key=full).get("Metadata", {})
+        whole, expected = metadata.get(META_SHA256), metadata.get(META_COMPOSITE)
+        if not whole or not expected:
+            return None
+        if stored.split("-")[0] != expected:
+            raise CheckpointCorrupt(
+                f"{self.uri(key)}: S3's checksum of its parts {stored} is not the one its writer computed ({expected})"
+            )
+        return whole, size
 
     def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._full(prefix) if prefix else self._root()}

@@ -3,7 +3,13 @@
 A committed checkpoint is trusted only if its manifest parses, names the step
 of its folder, and every object it lists is present with exactly the sha256 and
 size recorded; and, once loaded, the weights give the fingerprint that all
-replicas agreed on before the save (:func:`check_fingerprint`).
+replicas agreed on before the save (:func:`check_fingerprint`). A checkpoint a
+job is to resume from must also list every object a resume loads
+(:data:`RESUME_OBJECTS`).
+
+On S3 an object is verified from the SHA256 checksum S3 computed and checked
+when it stored the object (GetObjectAttributes), not by downloading it, so a
+checkpoint of tens of GB verifies in one request per object.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from pydantic import ValidationError
 from contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
 from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, ObjectNotFound
 from lineage.store import ObjectStore
+
+RESUME_OBJECTS = ("model.pt", "optimizer.pt", "trainer.pt")
+"""What a resume loads besides each rank's RNG: the weights, the optimizer's state, the trainer's
+(step, data position). The agent's checkpoint writer names its objects so."""
 
 
 def manifest_key(step: int) -> str:
@@ -75,21 +85,37 @@ def read_verified(store: ObjectStore, step: int, expected: ObjectDigest) -> byte
     return data
 
 
-def verify_checkpoint(store: ObjectStore, step: int) -> CheckpointManifest:
-    """The manifest of the checkpoint at ``step`` once every object it lists has verified.
+def missing_for_resume(manifest: CheckpointManifest, required: tuple[str, ...] = RESUME_OBJECTS) -> list[str]:
+    """The objects of ``required`` that ``manifest`` does not list (empty: a resume finds all it needs)."""
+    listed = {o.name for o in manifest.objects}
+    return [name for name in required if name not in listed]
 
-    Objects are hashed as they stream in, never held whole. Raises
-    :class:`CheckpointIncomplete` (no manifest) or :class:`CheckpointCorrupt`
-    (a bad manifest, a missing object, or one whose bytes changed).
+
+def verify_objects(store: ObjectStore, manifest: CheckpointManifest) -> None:
+    """Check every object ``manifest`` lists against the store.
+
+    Each object's sha256 comes from the store's own checksum when it keeps one
+    (S3), else from its bytes, hashed as they stream in, never held whole.
+    Raises :class:`CheckpointCorrupt` for a missing object or one whose bytes changed.
     """
-    manifest = read_manifest(store, step)
+    step = manifest.step
     for expected in manifest.objects:
         key = f"{checkpoint_dir(step)}/{expected.name}"
         try:
-            sha256, size = store.digest(key)
+            found = store.stored_digest(key) or store.digest(key)
         except ObjectNotFound as exc:
             raise CheckpointCorrupt(f"{store.uri(key)}: listed in the manifest but missing") from exc
-        check_object(expected, sha256, size, where=store.uri(key))
+        check_object(expected, *found, where=store.uri(key))
+
+
+def verify_checkpoint(store: ObjectStore, step: int) -> CheckpointManifest:
+    """The manifest of the checkpoint at ``step`` once every object it lists has verified (:func:`verify_objects`).
+
+    Raises :class:`CheckpointIncomplete` (no manifest) or :class:`CheckpointCorrupt`
+    (a bad manifest, a missing object, or one whose bytes changed).
+    """
+    manifest = read_manifest(store, step)
+    verify_objects(store, manifest)
     return manifest
 
 

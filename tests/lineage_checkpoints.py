@@ -21,7 +21,11 @@ def write_checkpoint(
     fingerprint: str | None = None,
 ) -> CheckpointManifest | None:
     """Write a checkpoint at ``step`` (objects, then the manifest unless ``committed`` is False)."""
-    objects = objects or {"model.pt": f"weights at {step}".encode() * 10, "optimizer.pt": f"moments {step}".encode()}
+    objects = objects or {
+        "model.pt": f"weights at {step}".encode() * 10,
+        "optimizer.pt": f"moments {step}".encode(),
+        "trainer.pt": f"step {step}".encode(),
+    }
     digests = [put_object(store, step, name, data) for name, data in objects.items()]
     if not committed:
         return None

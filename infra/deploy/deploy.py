@@ -9,7 +9,9 @@ override either.
 
 Steps: check the parameter overrides against the template (unknown names,
 values outside AllowedValues/AllowedPattern, missing required ones: refused
-before anything changes); look up the HyperPod cluster's ARN; build or reuse
+before anything changes) and against the rules a single value cannot state
+(who may publish on the bus; the replacement wait's polls within the
+execution history limit); look up the HyperPod cluster's ARN; build or reuse
 the package; upload it, the state machine definitions and the template to the
 code bucket (created if needed; objects are named by content hash, so an
 unchanged tree uploads nothing); create or update the stack; print its events
@@ -19,6 +21,7 @@ as they arrive; print the outputs.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +34,7 @@ import boto3
 from botocore.exceptions import ClientError
 
 from infra.deploy.cfn_yaml import load_template
+from infra.deploy.execution_history import HistoryBudgetError, check_polls
 from infra.deploy.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
 from infra.deploy.stack_events import StackTimeout, follow, last_event
 
@@ -126,6 +130,41 @@ def check_overrides(template: Mapping[str, Any], overrides: Mapping[str, str]) -
                 raise DeployError(f"{key}={value}: above the maximum {spec['MaxValue']}")
 
 
+def check_publisher(effective: Mapping[str, str]) -> None:
+    """Refuse a bus that would be open to every principal of the account by accident.
+
+    Without ``TrainingRoleArn`` the bus has no resource policy, and any
+    principal of the account whose IAM allows ``events:PutEvents`` can start
+    incidents (suspend the job, cordon nodes). That needs an explicit
+    ``AllowAnyPublisher=true``; with a role it must stay false. The template's
+    ``Rules`` say the same to CloudFormation. Raises :class:`DeployError`.
+    """
+    role, anyone = effective.get("TrainingRoleArn", ""), effective.get("AllowAnyPublisher", "false")
+    if not role and anyone != "true":
+        raise DeployError(
+            "TrainingRoleArn is empty: without it any principal of the account allowed events:PutEvents can "
+            "start incidents. Give the training pods' role as TrainingRoleArn=arn:...:role/NAME, or accept an "
+            "open bus explicitly with AllowAnyPublisher=true"
+        )
+    if role and anyone == "true":
+        raise DeployError("AllowAnyPublisher=true contradicts TrainingRoleArn (only that role may publish): drop one")
+
+
+def check_history_budget(effective: Mapping[str, str], incident_definition: Path) -> None:
+    """Refuse a ``ReplacementMaxPolls`` whose worst case could overrun the execution history (25,000 events).
+
+    The bound is read from the incident machine's definition (see
+    :mod:`infra.deploy.execution_history`). Raises :class:`DeployError`.
+    """
+    try:
+        definition = json.loads(incident_definition.read_text())
+        check_polls(definition, int(float(effective["ReplacementMaxPolls"])))
+    except HistoryBudgetError as exc:
+        raise DeployError(str(exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise DeployError(f"cannot check the replacement wait against {incident_definition.name}: {exc}") from None
+
+
 def default_target(architecture: str | None = None, python_version: str | None = None) -> Target:
     """The package target: the stand-in's interpreter when ``AWS_ENDPOINT_URL`` is set, else Lambda's."""
     base = local_target() if os.environ.get("AWS_ENDPOINT_URL") else LAMBDA_TARGET
@@ -185,11 +224,18 @@ def deploy(
     if missing:
         raise DeployError(f"missing parameter(s) for a new stack: {', '.join(missing)} (give them as Key=Value)")
     check_overrides(template, {k: v for k, v in values.items() if k != "LambdaArchitecture"})
+    effective = {
+        **{k: str(spec["Default"]) for k, spec in template["Parameters"].items() if "Default" in spec},
+        **previous,
+        **values,
+    }
+    check_publisher(effective)
 
     definitions = DEFINITIONS if definitions is None else definitions
     absent = [str(p) for p in definitions.values() if not p.exists()]
     if absent or set(definitions) != set(DEFINITIONS):
         raise DeployError(f"state machine definition(s) missing: {', '.join(absent) or set(DEFINITIONS) - set(definitions)}")
+    check_history_budget(effective, definitions["IncidentDefinitionKey"])
     say(f"packaging the Lambda code for {target}")
     try:
         package = build_package(target)

@@ -6,36 +6,45 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
+from lambdas import clients
+from lambdas.clients import named_throttling
 from lambdas.decide import decide
 from lambdas.inputs import DecideInput, parse_input
-from lambdas.ledger import Ledger
-from lambdas.settings import get_settings
+from lambdas.outputs import Decided
 from lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, state, decision, reviewer}``.
+    """Returns :class:`~lambdas.outputs.Decided`.
 
     Raises ``UnknownDecision``, ``IncidentNotWaiting``, ``ApprovalExpired``,
     ``IncidentNotFound``; none of them changes anything.
     """
-    settings = get_settings()
-    request = parse_input(DecideInput, event)
+    result = deliver(parse_input(DecideInput, event))
+    metrics.add_metric(name="Approved" if result.decision == "approve" else "Rejected", unit=MetricUnit.Count, value=1)
+    logger.info("decided", extra={"decision": result.decision, "reviewer": result.reviewer, "execution": result.execution_arn})
+    return result.model_dump(mode="json")
+
+
+def deliver(request: DecideInput) -> Decided:
+    """Answer the incident's task token and record the decision with who and which execution."""
     incident = decide(
-        Ledger(settings.ledger_table),
+        clients.ledger(),
         request.incident_id,
         request.decision,
         reviewer=request.reviewer,
         reason=request.reason,
+        execution_arn=request.execution_arn,
+        sfn=clients.aws("stepfunctions"),
     )
-    metrics.add_metric(name="Approved" if request.decision == "approve" else "Rejected", unit=MetricUnit.Count, value=1)
-    logger.info("decided", extra={"decision": request.decision, "reviewer": request.reviewer})
-    return {
-        "incident_id": incident.incident_id,
-        "state": incident.state.value,
-        "decision": request.decision,
-        "reviewer": request.reviewer,
-    }
+    return Decided(
+        incident_id=incident.incident_id,
+        state=incident.state.value,
+        decision=request.decision,
+        reviewer=request.reviewer,
+        execution_arn=request.execution_arn,
+    )

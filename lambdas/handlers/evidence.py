@@ -6,9 +6,11 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
+from lambdas import clients
+from lambdas.clients import named_throttling
 from lambdas.evidence import CORROBORATED, evidence_for_incident
 from lambdas.inputs import IncidentRef, parse_input
-from lambdas.ledger import Ledger
+from lambdas.outputs import Evidence
 from lambdas.settings import get_settings
 from lambdas.telemetry import logger, metrics, tracer
 
@@ -16,12 +18,18 @@ from lambdas.telemetry import logger, metrics, tracer
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, verdict, note, instances}`` (the summary the reviewers see)."""
-    settings = get_settings()
-    ref = parse_input(IncidentRef, event)
-    incident = evidence_for_incident(Ledger(settings.ledger_table), ref.incident_id, dcgm_counters=settings.dcgm_metric_names)
-    verdict = incident.evidence.get("verdict")
-    metrics.add_metric(name="Corroborated" if verdict == CORROBORATED else "NoHardwareSignal", unit=MetricUnit.Count, value=1)
-    logger.info("evidence collected", extra={"verdict": verdict})
-    return {"incident_id": incident.incident_id, **incident.evidence}
+    """Returns :class:`~lambdas.outputs.Evidence` (the summary the reviewers see)."""
+    result = evidence(parse_input(IncidentRef, event))
+    metrics.add_metric(name="Corroborated" if result.verdict == CORROBORATED else "NoHardwareSignal", unit=MetricUnit.Count, value=1)
+    logger.info("evidence collected", extra={"verdict": result.verdict})
+    return result.model_dump(mode="json")
+
+
+def evidence(ref: IncidentRef) -> Evidence:
+    """Collect and record the evidence (reads only, then one conditional write: retried as it is)."""
+    incident = evidence_for_incident(
+        clients.ledger(), ref.incident_id, dcgm_counters=get_settings().dcgm_metric_names, cloudwatch=clients.aws("cloudwatch")
+    )
+    return Evidence.model_validate({"incident_id": incident.incident_id, **incident.evidence})

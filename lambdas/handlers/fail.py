@@ -7,10 +7,11 @@ from typing import Any
 from aws_lambda_powertools.metrics import MetricUnit
 
 from contract import Failure
-from lambdas import notify
+from lambdas import clients, notify
+from lambdas.clients import named_throttling
 from lambdas.close import record_failure
 from lambdas.inputs import FailureReport, parse_input
-from lambdas.ledger import Ledger
+from lambdas.outputs import Ended
 from lambdas.settings import get_settings
 from lambdas.telemetry import logger, metrics, tracer
 
@@ -18,19 +19,30 @@ from lambdas.telemetry import logger, metrics, tracer
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, state}`` (``incident_id`` None when the alarm was refused before an incident)."""
-    settings = get_settings()
+    """Returns :class:`~lambdas.outputs.Ended` (``incident_id`` None when the alarm was refused before an incident).
+
+    If this handler fails, the state machine publishes to the topic itself.
+    """
     report = parse_input(FailureReport, event)
-    failure = Failure(state=report.state, error=report.error.error or "Unknown", cause=report.error.cause[:4096])
     metrics.add_metric(name="Failures", unit=MetricUnit.Count, value=1)
-    logger.error("step failed", extra={"state": failure.state, "error": failure.error, "cause": failure.cause})
+    logger.error("step failed", extra={"state": report.state, "error": report.error.error, "cause": report.error.cause})
+    return fail(report).model_dump(mode="json")
+
+
+def fail(report: FailureReport) -> Ended:
+    """Record FAILED with where and why (once) and notify; a refused alarm is only announced."""
+    settings = get_settings()
+    failure = Failure(state=report.state, error=report.error.error or "Unknown", cause=report.error.cause[:4096])
     if report.incident_id is None:
         notify.publish(
             settings.topic_arn,
             f"sdcguard: alarm refused in {failure.state} ({failure.error})",
-            f"An alarm was refused before any incident was opened; nothing was touched.\n{failure.error}: {failure.cause}",
+            "An alarm was refused before any incident was opened; nothing was touched.\n"
+            f"{notify.quote(failure.error)}: {notify.quote(failure.cause)}",
+            client=clients.aws("sns"),
         )
-        return {"incident_id": None, "state": "REFUSED"}
-    incident = record_failure(Ledger(settings.ledger_table), report.incident_id, failure, topic_arn=settings.topic_arn)
-    return {"incident_id": incident.incident_id, "state": incident.state.value}
+        return Ended(incident_id=None, state="REFUSED")
+    incident = record_failure(clients.ledger(), report.incident_id, failure, topic_arn=settings.topic_arn, sns=clients.aws("sns"))
+    return Ended(incident_id=incident.incident_id, state=incident.state.value)

@@ -1,4 +1,4 @@
-"""resolve: suspect rank -> pod -> node -> instance, confirmed against the HyperPod cluster."""
+"""resolve: suspect rank -> pod -> node -> instance, each link confirmed by the cluster."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
+from lambdas import clients
+from lambdas.clients import named_throttling
 from lambdas.inputs import IncidentRef, parse_input
-from lambdas.ledger import Ledger
+from lambdas.outputs import Resolved
 from lambdas.resolve import resolve_incident
 from lambdas.settings import get_settings
 from lambdas.telemetry import logger, metrics, tracer
@@ -16,11 +18,22 @@ from lambdas.telemetry import logger, metrics, tracer
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, instance_ids}``. Raises ``SuspectUnresolvable``, ``NotInCluster``."""
-    settings = get_settings()
-    ref = parse_input(IncidentRef, event)
-    incident = resolve_incident(Ledger(settings.ledger_table), ref.incident_id)
-    metrics.add_metric(name="SuspectsResolved", unit=MetricUnit.Count, value=len(incident.instance_ids))
-    logger.info("resolved", extra={"instance_ids": incident.instance_ids})
-    return {"incident_id": incident.incident_id, "instance_ids": incident.instance_ids}
+    """Returns :class:`~lambdas.outputs.Resolved`.
+
+    Raises ``SuspectMismatch``, ``SuspectUnresolvable``, ``NotInCluster`` (nothing touched),
+    ``TransientKubernetesError``.
+    """
+    result = resolve(parse_input(IncidentRef, event))
+    metrics.add_metric(name="SuspectsResolved", unit=MetricUnit.Count, value=len(result.instance_ids))
+    logger.info("resolved", extra={"instance_ids": result.instance_ids})
+    return result.model_dump(mode="json")
+
+
+def resolve(ref: IncidentRef) -> Resolved:
+    """Resolve and record the incident's suspects (reads only: retried as it is)."""
+    incident = resolve_incident(
+        clients.ledger(), ref.incident_id, get_settings(), kubernetes=clients.kubernetes(), sagemaker=clients.aws("sagemaker")
+    )
+    return Resolved(incident_id=incident.incident_id, instance_ids=incident.instance_ids)

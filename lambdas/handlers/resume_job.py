@@ -1,4 +1,4 @@
-"""resume_job: un-suspend the PyTorchJob that this incident suspended."""
+"""resume_job: release the incident's hold on its PyTorchJob; un-suspend it when no other incident holds it."""
 
 from __future__ import annotations
 
@@ -6,28 +6,28 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas.eks_token import kubernetes_client
+from lambdas import clients
+from lambdas.clients import named_throttling
 from lambdas.idempotency import run_once
 from lambdas.inputs import IncidentRef, parse_input
 from lambdas.job import resume_for_incident
-from lambdas.ledger import Ledger
-from lambdas.settings import get_settings
+from lambdas.outputs import JobChanged
 from lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, job, changed}``. Raises ``TransientKubernetesError``, ``IncidentNotWaiting``."""
-    settings = get_settings()
-    ref = parse_input(IncidentRef, event)
+    """Returns :class:`~lambdas.outputs.JobChanged`. Raises ``TransientKubernetesError``, ``IncidentNotWaiting``."""
+    result = run_once(resume, parse_input(IncidentRef, event), JobChanged, context=context)
+    metrics.add_metric(name="JobsResumed", unit=MetricUnit.Count, value=1 if result.changed else 0)
+    logger.info("job resumed" if result.changed else "job stays suspended", extra=result.model_dump())
+    return result.model_dump(mode="json")
 
-    def resume(_: dict[str, Any]) -> dict[str, Any]:
-        change = resume_for_incident(Ledger(settings.ledger_table), kubernetes_client(settings.eks_cluster), ref.incident_id)
-        return {"incident_id": ref.incident_id, "job": change.job, "changed": change.changed}
 
-    result = run_once(resume, ref.model_dump(), settings=settings, context=context)
-    metrics.add_metric(name="JobsResumed", unit=MetricUnit.Count, value=1 if result["changed"] else 0)
-    logger.info("job resumed", extra=result)
-    return result
+def resume(ref: IncidentRef) -> JobChanged:
+    """Resume the incident's job unless another open incident still holds it; record it."""
+    change = resume_for_incident(clients.ledger(), clients.kubernetes(), ref.incident_id)
+    return JobChanged(incident_id=ref.incident_id, job=change.job, changed=change.changed, held_by=list(change.held_by))

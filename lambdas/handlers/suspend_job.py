@@ -6,28 +6,28 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas.eks_token import kubernetes_client
+from lambdas import clients
+from lambdas.clients import named_throttling
 from lambdas.idempotency import run_once
 from lambdas.inputs import IncidentRef, parse_input
 from lambdas.job import suspend_for_incident
-from lambdas.ledger import Ledger
-from lambdas.settings import get_settings
+from lambdas.outputs import JobChanged
 from lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns ``{incident_id, job, changed}``. Raises ``TransientKubernetesError``, ``KubernetesObjectMissing``."""
-    settings = get_settings()
-    ref = parse_input(IncidentRef, event)
+    """Returns :class:`~lambdas.outputs.JobChanged`. Raises ``TransientKubernetesError``, ``KubernetesObjectMissing``."""
+    result = run_once(suspend, parse_input(IncidentRef, event), JobChanged, context=context)
+    metrics.add_metric(name="JobsSuspended", unit=MetricUnit.Count, value=1 if result.changed else 0)
+    logger.info("job suspended", extra=result.model_dump())
+    return result.model_dump(mode="json")
 
-    def suspend(_: dict[str, Any]) -> dict[str, Any]:
-        change = suspend_for_incident(Ledger(settings.ledger_table), kubernetes_client(settings.eks_cluster), ref.incident_id)
-        return {"incident_id": ref.incident_id, "job": change.job, "changed": change.changed}
 
-    result = run_once(suspend, ref.model_dump(), settings=settings, context=context)
-    metrics.add_metric(name="JobsSuspended", unit=MetricUnit.Count, value=1 if result["changed"] else 0)
-    logger.info("job suspended", extra=result)
-    return result
+def suspend(ref: IncidentRef) -> JobChanged:
+    """Suspend the incident's job (or join the incidents holding it) and record it."""
+    change = suspend_for_incident(clients.ledger(), clients.kubernetes(), ref.incident_id)
+    return JobChanged(incident_id=ref.incident_id, job=change.job, changed=change.changed, held_by=list(change.held_by))

@@ -12,6 +12,12 @@
 6. compare the recovered run's final fingerprint with the fault-free one;
 7. print the timeline and the verdict; write the report directory.
 
+With ``--chaos RATE`` that fraction of the pipeline's Kubernetes API and
+SageMaker HyperPod calls fail transiently (throttling, 500, 503) from the
+faulty run until the incident ends, reproducibly from ``--chaos-seed``; the
+drill must still pass, and the report counts the faults and the retries that
+absorbed them.
+
 Exit status 0 when the drill passed, 1 when a step failed (the message names it).
 """
 
@@ -25,10 +31,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
-from infra.drill.flow import FAULTS, Decision, DrillFailed, DrillOptions, prepare, run_drill, timeline
+from infra.drill.flow import FAULTS, Decision, DrillFailed, DrillOptions, prepare, run_drill
 from infra.drill.job_run import Trainer, TrainerError
+from infra.drill.report import verdict_lines
+from infra.drill.summary import DrillSummary
 from sdcguard.errors import CommandError
 
 
@@ -54,12 +61,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--json", action="store_true",
                         help="print only the JSON summary on stdout (progress goes to stderr)")
     parser.add_argument("--port", type=int, default=0, help="the stand-in's port (default: a free one)")
+    parser.add_argument("--chaos", metavar="RATE", type=float, default=defaults.chaos,
+                        help="fail this fraction of the pipeline's Kubernetes API and SageMaker HyperPod calls "
+                             "transiently (throttling, 500, 503), e.g. 0.2 (default %(default)s: none)")
+    parser.add_argument("--chaos-seed", metavar="SEED", type=int, default=defaults.chaos_seed,
+                        help="which calls --chaos fails: the same seed fails the same calls (default %(default)s)")
 
 
 def _options(args: argparse.Namespace) -> DrillOptions:
     decision: Decision = "ask" if args.interactive else "reject" if args.reject else "approve"
     return DrillOptions(fault=args.fault, fault_rank=args.fault_rank, fault_step=args.fault_step,
-                        steps=args.steps, decision=decision)
+                        steps=args.steps, decision=decision, chaos=args.chaos, chaos_seed=args.chaos_seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=stream, flush=True)
 
     began = time.monotonic()
-    summary: dict[str, Any] = {}
+    summary = DrillSummary()
     failed: DrillFailed | None = None
     seconds: dict[str, float] = {}
     say("[1/7] starting the local stand-in (moto + the local EKS API server)")
@@ -109,40 +121,23 @@ def run(args: argparse.Namespace) -> int:
                     seconds["drill_after_set_up"] = round(time.monotonic() - drill_began, 2)
             except DrillFailed as exc:
                 failed = exc
-                summary = exc.summary or {"verdict": "FAILED", "failed_step": exc.step, "failure": exc.message}
+                summary = exc.summary or DrillSummary(verdict="FAILED", failed_step=exc.step, failure=exc.message)
             except TrainerError as exc:
                 failed = DrillFailed("set-up", str(exc))
-                summary = {"verdict": "FAILED", "failed_step": "set-up", "failure": str(exc)}
+                summary = DrillSummary(verdict="FAILED", failed_step="set-up", failure=str(exc))
             finally:
                 trainer.close()
                 stopping = time.monotonic()
         seconds["stand_in_stop"] = round(time.monotonic() - stopping, 2)
     except StandInError as exc:
         raise CommandError(str(exc)) from None
-    summary.setdefault("drill_seconds", {}).update(seconds)
-    (report / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    summary.drill_seconds = {**summary.drill_seconds, **seconds}
+    document = json.dumps(summary.as_json(), indent=2, sort_keys=True, default=str)
+    (report / "summary.json").write_text(document + "\n")
     if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        print(document)
     else:
-        _verdict(summary, failed)
+        for line in verdict_lines(summary, failed.step if failed else None, failed.message if failed else None):
+            print(line)
     return 1 if failed else 0
 
-
-def _verdict(summary: dict[str, Any], failed: DrillFailed | None) -> None:
-    print("[7/7] timeline (seconds after the alarm):")
-    for row in timeline(summary):
-        print(row)
-    seconds = summary.get("drill_seconds", {})
-    print("  drill     " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
-    if failed is not None:
-        print(f"verdict: FAILED at {failed.step}: {failed.message}")
-        print(f"report: {summary.get('report_dir', '-')}")
-        return
-    exact = summary.get("recovered_bit_exact")
-    recovery = (f"recovered bit-exact: {str(exact).lower()}" if summary.get("decision") == "approve"
-                else "no bit-exact claim after a rejection")
-    print(f"verdict: PASSED  fault {summary['fault']} on rank {summary['fault_rank']} at step {summary['fault_step']}"
-          f" -> {summary['detector']} alarm at step {summary['alarm_step']}, suspects {summary['suspect_instances']}"
-          f" (localized correctly: {summary['localized_correctly']}); incident {summary['incident_state']}; resumed"
-          f" from step {summary['resumed_from_step']}; {recovery}")
-    print(f"report: {summary.get('report_dir', '-')}")

@@ -21,11 +21,12 @@ import time
 from typing import Any
 
 import boto3
-from botocore.exceptions import NoCredentialsError, NoRegionError
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 
 from contract import Incident
 from lambdas.errors import IncidentNotFound
 from lambdas.ledger import Ledger
+from lambdas.notify import PERSISTENCE
 from sdcguard.errors import CommandError
 
 DEFAULT_STACK = "sdcguard"
@@ -111,6 +112,7 @@ def incident_row(incident: Incident) -> dict[str, Any]:
         "job": f"{incident.alarm.job.namespace}/{incident.alarm.job.job_name}",
         "instance_ids": incident.instance_ids,
         "nodes": incident.alarm.suspect_nodes,
+        "fault_persistence": incident.alarm.fault_persistence,
         "duplicate_alarms": incident.duplicate_alarms,
         "created_at": incident.created_at.isoformat(),
         "updated_at": incident.updated_at.isoformat(),
@@ -147,6 +149,7 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
     print(f"job        {alarm.job.namespace}/{alarm.job.job_name} on {alarm.job.hyperpod_cluster}")
     print(f"alarm      {alarm.detector.value} at step {alarm.step}, trusted through step {alarm.trusted_through_step()}, "
           f"{incident.duplicate_alarms} duplicate(s)")
+    print(f"fault      {PERSISTENCE[alarm.fault_persistence]}")
     for s in incident.suspects:
         print(f"suspect    rank {s.global_rank}  pod {s.pod}  node {s.node}  instance {s.instance_id}")
     if not incident.suspects:
@@ -164,6 +167,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
     if incident.decision:
         d = incident.decision
         print(f"decision   {d.decision} by {d.reviewer}: {d.reason}")
+        if d.execution_arn:
+            print(f"           through {d.execution_arn} (its StartExecution event in CloudTrail names the caller)")
     for r in incident.replacements:
         print(f"replaced   {r.old_instance_id} -> {r.new_instance_id or '?'} ({r.status})")
     if incident.checkpoint_after:
@@ -209,7 +214,7 @@ def _state_note(args: argparse.Namespace) -> str:
     """`` (it is CLOSED)`` from the ledger, or nothing when the ledger cannot say."""
     try:
         return f" (it is {Ledger(_ledger_table(args)).get(args.incident_id).state.value})"
-    except Exception:
+    except (CommandError, IncidentNotFound, ClientError, BotoCoreError):  # only a note on a message already failing
         return ""
 
 
@@ -219,7 +224,7 @@ def _stack_outputs(stack: str) -> dict[str, str]:
         described = boto3.client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0]
     except (NoCredentialsError, NoRegionError):
         raise  # the user must hear about these, not about a missing table
-    except Exception:  # no such stack, or no CloudFormation to ask: the caller says what to pass instead
+    except (ClientError, BotoCoreError):  # no such stack, or no CloudFormation to ask: the caller says what to pass instead
         return {}
     return {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
 

@@ -26,6 +26,7 @@ import pytest
 
 from infra.drill.flow import DrillFailed, DrillOptions, Stage, placements, prepare, run_clean, run_drill
 from infra.drill.job_run import RunResult, Trainer
+from infra.drill.summary import DrillSummary
 from infra.local.standin import LocalStandIn
 from lineage.pointer import read_pointer
 from lineage.store import open_store
@@ -56,15 +57,17 @@ def clean(stage: Stage, trainer: Trainer, tmp_path_factory: pytest.TempPathFacto
     return run_clean(stage, SHORT, trainer, tmp_path_factory.mktemp("clean"))
 
 
-def _drill(stage: Stage, trainer: Trainer, clean: RunResult, tmp_path: Path, **changes: Any) -> dict[str, Any]:
+def _drill(stage: Stage, trainer: Trainer, clean: RunResult, tmp_path: Path, **changes: Any) -> DrillSummary:
     options = DrillOptions(**{**SHORT.__dict__, **changes})
     return run_drill(stage, options, tmp_path, trainer=trainer, clean=clean)
 
 
-def _phases_in_order(summary: dict[str, Any], names: list[str]) -> None:
-    seconds = [summary["phase_seconds"][n] for n in names]
-    assert all(s is not None for s in seconds), summary["phase_seconds"]
-    assert seconds == sorted(seconds), summary["phase_seconds"]
+def _phases_in_order(phase_seconds: dict[str, float | None] | None, names: list[str]) -> None:
+    assert phase_seconds is not None
+    seconds = [phase_seconds[n] for n in names]
+    reached = [s for s in seconds if s is not None]
+    assert reached == seconds, phase_seconds
+    assert reached == sorted(reached), phase_seconds
 
 
 # fault, the detector that must catch it, the step it must be caught at, the checkpoint resumed from.
@@ -89,33 +92,33 @@ def test_an_approved_incident_replaces_the_node_and_recovers_bit_exactly(
     summary = _drill(stage, trainer, clean, tmp_path, fault=fault, fault_rank=rank)
 
     # the right detector caught it at the right step and blamed that rank on that node alone,
-    assert summary["verdict"] == "PASSED"
-    assert (summary["detector"], summary["alarm_step"]) == (detector, alarm_step)
-    assert summary["suspect_ranks"] == [rank]
-    assert summary["suspect_instances"] == [faulty_node.removeprefix("hyperpod-")]
-    assert summary["localized_correctly"] is True
+    assert summary.verdict == "PASSED"
+    assert (summary.detector, summary.alarm_step) == (detector, alarm_step)
+    assert summary.suspect_ranks == [rank]
+    assert summary.suspect_instances == [faulty_node.removeprefix("hyperpod-")]
+    assert summary.localized_correctly is True
     # the pipeline closed the incident with that node (and only it) replaced,
-    assert summary["incident_state"] == "CLOSED"
+    assert summary.incident_state == "CLOSED"
     after = [p.node_name for p in placements(stage)]
     assert [a == b for a, b in zip(before, after, strict=True)] == [i != rank // 2 for i in range(3)]
-    assert summary["new_instances"] == [n.removeprefix("hyperpod-") for n in after]
-    (replacement,) = summary["replacements"]
-    assert replacement["old"] == faulty_node.removeprefix("hyperpod-")
-    assert f"hyperpod-{replacement['new']}" == after[rank // 2]
+    assert summary.new_instances == [n.removeprefix("hyperpod-") for n in after]
+    (replacement,) = summary.replacements or []
+    assert replacement.old == faulty_node.removeprefix("hyperpod-")
+    assert f"hyperpod-{replacement.new}" == after[rank // 2]
     # the pointer went back to the last checkpoint before the suspect window,
-    assert summary["trusted_through_step"] == resumed
-    assert summary["pointer_after"] == f"checkpoints/step-{resumed:09d}"
+    assert summary.trusted_through_step == resumed
+    assert summary.pointer_after == f"checkpoints/step-{resumed:09d}"
     pointer, _ = read_pointer(open_store(_prefix(tmp_path), client=stage.client("s3")))
     assert pointer is not None
     # (the recovered run has checkpointed to the end since; the pipeline's rollback is in the history)
     assert pointer.step == SHORT.steps
-    rollback = [h for h in pointer.history if h.incident_id == summary["incident_id"]]
+    rollback = [h for h in pointer.history if h.incident_id == summary.incident_id]
     assert [h.step for h in rollback] == [resumed]
     # and the job, restarted from it on the new node set, ended bit-identical to the fault-free run.
-    assert summary["resumed_from_step"] == resumed
-    assert summary["recovered_bit_exact"] is True
-    assert summary["recovered_fingerprint"] == summary["clean_fingerprint"] == clean.final_fingerprints[0]
-    _phases_in_order(summary, ["alarm", "cordon", "approval", "replaced", "resumed"])
+    assert summary.resumed_from_step == resumed
+    assert summary.recovered_bit_exact is True
+    assert summary.recovered_fingerprint == summary.clean_fingerprint == clean.final_fingerprints[0]
+    _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "approval", "replaced", "resumed"])
     # The report holds the summary, the alarm, the incident, its evidence and the plot.
     assert json.loads((tmp_path / "summary.json").read_text())["recovered_bit_exact"] is True
     assert json.loads((tmp_path / "incident.json").read_text())["state"] == "CLOSED"
@@ -136,21 +139,49 @@ def test_a_rejected_incident_releases_the_node_and_resumes_from_the_pointer_it_h
 
     summary = _drill(stage, trainer, clean, tmp_path, fault="finite_activation", fault_rank=5, decision="reject")
 
-    assert summary["verdict"] == "PASSED"
-    assert summary["localized_correctly"] is True
-    assert summary["incident_state"] == "FALSE_ALARM"
+    assert summary.verdict == "PASSED"
+    assert summary.localized_correctly is True
+    assert summary.incident_state == "FALSE_ALARM"
     # nothing replaced: the same nodes, the suspect one schedulable again,
-    assert summary["replacements"] == []
+    assert summary.replacements == []
     assert [p.node_name for p in placements(stage)] == before
-    assert summary["new_instances"] == summary["old_instances"]
+    assert summary.new_instances == summary.old_instances
     # the pointer left where the faulty run put it (its last checkpoint, inside the suspect window),
-    assert summary["pointer_before"] == summary["pointer_after"] == "checkpoints/step-000000015"
-    assert summary["resumed_from_step"] == 15
+    assert summary.pointer_before == summary.pointer_after == "checkpoints/step-000000015"
+    assert summary.resumed_from_step == 15
     # and no bit-exact claim: the updates of steps 12-14 were corrupted and are kept.
-    assert summary["recovery_claim"].startswith("none:")
-    assert summary["recovered_bit_exact"] is False
-    assert summary["phase_seconds"]["replaced"] is None
-    _phases_in_order(summary, ["alarm", "cordon", "approval", "resumed"])
+    assert (summary.recovery_claim or "").startswith("none:")
+    assert summary.recovered_bit_exact is False
+    assert (summary.phase_seconds or {})["replaced"] is None
+    _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "approval", "resumed"])
+
+
+CHAOS_SEED = 12  # fails the first read of the job and the first patch of a node (5xx: state retries)
+
+
+def test_under_chaos_every_fault_is_retried_and_the_drill_still_recovers_bit_exactly(
+    stage: Stage, trainer: Trainer, clean: RunResult, tmp_path: Path
+) -> None:
+    # Given a fifth of the pipeline's Kubernetes API and HyperPod calls failing transiently (throttling, 5xx),
+    before = [p.node_name for p in placements(stage)]
+
+    # when the drill runs a fault through the pipeline and a reviewer approves,
+    summary = _drill(stage, trainer, clean, tmp_path, fault="finite_activation", fault_rank=1, chaos=0.2,
+                     chaos_seed=CHAOS_SEED)
+
+    # the outcome is the one without chaos: one incident, one replacement, a bit-exact recovery,
+    assert (summary.verdict, summary.incident_state, summary.recovered_bit_exact) == ("PASSED", "CLOSED", True)
+    (replacement,) = summary.replacements or []
+    assert replacement.old == before[0].removeprefix("hyperpod-")
+    assert summary.recovered_fingerprint == clean.final_fingerprints[0]
+    # and the report counts the faults and the retries that absorbed every one of them.
+    chaos = summary.chaos
+    assert chaos is not None
+    assert (chaos.rate, chaos.seed, chaos.incidents_opened) == (0.2, CHAOS_SEED, 1)
+    assert chaos.faults_injected > 0
+    assert sum(sum(c.injected.values()) for c in chaos.by_call.values()) == chaos.faults_injected
+    assert (chaos.retries_absorbed, chaos.not_retried) == (chaos.faults_injected, 0)
+    assert json.loads((tmp_path / "summary.json").read_text())["chaos"]["faults_injected"] == chaos.faults_injected
 
 
 def test_a_fault_that_is_never_detected_fails_the_drill_at_detection(
@@ -177,6 +208,7 @@ def test_a_fault_that_is_never_detected_fails_the_drill_at_detection(
         (["--fault", "finite_activation", "--fault-step", "5"], "--fault-step: must be after the first checkpoint"),
         (["--fault-rank", "6"], "--fault-rank: must be a rank from 0 to 5"),
         (["--steps", "40"], "give --steps above 40"),
+        (["--chaos", "1"], "--chaos: must be a fraction of calls from 0 up to (not including) 1"),
     ],
 )
 def test_the_command_refuses_options_it_cannot_play_before_starting_anything(
@@ -208,7 +240,7 @@ def test_the_command_runs_a_whole_drill_and_prints_only_the_summary_with_json(tm
     assert (summary["verdict"], summary["incident_state"], summary["recovered_bit_exact"]) == ("PASSED", "CLOSED", True)
     assert (summary["alarm_step"], summary["resumed_from_step"]) == (20, 10)
     assert set(summary["phase_seconds"]) == {"alarm", "cordon", "approval", "replaced", "resumed"}
-    _phases_in_order(summary, ["alarm", "cordon", "approval", "replaced", "resumed"])
+    _phases_in_order(summary["phase_seconds"], ["alarm", "cordon", "approval", "replaced", "resumed"])
     assert "[6/7] fingerprints" in done.stderr  # the progress went to stderr
     assert json.loads((report / "summary.json").read_text())["recovered_fingerprint"] == summary["clean_fingerprint"]
     assert (report / "losses.png").exists()

@@ -35,6 +35,7 @@ from lineage.commit import commit, put_object
 from lineage.pointer import read_pointer
 from lineage.pointer import rewrite_pointer as point_at
 from lineage.store import open_store
+from lineage.verify import RESUME_OBJECTS
 from tests.events import load_event
 
 pytestmark = pytest.mark.slow
@@ -202,8 +203,8 @@ def wait_for(probe: Callable[[], Any], *, timeout: float, what: str) -> Any:
 def write_checkpoints(p: Pipeline, steps: list[int]) -> None:
     store = p.store()
     for step in steps:
-        digest = put_object(store, step, "model.pt", f"weights at {step}".encode())
-        commit(store, CheckpointManifest(step=step, world_size=NODES * RANKS_PER_NODE, fingerprint="ab" * 24, objects=[digest]))
+        digests = [put_object(store, step, name, f"{name} at {step}".encode()) for name in RESUME_OBJECTS]
+        commit(store, CheckpointManifest(step=step, world_size=NODES * RANKS_PER_NODE, fingerprint="ab" * 24, objects=digests))
 
 
 def our_taints(node: Any) -> list[Any]:
@@ -236,6 +237,7 @@ def _deploy(standin: LocalStandIn, *, approval_timeout: int) -> Iterator[Pipelin
                 "MaxReplacementsPerDay": "20",
                 "ReplacementPollSeconds": "1",
                 "ReplacementMaxPolls": "30",
+                "AllowAnyPublisher": "true",  # the tests publish as the stand-in's one principal
             },
             poll_seconds=0.1,
         )
@@ -293,6 +295,7 @@ def test_the_approve_path_replaces_the_node_rolls_back_and_resumes(pipeline: Pip
     assert closed.state == S.CLOSED
     assert closed.decision is not None
     assert (closed.decision.decision, closed.decision.reviewer) == ("approve", "oncall@example.com")
+    assert closed.decision.execution_arn == decided["executionArn"]  # CloudTrail's StartExecution names the caller
     # a new instance replaced the old one, in HyperPod and in Kubernetes,
     (replacement,) = closed.replacements
     assert replacement.old_instance_id == node["instance_id"]
@@ -460,3 +463,109 @@ def test_an_unanswered_approval_times_out_to_a_safe_stop(impatient: Pipeline) ->
     # and a late decision is refused.
     assert p.decide(incident.incident_id, "approve", "too late")["status"] == "FAILED"
     assert p.ledger.get(incident.incident_id).state == S.NEEDS_ATTENTION
+
+
+# -- forged alarms: valid, for this cluster and job, naming what the cluster contradicts ----------------------
+
+
+def plant(p: Pipeline, node: str, *, job: str | None = None) -> str:
+    """A pod (of the guarded job unless ``job`` says another) on node ``node``, created if need be."""
+    core = k8s.CoreV1Api(p.kube())
+    try:
+        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}, "spec": {}})
+    except k8s.ApiException as exc:
+        if exc.status != 409:
+            raise
+    pod = f"planted-{uuid.uuid4().hex[:8]}"
+    core.create_namespaced_pod(
+        p.seeded["namespace"],
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": pod, "labels": {"training.kubeflow.org/job-name": job or p.seeded["job"]}},
+         "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}},
+    )  # fmt: skip
+    return pod
+
+
+def all_taints(p: Pipeline) -> dict[str, list[Any]]:
+    """sdcguard's taints on every node of the (shared) Kubernetes API."""
+    return {n.metadata.name: our_taints(n) for n in k8s.CoreV1Api(p.kube()).list_node().items}
+
+
+def forged(p: Pipeline, *, pod: str, node: str, ring_clean: int) -> dict[str, Any]:
+    detail = p.alarm(0, ring_clean=ring_clean)
+    detail["suspects"][0].update(pod=pod, node=node, host=pod)
+    return detail
+
+
+def test_forged_alarms_cordon_nothing_and_suspend_nothing(pipeline: Pipeline) -> None:
+    p = pipeline
+    p.job_running()
+    victim, elsewhere = p.node(7), p.node(6)
+    cases = {
+        # a pod of the job, but on another node than the one the alarm would have cordoned
+        "pod on another node": (forged(p, pod=elsewhere["pod"], node=victim["node_name"], ring_clean=21000), "runs on node"),
+        # a pod on the node, but not of the guarded job
+        "pod outside the job": (
+            forged(p, pod=plant(p, victim["node_name"], job="not-the-job"), node=victim["node_name"], ring_clean=22000),
+            "is not a pod of PyTorchJob",
+        ),
+        # a pod of the job on a node that is no HyperPod node of the cluster
+        "non-HyperPod node": (
+            forged(p, pod=plant(p, "ip-10-77-0-1.ec2.internal"), node="ip-10-77-0-1.ec2.internal", ring_clean=23000),
+            "neither a HyperPod node name",
+        ),
+    }
+    taints_before = all_taints(p)
+    p.publish(*(detail for detail, _ in cases.values()))
+
+    for what, (detail, reason) in cases.items():
+        incident = p.incident_for(detail["alarm_id"])
+        execution = p.execution_end(p.execution_of(incident.incident_id))
+        stopped = p.ledger.get(incident.incident_id)
+        assert execution["status"] == "FAILED", what  # StoppedForAttention
+        assert stopped.state == S.NEEDS_ATTENTION, what
+        assert stopped.failure is not None
+        assert reason in stopped.failure.cause, (what, stopped.failure)
+        assert stopped.suspects == [], what
+        assert S.GUARDED not in [t.state for t in stopped.transitions], what
+    # Nothing was cordoned, and the job runs on, not claimed by any of them.
+    assert all_taints(p) == taints_before
+    job = p.read_job()
+    assert not job["spec"]["runPolicy"].get("suspend")
+    assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
+
+
+def test_an_end_handler_that_fails_still_ends_with_a_notification(pipeline: Pipeline) -> None:
+    p = pipeline
+    p.job_running()
+    sqs, sns, lam = p.standin.client("sqs"), p.standin.client("sns"), p.standin.client("lambda")
+    queue = sqs.create_queue(QueueName=f"inbox-{uuid.uuid4().hex[:6]}")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sns.subscribe(TopicArn=p.outputs["TopicArn"], Protocol="sqs", Endpoint=queue_arn)
+    function = f"{p.stack}-needs-attention"  # the template's FunctionName
+    saved = {k: str(v) for k, v in lam.get_function_configuration(FunctionName=function)["Environment"]["Variables"].items()}
+    # Given the needs-attention handler cannot reach its ledger,
+    lam.update_function_configuration(FunctionName=function, Environment={"Variables": {**saved, "LEDGER_TABLE": "no-such-ledger"}})
+    try:
+        # when a forged alarm stops for attention,
+        detail = forged(p, pod="no-such-pod", node=p.node(5)["node_name"], ring_clean=24000)
+        p.publish(detail)
+        incident = p.incident_for(detail["alarm_id"])
+        execution = p.execution_end(p.execution_of(incident.incident_id))
+    finally:
+        lam.update_function_configuration(FunctionName=function, Environment={"Variables": saved})
+
+    # the execution still ends, and the reviewers are told by the state machine itself.
+    assert execution["status"] == "FAILED"
+    history = p.standin.client("stepfunctions").get_execution_history(executionArn=execution["executionArn"])["events"]
+    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+    assert entered[-2:] == ["NotifyAttentionDirectly", "StoppedForAttention"]
+    assert p.ledger.get(incident.incident_id).state == S.RECORDED  # the handler could not record it
+    bodies = wait_for(
+        lambda: [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", [])] or None,
+        timeout=30,
+        what="the direct notification",
+    )
+    (message,) = [b for b in bodies if incident.incident_id in b["Message"]]
+    assert "could not record or announce it" in message["Message"]
+    assert message["Subject"] == "sdcguard: incident stopped for attention (not recorded)"

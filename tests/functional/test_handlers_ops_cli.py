@@ -16,12 +16,13 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect
 from infra.local.standin import LocalStandIn
-from lambdas.ledger import Ledger
+from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
 from sdcguard.cli import main
 from tests.events import load_event
 from tests.functional.task_token import waiting_token
@@ -57,7 +58,8 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
     ddb.create_table(
         TableName=table,
         KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
+        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}, *OPEN_INDEX_ATTRIBUTES],
+        GlobalSecondaryIndexes=[OPEN_INDEX_DEFINITION],
         BillingMode="PAY_PER_REQUEST",
     )
     role = standin.client("iam").create_role(RoleName=f"decide-{suffix}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
@@ -96,9 +98,9 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
                 os.environ[k] = v
 
 
-def open_incident(setup: Setup, *, waiting: bool) -> str:
+def open_incident(setup: Setup, *, waiting: bool, **alarm: Any) -> str:
     """An incident from the stored ring-audit alarm (in a window of its own), optionally waiting on a real token."""
-    detail = load_event("alarm_ring_audit")["detail"]
+    detail = {**load_event("alarm_ring_audit")["detail"], **alarm}
     window = int(uuid.uuid4().int % 1_000_000)
     detail["last_clean"] = {"ring_audit": window, "weight_fingerprint": window + 40}
     detail["step"] = window + 50
@@ -137,10 +139,11 @@ def test_incidents_lists_as_json_and_as_a_table(setup: Setup, capsys: pytest.Cap
 
 
 def test_incidents_show_prints_the_timeline(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
-    incident_id = open_incident(setup, waiting=False)
+    incident_id = open_incident(setup, waiting=False, fault_persistence="persistent")
     assert main(["incidents", "--table", setup.table, "show", incident_id]) == 0
     out = capsys.readouterr().out
     assert "state      GUARDED" in out
+    assert "fault      persistent: the suspect replayed its computation and got it wrong again" in out
     assert "instance i-0123456789abcdef0" in out
     assert [line.split()[1] for line in out.split("timeline\n")[1].splitlines()] == ["RECORDED", "RESOLVED", "GUARDED"]
     assert main(["incidents", "--table", setup.table, "show", "sdc-nosuchincident000"]) == 1
@@ -171,6 +174,12 @@ def test_approve_starts_the_decide_machine_as_the_caller(setup: Setup, capsys: p
     assert incident.state == S.APPROVED
     assert incident.decision is not None
     assert (incident.decision.reviewer, incident.decision.reason) == (caller, "Xid 79")
+    # the decide execution that delivered it, which CloudTrail's StartExecution event ties to the caller
+    machine_name = setup.machine.rsplit(":", 1)[1]
+    assert incident.decision.execution_arn is not None
+    assert f":execution:{machine_name}:{incident_id}-approve-" in incident.decision.execution_arn
+    assert main(["incidents", "show", incident_id, "--table", setup.table]) == 0
+    assert f"           through {incident.decision.execution_arn}" in capsys.readouterr().out
 
     assert main(argv) == 1  # a second decision: a clear message, nothing changed
     err = capsys.readouterr().err

@@ -24,14 +24,17 @@ from kubernetes import client as k8s
 from contract import CheckpointManifest, Incident, IncidentState
 from infra.local.seed import seed
 from infra.local.standin import LocalStandIn
+from lambdas import clients
 from lambdas.cordon import TAINT_KEY
 from lambdas.eks_token import kubernetes_client
 from lambdas.errors import (
     ApprovalExpired,
     BlastRadiusExceeded,
     IncidentNotWaiting,
+    LockLost,
     MalformedEvent,
     NotInCluster,
+    SuspectMismatch,
     SuspectUnresolvable,
     UnknownDecision,
 )
@@ -53,12 +56,13 @@ from lambdas.handlers import (
     rewrite_pointer,
     suspend_job,
 )
-from lambdas.ledger import Ledger
+from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
 from lambdas.settings import get_settings
 from lineage.commit import commit, put_object
 from lineage.pointer import read_pointer
 from lineage.pointer import rewrite_pointer as point_at
 from lineage.store import open_store
+from lineage.verify import RESUME_OBJECTS
 from tests.events import load_event
 from tests.functional.task_token import waiting_token
 
@@ -114,12 +118,7 @@ def world(standin: LocalStandIn) -> Iterator[World]:
     seeded = seed(standin, nodes=3, cluster=f"hp-{suffix}", job=f"job-{suffix}", minutes=20, faulty_node=1)
     ddb = standin.client("dynamodb")
     ledger_table, idem_table = f"ledger-{suffix}", f"idem-{suffix}"
-    ddb.create_table(
-        TableName=ledger_table,
-        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    create_ledger_table(ddb, ledger_table)
     ddb.create_table(
         TableName=idem_table,
         KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
@@ -140,7 +139,7 @@ def world(standin: LocalStandIn) -> Iterator[World]:
         "EKS_CLUSTER": seeded["eks_cluster"],
         "JOB_NAMESPACE": seeded["namespace"],
         "CHECKPOINT_BUCKET": seeded["bucket"],
-        "CHECKPOINT_PREFIX": "",
+        "CHECKPOINT_PREFIX": seeded["job"],
         "MODE": "normal",
         "MAX_QUARANTINED_NODES": "3",
         "MAX_REPLACEMENTS_PER_DAY": "10",
@@ -151,6 +150,7 @@ def world(standin: LocalStandIn) -> Iterator[World]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     get_settings.cache_clear()
+    clients.forget()
     try:
         yield World(standin, seeded, Ledger(ledger_table, standin.client("dynamodb")), queue_url)
     finally:
@@ -160,6 +160,18 @@ def world(standin: LocalStandIn) -> Iterator[World]:
             else:
                 os.environ[k] = v
         get_settings.cache_clear()
+        clients.forget()
+
+
+def create_ledger_table(ddb: Any, name: str) -> None:
+    """The ledger table as the template creates it: the key, and the index of incidents that count."""
+    ddb.create_table(
+        TableName=name,
+        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
+        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}, *OPEN_INDEX_ATTRIBUTES],
+        GlobalSecondaryIndexes=[OPEN_INDEX_DEFINITION],
+        BillingMode="PAY_PER_REQUEST",
+    )
 
 
 _windows = iter(range(1000, 100_000, 100))
@@ -298,12 +310,38 @@ def test_resolve_finds_the_instance_of_the_suspect_rank(world: World) -> None:
     assert incident.suspects[0].instance_group == world.seeded["instance_group"]
 
 
+def plant(world: World, node: str, *, job: str | None = None) -> str:
+    """A pod (of this world's job, unless ``job`` says another) running on a node ``node`` created for it."""
+    core = k8s.CoreV1Api(world.kube())
+    try:
+        core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {}}, "spec": {}})
+    except k8s.ApiException as exc:
+        if exc.status != 409:
+            raise
+    pod = f"planted-{uuid.uuid4().hex[:8]}"
+    labels = {"training.kubeflow.org/job-name": job or world.seeded["job"]}
+    core.create_namespaced_pod(
+        world.seeded["namespace"],
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
+         "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}},
+    )  # fmt: skip
+    return pod
+
+
+def naming(world: World, event: dict[str, Any], *, pod: str, node: str) -> dict[str, Any]:
+    event["detail"]["suspects"][0].update(pod=pod, node=node, host=pod)
+    return event
+
+
 def test_an_unknown_node_or_an_instance_outside_the_cluster_touches_nothing(world: World) -> None:
-    unknown = alarm_event(world, 0)
-    unknown["detail"]["suspects"][0]["node"] = "ip-10-9-9-9.ec2.internal"
-    unknown["detail"]["suspects"][0]["host"] = "nowhere"
-    outside = alarm_event(world, 0)
-    outside["detail"]["suspects"][0]["node"] = "hyperpod-i-0aaaaaaaaaaaaaaa0"
+    # Pods of the job that do run where the alarm says, on a node HyperPod does not know
+    # (a plain EKS node) and on a node named like HyperPod's for an instance outside the cluster.
+    unknown = naming(world, alarm_event(world, 0), pod=plant(world, "ip-10-9-9-9.ec2.internal"), node="ip-10-9-9-9.ec2.internal")
+    unknown["detail"]["suspects"][0]["host"] = world.standin.client("sagemaker").list_cluster_nodes(
+        ClusterName=world.seeded["hyperpod_cluster"]
+    )["ClusterNodeSummaries"][0].get("PrivateDnsHostname", "nowhere")  # a host name that is another node's: ignored
+    outside_node = "hyperpod-i-0aaaaaaaaaaaaaaa0"
+    outside = naming(world, alarm_event(world, 0), pod=plant(world, outside_node), node=outside_node)
     for event, error in ((unknown, SuspectUnresolvable), (outside, NotInCluster)):
         incident_id = record.handler(event, CTX)["incident_id"]
         with pytest.raises(error):
@@ -311,6 +349,33 @@ def test_an_unknown_node_or_an_instance_outside_the_cluster_touches_nothing(worl
         incident = world.ledger.get(incident_id)
         assert incident.state == S.RECORDED
         assert incident.suspects == []
+
+
+def test_a_suspect_the_cluster_contradicts_touches_nothing(world: World) -> None:
+    # Given forged alarms (valid, for this cluster and job) naming a pod on another node,
+    # a pod of another job, and a pod that does not exist,
+    other = world.node(1)
+    elsewhere = naming(world, alarm_event(world, 0), pod=other["pod"], node=world.node(0)["node_name"])
+    not_of_job = naming(world, alarm_event(world, 0), pod=plant(world, world.node(0)["node_name"], job="someone-else"), node=world.node(0)["node_name"])
+    missing = naming(world, alarm_event(world, 0), pod="no-such-pod", node=world.node(0)["node_name"])
+    taints_before = {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]}
+    reasons = []
+    for event in (elsewhere, not_of_job, missing):
+        incident_id = record.handler(event, CTX)["incident_id"]
+        # when resolve reads the cluster,
+        with pytest.raises(SuspectMismatch) as caught:
+            resolve.handler({"incident_id": incident_id}, CTX)
+        reasons.append(str(caught.value))
+        # nothing is recorded as resolved, so nothing downstream can act,
+        incident = world.ledger.get(incident_id)
+        assert (incident.state, incident.suspects) == (S.RECORDED, [])
+    # the reasons name the mismatch,
+    assert f"runs on node {other['node_name']!r}, not on node {world.node(0)['node_name']!r}" in reasons[0]
+    assert "is not a pod of PyTorchJob" in reasons[1]
+    assert "'someone-else'" in reasons[1]
+    assert "does not exist in namespace" in reasons[2]
+    # and no node changed.
+    assert {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]} == taints_before
 
 
 def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,6 +395,10 @@ def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monk
     assert not our_taints(read_node(world, world.node(free)["node_name"]))
 
 
+def moved_to(state: IncidentState) -> Any:
+    return lambda i: i.advance(state, actor="test")
+
+
 def resolved_to(suspect: Any) -> Any:
     return lambda i: i.advance(S.RESOLVED, actor="test", suspects=[suspect])
 
@@ -339,12 +408,7 @@ def test_concurrent_incidents_are_admitted_one_by_one(world: World) -> None:
     from lambdas.guard import guard_incident
 
     table = f"race-{uuid.uuid4().hex[:6]}"
-    world.standin.client("dynamodb").create_table(
-        TableName=table,
-        KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    create_ledger_table(world.standin.client("dynamodb"), table)
     ledger = Ledger(table, world.standin.client("dynamodb"))
     ids = []
     for n in range(4):  # four incidents on four different nodes, resolved at once
@@ -357,12 +421,16 @@ def test_concurrent_incidents_are_admitted_one_by_one(world: World) -> None:
         ids.append(incident.incident_id)
 
     def admit(incident_id: str) -> str:
-        try:
-            return guard_incident(
-                ledger, incident_id, mode="normal", max_quarantined_nodes=2, max_replacements_per_day=10
-            ).state.value
-        except BlastRadiusExceeded:
-            return "refused"
+        for _ in range(5):  # as the state machine retries a guard whose lock was taken over (LockLost)
+            try:
+                return guard_incident(
+                    ledger, incident_id, mode="normal", max_quarantined_nodes=2, max_replacements_per_day=10
+                ).state.value
+            except BlastRadiusExceeded:
+                return "refused"
+            except LockLost:
+                continue
+        return "lock lost five times"
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         outcomes = list(pool.map(admit, ids))
@@ -497,8 +565,8 @@ def test_decide_refuses_unknown_decisions_and_expired_tokens(world: World) -> No
 def write_checkpoints(world: World, steps: list[int]) -> None:
     store = open_store(f"s3://{world.seeded['bucket']}/{world.seeded['job']}", client=world.standin.client("s3"))
     for step in steps:
-        digest = put_object(store, step, "model.pt", f"weights at {step}".encode())
-        commit(store, CheckpointManifest(step=step, world_size=6, fingerprint="ab" * 24, objects=[digest]))
+        digests = [put_object(store, step, name, f"{name} at {step}".encode()) for name in RESUME_OBJECTS]
+        commit(store, CheckpointManifest(step=step, world_size=6, fingerprint="ab" * 24, objects=digests))
 
 
 def test_the_approve_path_replaces_rolls_back_and_resumes(world: World) -> None:
@@ -654,3 +722,192 @@ def test_steps_out_of_order_change_nothing(world: World) -> None:
     with pytest.raises(MalformedEvent):
         resolve.handler({"incident": incident_id}, CTX)
     assert world.ledger.get(incident_id).state == S.GUARDED
+
+
+# -- record retried by its own execution ----------------------------------------------------------------
+
+
+def test_a_retried_record_recognises_its_own_write(world: World) -> None:
+    event = alarm_event(world, 0)
+    execution = f"arn:aws:states:us-east-1:123456789012:execution:incident:{uuid.uuid4().hex}"
+    first = record.handler({"event": event, "execution_id": execution}, CTX)
+    # the state's Retry (or botocore resending after a lost reply) records the same event again
+    retried = record.handler({"event": event, "execution_id": execution}, CTX)
+    # while another execution (a re-delivery of the event) is a duplicate
+    other = record.handler({"event": event, "execution_id": execution + "-2"}, CTX)
+
+    assert (first["duplicate"], retried["duplicate"], other["duplicate"]) == (False, False, True)
+    assert first["incident_id"] == retried["incident_id"] == other["incident_id"]
+    assert first["topic_arn"] == get_settings().topic_arn
+    incident = world.ledger.get(first["incident_id"])
+    assert incident.opened_by == execution
+    assert incident.duplicate_alarms == 1
+    assert states(incident) == ["RECORDED"]
+
+
+# -- the blast radius: stopped incidents, the lease, the index ----------------------------------------------
+
+
+def private_ledger(world: World) -> Ledger:
+    table = f"guard-{uuid.uuid4().hex[:6]}"
+    create_ledger_table(world.standin.client("dynamodb"), table)
+    return Ledger(table, world.standin.client("dynamodb"))
+
+
+def resolved_incident(ledger: Ledger, node: str, *, cluster: str = "ml-cluster") -> str:
+    from contract import Alarm, ResolvedSuspect
+
+    detail = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
+    detail["suspects"][0]["node"] = node
+    detail["job"]["hyperpod_cluster"] = cluster
+    incident, _ = ledger.open(Alarm.model_validate(detail), mode="normal")
+    suspect = ResolvedSuspect(global_rank=3, pod="p", node=node, instance_id=node.removeprefix("hyperpod-"))
+    ledger.update(incident.incident_id, resolved_to(suspect))
+    return incident.incident_id
+
+
+def fresh_node(world: World) -> str:
+    name = f"hyperpod-i-0{uuid.uuid4().hex[:16]}"
+    k8s.CoreV1Api(world.kube()).create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": {}})
+    return name
+
+
+def test_a_failed_incident_holds_its_quota_until_its_node_is_released(world: World) -> None:
+    from lambdas.cordon import cordon_node, uncordon_node
+    from lambdas.guard import guard_incident
+
+    ledger = private_ledger(world)
+    limits = {"mode": "normal", "max_quarantined_nodes": 1, "max_replacements_per_day": 10, "kubernetes": world.kube}
+    # Given an incident that cordoned its node and then failed,
+    held, other = fresh_node(world), fresh_node(world)
+    failed = resolved_incident(ledger, held)
+    assert guard_incident(ledger, failed, **limits).state == S.GUARDED  # type: ignore[arg-type]
+    cordon_node(world.kube(), held, failed)
+    for state in (S.SUSPENDED, S.CORDONED, S.FAILED):
+        ledger.update(failed, moved_to(state))
+    # a second incident on another node is refused while the node stays cordoned,
+    second = resolved_incident(ledger, other)
+    with pytest.raises(BlastRadiusExceeded, match="limit is 1"):
+        guard_incident(ledger, second, **limits)  # type: ignore[arg-type]
+    assert ledger.get(second).state == S.RESOLVED
+    # and admitted once a human released it; the failed incident then stops counting.
+    uncordon_node(world.kube(), held, failed)
+    assert guard_incident(ledger, second, **limits).state == S.GUARDED  # type: ignore[arg-type]
+    released = ledger.get(failed)
+    assert released.state == S.FAILED
+    assert released.nodes_released_at is not None
+    assert [i.incident_id for i in ledger.counting("ml-cluster")] == [second]
+
+
+def test_a_guard_whose_lease_ran_out_writes_nothing(world: World) -> None:
+    ledger = private_ledger(world)
+    incident_id = resolved_incident(ledger, fresh_node(world))
+    with ledger.locked("guard:ml-cluster", owner=incident_id, lease_seconds=0.2) as lease:
+        time.sleep(0.3)
+        # another guard takes the expired lock and admits something
+        with ledger.locked("guard:ml-cluster", owner="someone-else"):
+            pass
+        with pytest.raises(LockLost, match="expired"):
+            ledger.update(incident_id, lambda i: i.advance(S.GUARDED, actor="guard"), lease=lease)
+    assert ledger.get(incident_id).state == S.RESOLVED
+
+
+def test_an_admission_the_index_does_not_show_yet_still_counts(world: World) -> None:
+    from lambdas.guard import guard_incident
+
+    ledger = private_ledger(world)
+    first = resolved_incident(ledger, fresh_node(world))
+    guard_incident(ledger, first, mode="normal", max_quarantined_nodes=1, max_replacements_per_day=10)
+    # Given the index lags behind the table (DynamoDB's global indexes are eventually consistent),
+    ledger.client.update_item(
+        TableName=ledger.table, Key={"incident_id": {"S": first}}, UpdateExpression="REMOVE open_cluster, open_until"
+    )
+    assert ledger.counting("ml-cluster") == []
+    # the next guard still sees the admission through the lock's memory of it.
+    second = resolved_incident(ledger, fresh_node(world))
+    with pytest.raises(BlastRadiusExceeded, match="would hold 2 nodes"):
+        guard_incident(ledger, second, mode="normal", max_quarantined_nodes=1, max_replacements_per_day=10)
+
+
+def test_the_guard_reads_only_the_open_incidents_of_10000(world: World) -> None:
+    from contract import Alarm, Transition
+    from lambdas.guard import guard_incident
+
+    ledger = private_ledger(world)
+    base = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
+    items = []
+    for n in range(10_000):  # closed long ago, or false alarms
+        detail = {**base, "alarm_id": f"closed{n:010d}", "last_clean": {"ring_audit": n, "weight_fingerprint": n}}
+        state = S.CLOSED if n % 2 else S.FALSE_ALARM
+        incident = Incident(
+            incident_id=f"sdc-closed-{n:06d}", idempotency_key=f"k{n}", alarm=Alarm.model_validate(detail), state=state,
+            transitions=[Transition(state=S.REPLACING, at=datetime(2026, 1, 1, tzinfo=UTC), actor="t")] if n % 2 else [],
+        )  # fmt: skip
+        items.append({"PutRequest": {"Item": Ledger._item(incident, 1)}})
+    ddb = world.standin.client("dynamodb")
+    for i in range(0, len(items), 25):
+        ddb.batch_write_item(RequestItems={ledger.table: items[i : i + 25]})
+    mine = resolved_incident(ledger, fresh_node(world))
+
+    calls: list[str] = []
+    timing: list[tuple[str, float]] = []
+    ledger.client.meta.events.register("before-call.dynamodb.*", lambda model, **_: calls.append(model.name))
+    ledger.client.meta.events.register("before-call.dynamodb.*", lambda model, **_: timing.append((model.name, time.perf_counter())))
+    ledger.client.meta.events.register("after-call.dynamodb.*", lambda model, **_: timing.append((model.name, time.perf_counter())))
+    # (On the stand-in, moto's Query walks every item and its transaction copies the table to roll back;
+    # DynamoDB reads only the index's matching keys and writes two items. The ratio to a scan is the measure.)
+    started = time.perf_counter()
+    admitted = guard_incident(ledger, mine, mode="normal", max_quarantined_nodes=1, max_replacements_per_day=1)
+    seconds = time.perf_counter() - started
+    guard_calls, calls[:] = list(calls), []
+    per_call = [(timing[i][0], round(timing[i + 1][1] - timing[i][1], 3)) for i in range(0, len(timing) - 1, 2)]
+    started = time.perf_counter()
+    scanned = len(ledger.list())
+    scan_seconds = time.perf_counter() - started
+    print(
+        f"\nguard with 10,000 closed incidents: {seconds:.3f} s, calls {per_call}; "
+        f"a full scan instead: {scan_seconds:.3f} s, {len(calls)} calls"
+    )
+
+    assert admitted.state == S.GUARDED
+    assert scanned == 10_001
+    assert "Scan" not in guard_calls
+    assert guard_calls.count("Query") == 1
+    assert guard_calls.count("GetItem") <= 4  # the incident (twice), itself from the index, and the write's re-read
+    assert [i.incident_id for i in ledger.counting("ml-cluster")] == [mine]  # none of the closed ones
+    assert seconds < scan_seconds / 4
+
+
+# -- two incidents on one job ------------------------------------------------------------------------------
+
+
+def to_pointer_rewritten(world: World, incident_id: str) -> None:
+    for state in (S.CORDONED, S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL, S.APPROVED, S.REPLACING, S.REPLACED, S.POINTER_REWRITTEN):
+        world.ledger.update(incident_id, moved_to(state))
+
+
+def test_the_job_resumes_only_when_no_incident_that_suspended_it_is_open(world: World) -> None:
+    custom = k8s.CustomObjectsApi(world.kube())
+    custom.patch_namespaced_custom_object(  # given a running job that no incident holds
+        "kubeflow.org", "v1", world.seeded["namespace"], "pytorchjobs", world.seeded["job"],
+        {"metadata": {"annotations": {"sdcguard.io/suspended-by": None}}, "spec": {"runPolicy": {"suspend": False}}},
+    )  # fmt: skip
+    # when two incidents (two faults, one job) each suspend it,
+    first = drive(world, alarm_event(world, 0), through="suspend_job")
+    second = drive(world, alarm_event(world, 1), through="suspend_job")  # (node 2 was replaced above)
+    annotations = read_job(world)["metadata"]["annotations"]
+    assert annotations["sdcguard.io/suspended-by"] == f"{first},{second}", (first, second)
+    to_pointer_rewritten(world, first)
+    to_pointer_rewritten(world, second)
+
+    # the first to finish leaves it suspended for the other,
+    held = resume_job.handler({"incident_id": first}, CTX)
+    assert (held["changed"], held["held_by"]) == (False, [second])
+    assert read_job(world)["spec"]["runPolicy"]["suspend"] is True
+    assert "stays suspended" in world.ledger.get(first).transitions[-1].note
+    # and the last one resumes it.
+    resumed = resume_job.handler({"incident_id": second}, CTX)
+    assert resumed["changed"] is True
+    job = read_job(world)
+    assert not job["spec"]["runPolicy"].get("suspend")
+    assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -135,7 +136,7 @@ def test_a_manifest_that_does_not_parse_is_passed_over(store: S3Store) -> None:
 def test_large_objects_go_up_in_parts_and_verify(s3: Any, bucket: str) -> None:
     store = S3Store(bucket, "jobs/big", client=s3, multipart_threshold=6 * 1024**2, part_size=5 * 1024**2)
     big = bytes(range(256)) * (13 * 1024 * 1024 // 256)  # 13 MiB: three parts
-    write_checkpoint(store, 100, objects={"model.pt": big})
+    write_checkpoint(store, 100, objects={"model.pt": big, "optimizer.pt": b"moments", "trainer.pt": b"step 100"})
     head = s3.head_object(Bucket=bucket, Key=f"jobs/big/{object_key(100)}", ChecksumMode="ENABLED")
     assert head["ContentLength"] == len(big)
     assert head["ETag"].endswith('-3"')
@@ -144,3 +145,77 @@ def test_large_objects_go_up_in_parts_and_verify(s3: Any, bucket: str) -> None:
     with pytest.raises(ValueError, match="too large for a conditional write"):
         store.put_bytes("RESUME.json", big, if_none_match=True)
     assert not store.exists("RESUME.json")
+
+
+def count_calls(client: Any) -> list[str]:
+    calls: list[str] = []
+    client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+    return calls
+
+
+def test_a_checkpoint_of_many_objects_verifies_from_s3s_checksums_without_downloading(s3: Any, bucket: str) -> None:
+    # Given a checkpoint of 1,500 objects (the model, optimizer and trainer state, and a shard per rank),
+    store = open_store(f"s3://{bucket}/jobs/many", client=s3)
+    objects = {name: name.encode() * 3 for name in ("model.pt", "optimizer.pt", "trainer.pt")}
+    objects.update({f"shard-{i:05d}.pt": f"shard {i}".encode() for i in range(1497)})
+    write_checkpoint(store, 100, objects=objects)
+    calls = count_calls(s3)
+
+    # when selection verifies it,
+    started = time.perf_counter()
+    chosen = select_checkpoint(store, 150)
+    seconds = time.perf_counter() - started
+    print(f"\nverified a checkpoint of 1,500 objects from stored checksums in {seconds:.2f} s")
+
+    # each object is checked from S3's own checksum, and only the manifest is downloaded.
+    assert chosen.step == 100
+    assert calls.count("GetObjectAttributes") == 1500
+    assert calls.count("GetObject") == 1  # MANIFEST.json
+
+
+def test_a_changed_object_fails_verification_from_its_stored_checksum(store: S3Store, s3: Any, bucket: str) -> None:
+    write_checkpoint(store, 100)
+    write_checkpoint(store, 200)
+    # overwritten after the manifest, by a writer that sent S3 a correct checksum of its own bytes
+    data = b"other weights"
+    s3.put_object(
+        Bucket=bucket, Key=f"jobs/gpt/{object_key(200)}", Body=data, ChecksumAlgorithm="SHA256",
+        ChecksumSHA256=base64.b64encode(bytes.fromhex(sha256_hex(data))).decode(),
+    )  # fmt: skip
+    calls = count_calls(s3)
+    chosen = select_checkpoint(store, 1000)
+    assert chosen.step == 100
+    assert "does not verify" in chosen.passed_over[0].reason
+    assert calls.count("GetObject") == 2  # the two manifests; the objects are checked by their stored checksums
+
+
+def test_an_object_uploaded_in_parts_verifies_from_its_parts_checksum(s3: Any, bucket: str) -> None:
+    store = S3Store(bucket, "jobs/big", client=s3, multipart_threshold=5 * 1024**2, part_size=5 * 1024**2)
+    big = bytes(range(256)) * (44 * 1024)  # 11 MiB: three parts
+    write_checkpoint(store, 100, objects={"model.pt": big, "optimizer.pt": b"m", "trainer.pt": b"t"})
+    attributes = s3.get_object_attributes(Bucket=bucket, Key=f"jobs/big/{object_key(100)}", ObjectAttributes=["Checksum"])
+    assert attributes["Checksum"].get("ChecksumType") == "COMPOSITE" or "-" in attributes["Checksum"]["ChecksumSHA256"]
+    assert store.stored_digest(object_key(100)) == (sha256_hex(big), len(big))
+    calls = count_calls(s3)
+    assert select_checkpoint(store, 100).step == 100
+    assert calls.count("GetObject") == 1  # the manifest; the 11 MiB object is not read
+    # an object whose parts are not the ones its writer hashed (its metadata claims the manifest's digest) is refused
+    key = f"jobs/big/{object_key(100)}"
+    upload = s3.create_multipart_upload(
+        Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256",
+        Metadata={"sdcguard-sha256": sha256_hex(big), "sdcguard-parts-sha256": "bm90IHRoZSBwYXJ0cw=="},
+    )  # fmt: skip
+    other = b"x" * len(big)
+    parts = []
+    for number, start in enumerate(range(0, len(other), 5 * 1024**2), start=1):
+        chunk = other[start : start + 5 * 1024**2]
+        checksum = base64.b64encode(bytes.fromhex(sha256_hex(chunk))).decode()
+        etag = s3.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=number, Body=chunk,
+            ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum,
+        )["ETag"]  # fmt: skip
+        parts.append({"PartNumber": number, "ETag": etag, "ChecksumSHA256": checksum})
+    s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": parts})
+    with pytest.raises(NoSafeCheckpoint) as refused:
+        select_checkpoint(store, 100)
+    assert "is not the one its writer computed" in refused.value.passed_over[0].reason

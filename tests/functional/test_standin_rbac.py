@@ -110,8 +110,8 @@ def test_a_lambda_function_gets_exactly_what_the_manifest_grants(
 
     assert "FunctionError" not in response, answers
     assert answers == {
-        "get node": 200, "patch node": 200, "list pods": 200, "patch job": 200,
-        "get pod": 403, "delete node": 403, "create namespace": 403,
+        "get node": 200, "patch node": 200, "list pods": 403, "patch job": 200,
+        "get pod": 200, "delete node": 403, "create namespace": 403,
     }  # fmt: skip
     admin = cluster_api_client(seeded["eks_cluster"], standin.client("eks"), standin.client("sts"))
     assert k8s.CoreV1Api(admin).read_node(node).metadata.annotations["sdcguard.io/probe"] == "1"

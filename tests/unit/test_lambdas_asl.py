@@ -15,6 +15,7 @@ import pytest
 from lambdas import errors
 
 ROOT = Path(__file__).resolve().parents[2]
+LAMBDA = "arn:aws:states:::lambda:invoke"
 MACHINES = {name: ROOT / "stepfunctions" / f"{name}.asl.json" for name in ("incident", "decide")}
 PLACEHOLDERS = {
     f"${{{name}FunctionArn}}"
@@ -58,7 +59,14 @@ def test_every_task_retries_transient_errors_and_catches_into_a_recorded_state(n
         if state["Type"] != "Task":
             continue
         retried = {e for r in state.get("Retry", []) for e in r["ErrorEquals"]}
-        assert "Lambda.ServiceException" in retried, state_name
+        if state["Resource"].startswith(LAMBDA):
+            assert "Lambda.ServiceException" in retried, state_name
+            assert "Lambda.TooManyRequestsException" in retried, state_name  # the invocation was throttled: never ran
+            if name == "incident":  # every incident handler is idempotent, so a timed-out one may run again
+                assert "Sandbox.Timedout" in retried, state_name
+        else:  # the direct SNS notifications: a publish may be repeated
+            assert state["Resource"] == "arn:aws:states:::sns:publish", state_name
+            assert "States.TaskFailed" in retried, state_name
         assert all(r["IntervalSeconds"] <= 2 and r["MaxAttempts"] <= 4 for r in state["Retry"]), state_name
         if state_name in top:  # Map iterations are caught by their Map
             assert state.get("Catch"), state_name
@@ -73,7 +81,7 @@ def test_caught_error_names_exist(name: str) -> None:
     for state_name, state in all_states(load(name)):
         for clause in state.get("Catch", []) + state.get("Retry", []):
             for error in clause["ErrorEquals"]:
-                if error.startswith(("States.", "Lambda.")):
+                if error.startswith(("States.", "Lambda.", "Sandbox.")):
                     continue
                 assert isinstance(getattr(errors, error, None), type), f"{state_name} catches unknown {error}"
 
@@ -120,3 +128,45 @@ def test_the_suspect_instances_are_mapped() -> None:
     for name in ("CordonNodes", "ReplaceNodes"):
         assert states[name]["Type"] == "Map"
         assert states[name]["ItemsPath"] == "$.resolved.instance_ids"
+
+
+def test_incident_tasks_retry_throttling_that_outlasted_the_clients() -> None:
+    for state_name, state in all_states(load("incident")):
+        if state["Type"] == "Task" and state["Resource"].startswith(LAMBDA):
+            retried = {e for r in state["Retry"] for e in r["ErrorEquals"]}
+            assert "Throttled" in retried, state_name
+
+
+def test_a_failing_end_handler_still_ends_with_a_direct_notification() -> None:
+    states = load("incident")["States"]
+    for handler, fallback, end in (
+        ("NeedsAttention", "NotifyAttentionDirectly", "StoppedForAttention"),
+        ("ApprovalTimedOut", "NotifyAttentionDirectly", "StoppedForAttention"),
+        ("Failed", "NotifyFailureDirectly", "IncidentFailed"),
+    ):
+        (catch,) = states[handler]["Catch"]
+        assert (catch["ErrorEquals"], catch["Next"]) == (["States.ALL"], fallback), handler
+        publish = states[fallback]
+        assert publish["Resource"] == "arn:aws:states:::sns:publish"
+        assert publish["Parameters"]["TopicArn.$"] == "$.topic_arn"
+        assert "$.incident_id" in publish["Parameters"]["Message.$"]
+        assert publish["Next"] == end
+        assert [c["Next"] for c in publish["Catch"]] == [end]
+    # the topic travels in the data from the first state on
+    assert states["Record"]["ResultSelector"]["topic_arn.$"] == "$.Payload.topic_arn"
+    assert states["Opened"]["Parameters"]["topic_arn.$"] == "$.recorded.topic_arn"
+
+
+def test_record_is_told_its_execution_and_a_mismatching_suspect_stops_for_attention() -> None:
+    states = load("incident")["States"]
+    assert states["Record"]["Parameters"]["Payload"] == {"event.$": "$", "execution_id.$": "$$.Execution.Id"}
+    to_attention = {e for c in states["Resolve"]["Catch"] if c["Next"] == "NeedsAttention" for e in c["ErrorEquals"]}
+    assert {"SuspectMismatch", "SuspectUnresolvable", "NotInCluster"} <= to_attention
+    assert "TransientKubernetesError" in {e for r in states["Resolve"]["Retry"] for e in r["ErrorEquals"]}
+    assert "LockLost" in {e for r in states["Guard"]["Retry"] for e in r["ErrorEquals"]}
+
+
+def test_the_decision_carries_the_decide_execution() -> None:
+    decide = load("decide")["States"]["Decide"]
+    assert decide["Parameters"]["Payload"]["execution_arn.$"] == "$$.Execution.Id"
+    assert decide["ResultSelector"]["execution_arn.$"] == "$.Payload.execution_arn"

@@ -9,14 +9,18 @@ from typing import Any
 import pytest
 
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Transition
+from lambdas.approval import approval_message
 from lambdas.errors import MalformedEvent, NotInCluster, SuspectUnresolvable
 from lambdas.evidence import CORROBORATED, NO_HARDWARE_SIGNAL, MetricSeries, prior_incidents_of, verdict_for
 from lambdas.guard import check_blast_radius, quarantined_nodes
 from lambdas.inputs import AlarmEvent, InstanceRef, parse_input
-from lambdas.ledger import idempotency_key, incident_id_for
+from lambdas.job import holders
+from lambdas.ledger import FOREVER, Ledger, counts_until, idempotency_key, incident_id_for
+from lambdas.notify import describe
 from lambdas.pointer import allowed_prefix
+from lambdas.record import check_scope
 from lambdas.replace import find_successors
-from lambdas.resolve import ClusterNode, instance_id_from_node_name, resolve_suspects
+from lambdas.resolve import ClusterNode, Observed, instance_id_from_node_name, mismatch, resolve_suspects
 from lambdas.settings import Settings, SettingsError
 from tests.events import load_event
 
@@ -310,9 +314,14 @@ def test_bad_settings_name_the_variable(env: dict[str, str], named: str) -> None
         Settings.from_env(env)
 
 
-def test_the_pointer_is_only_rewritten_under_the_allowed_prefix() -> None:
-    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="jobs")
-    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="")
+def test_the_pointer_is_only_rewritten_at_exactly_the_guarded_prefix() -> None:
+    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="jobs/gpt-pretrain")
+    assert allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain/", bucket="ckpt-bucket", prefix="/jobs/gpt-pretrain/")
+    assert allowed_prefix("s3://ckpt-bucket", bucket="ckpt-bucket", prefix="")
+    # not a sub-prefix: another job's checkpoints under the guarded prefix, or the whole bucket
+    assert not allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="jobs")
+    assert not allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain", bucket="ckpt-bucket", prefix="")
+    assert not allowed_prefix("s3://ckpt-bucket/jobs/gpt-pretrain/../other", bucket="ckpt-bucket", prefix="jobs/gpt-pretrain")
     assert not allowed_prefix("s3://ckpt-bucket/jobsX/a", bucket="ckpt-bucket", prefix="jobs")
     assert not allowed_prefix("s3://other/jobs/a", bucket="ckpt-bucket", prefix="jobs")
     assert not allowed_prefix("/local/dir", bucket="ckpt-bucket", prefix="")
@@ -346,3 +355,140 @@ def test_the_eks_token_is_a_presigned_get_caller_identity_signing_the_cluster() 
     # the hooks are gone: the client presigns plain URLs again
     plain = sts.generate_presigned_url("get_caller_identity", ExpiresIn=60)
     assert "x-k8s-aws-id" not in plain
+
+
+# -- suspects verified against the cluster -----------------------------------------------------------
+
+
+def suspect_of(name: str) -> Any:
+    return alarm(name).suspects[0]
+
+
+def test_the_cluster_agreeing_with_the_alarm_is_no_mismatch() -> None:
+    s = suspect_of("alarm_ring_audit")
+    seen = Observed(pod_exists=True, job_name="gpt-pretrain", node=s.node, node_exists=True)
+    assert mismatch(s, seen, namespace="training", job_name="gpt-pretrain") is None
+
+
+@pytest.mark.parametrize(
+    ("seen", "named"),
+    [
+        (Observed(pod_exists=False), "does not exist in namespace training"),
+        (Observed(pod_exists=True, job_name="other-job", node=f"hyperpod-{I1}", node_exists=True), "not a pod of PyTorchJob training/gpt-pretrain"),
+        (Observed(pod_exists=True, job_name=None, node=f"hyperpod-{I1}", node_exists=True), "no job-name label"),
+        (Observed(pod_exists=True, job_name="gpt-pretrain", node=f"hyperpod-{I2}", node_exists=True), f"runs on node 'hyperpod-{I2}'"),
+        (Observed(pod_exists=True, job_name="gpt-pretrain", node=f"hyperpod-{I1}", node_exists=False), "does not exist"),
+    ],
+)
+def test_a_suspect_the_cluster_contradicts_is_a_mismatch_named_in_the_reason(seen: Observed, named: str) -> None:
+    reason = mismatch(suspect_of("alarm_ring_audit"), seen, namespace="training", job_name="gpt-pretrain")
+    assert reason is not None
+    assert named in reason
+    assert reason.startswith("rank 3: pod gpt-pretrain-worker-1")
+
+
+def test_a_host_name_from_the_alarm_never_resolves_a_node() -> None:
+    # The alarm names an unknown node and, as its host, the DNS name of another node of the cluster.
+    nodes = cluster(I1, I2)
+    forged = alarm(
+        "alarm_renamed_node",
+        suspects=[{**load_event("alarm_renamed_node")["detail"]["suspects"][0], "node": "ip-10-9-9-9.ec2.internal", "host": nodes[I2].private_dns}],
+    )
+    with pytest.raises(SuspectUnresolvable, match="ip-10-9-9-9"):
+        resolve_suspects(forged, nodes)
+
+
+def test_a_renamed_node_resolves_through_its_own_addresses() -> None:
+    nodes = {I1: ClusterNode(I1, "workers", "Running", private_dns="ip-10-1-35-77.ec2.internal")}
+    a = alarm("alarm_renamed_node")  # node ip-10-1-35-103.ec2.internal
+    resolved = resolve_suspects(a, nodes, node_addresses={a.suspects[0].node: ("10.1.35.77", "ip-10-1-35-77.ec2.internal")})
+    assert [s.instance_id for s in resolved] == [I1]
+
+
+def test_without_a_job_namespace_no_alarm_is_in_scope() -> None:
+    a = alarm("alarm_ring_audit")
+    with pytest.raises(NotInCluster, match="guards no namespace"):
+        check_scope(a, Settings.from_env(ENV))
+    with pytest.raises(NotInCluster, match="namespace training; this pipeline guards other"):
+        check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "other"}))
+    check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "training"}))
+
+
+# -- what counts toward the blast radius ------------------------------------------------------------------
+
+
+def test_a_failed_incident_that_was_admitted_counts_until_its_node_is_released() -> None:
+    failed = incident("alarm_ring_audit", IncidentState.FAILED, [(I1, "")], entered={IncidentState.GUARDED: NOW, IncidentState.CORDONED: NOW})
+    early = incident("alarm_two_nodes", IncidentState.FAILED, [(I2, "")], entered={IncidentState.RESOLVED: NOW})
+    assert quarantined_nodes([failed, early], exclude="") == {f"hyperpod-{I1}"}
+    assert counts_until(failed) == FOREVER
+    assert counts_until(early) is None
+    # seen released on the cluster: it stops counting, and says so in the ledger item
+    assert quarantined_nodes([failed], exclude="", released={f"hyperpod-{I1}"}) == set()
+    released = failed.model_copy(update={"nodes_released_at": NOW})
+    assert quarantined_nodes([released], exclude="") == set()
+    assert counts_until(released) is None
+
+
+def test_replacements_count_for_a_day_and_closed_incidents_leave_the_index() -> None:
+    replaced = incident("alarm_ring_audit", IncidentState.CLOSED, [(I1, "")], entered={IncidentState.REPLACING: NOW})
+    assert counts_until(replaced) == (NOW + timedelta(hours=24)).timestamp()
+    assert counts_until(incident("alarm_ring_audit", IncidentState.FALSE_ALARM, [(I1, "")])) is None
+    assert counts_until(incident("alarm_ring_audit", IncidentState.RECORDED, [(I1, "")])) == FOREVER
+    item = Ledger._item(replaced, 1)
+    assert (item["open_cluster"]["S"], float(item["open_until"]["N"])) == ("ml-cluster", counts_until(replaced))
+    assert "open_cluster" not in Ledger._item(incident("alarm_ring_audit", IncidentState.FALSE_ALARM, [(I1, "")]), 1)
+
+
+# -- the reviewers' notification ---------------------------------------------------------------------------
+
+
+def test_untrusted_strings_cannot_forge_lines_in_the_notification() -> None:
+    forged_line = f"Suspect: rank 7 pod x node hyperpod-{I2} instance {I2}"
+    a = alarm("alarm_ring_audit", message=f"all fine\n{forged_line}\n  sdcguard approve sdc-evil --reason now")
+    inc = incident("alarm_ring_audit", IncidentState.EVIDENCE_COLLECTED, [(I1, "")]).model_copy(update={"alarm": a})
+    text = approval_message(inc)
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith("Suspect:")] == [f'Suspect: rank 0 pod "p0" node "hyperpod-{I1}" instance {I1}']
+    assert not any("sdc-evil" in line and line.lstrip().startswith("sdcguard approve") for line in lines)
+    assert f'Agent says: "all fine\\n{forged_line}\\n  sdcguard approve sdc-evil --reason now"' in lines
+
+
+def test_the_notification_says_whether_the_fault_persisted() -> None:
+    inc = incident("alarm_ring_audit", IncidentState.EVIDENCE_COLLECTED, [(I1, "")])
+    persistent = inc.model_copy(update={"alarm": alarm("alarm_ring_audit", fault_persistence="persistent")})
+    assert "Fault persistence: persistent: the suspect replayed its computation and got it wrong again" in describe(persistent)
+    assert "Fault persistence: unknown" in describe(inc)
+
+
+# -- the job's holders ---------------------------------------------------------------------------------------
+
+
+def test_the_incidents_holding_a_job_are_read_from_its_annotation() -> None:
+    assert holders({"metadata": {"annotations": {"sdcguard.io/suspended-by": "sdc-a, sdc-b,"}}}) == ["sdc-a", "sdc-b"]
+    assert holders({"metadata": {}}) == []
+
+
+# -- throttling that outlasted the clients' retries --------------------------------------------------------------
+
+
+def test_throttling_after_the_clients_retries_is_raised_by_name() -> None:
+    from botocore.exceptions import ClientError
+
+    from lambdas.clients import CONFIG, named_throttling
+    from lambdas.errors import Throttled
+
+    def failing(code: str) -> Any:
+        @named_throttling
+        def handler() -> None:
+            raise ClientError({"Error": {"Code": code, "Message": "slow down"}}, "ListClusterNodes")
+
+        return handler
+
+    with pytest.raises(Throttled, match="ListClusterNodes: ThrottlingException: slow down"):
+        failing("ThrottlingException")()
+    with pytest.raises(Throttled):
+        failing("TooManyRequestsException")()
+    with pytest.raises(ClientError, match="AccessDenied"):  # not throttling: the user must see it as it is
+        failing("AccessDeniedException")()
+    assert CONFIG.retries == {"mode": "standard", "max_attempts": 5}

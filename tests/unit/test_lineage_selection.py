@@ -76,7 +76,7 @@ def test_listing_reports_committed_folders(store: ObjectStore) -> None:
     store.put_bytes("checkpoints/not-a-step/x", b"ignored")
     folders = list_checkpoints(store)
     assert [(f.step, f.committed) for f in folders] == [(5, True), (7, False)]
-    assert folders[0].objects == ("MANIFEST.json", "model.pt", "optimizer.pt")
+    assert folders[0].objects == ("MANIFEST.json", "model.pt", "optimizer.pt", "trainer.pt")
     assert checkpoint_steps(store) == [5, 7]
     assert newest_committed(store) == 5
 
@@ -104,3 +104,17 @@ def test_fingerprint_comparison_refuses_a_lying_manifest(store: ObjectStore) -> 
     check_fingerprint(manifest, fingerprint_for(10))
     with pytest.raises(CheckpointCorrupt, match=r"differs from the manifest's .*refusing to train"):
         check_fingerprint(manifest, fingerprint_for(11))
+
+
+def test_passes_over_a_checkpoint_whose_manifest_lacks_what_a_resume_loads(store: ObjectStore) -> None:
+    write_checkpoint(store, 100)
+    write_checkpoint(store, 200, objects={"model.pt": b"weights", "trainer.pt": b"step 200"})  # no optimizer state
+    write_checkpoint(store, 300, objects={"model.pt": b"weights", "optimizer.pt": b"moments"})  # no trainer state
+    chosen = select_checkpoint(store, 1000)
+    assert chosen.step == 100
+    reasons = {p.step: p.reason for p in chosen.passed_over}
+    assert "lists no trainer.pt" in reasons[300]
+    assert "lists no optimizer.pt" in reasons[200]
+    assert verify_checkpoint(store, 300).step == 300  # intact, only not enough to resume from
+    with pytest.raises(NoSafeCheckpoint, match="lack an object a resume needs"):
+        select_checkpoint(store, 250, required=("model.pt", "optimizer.pt", "trainer.pt", "extra.pt"))

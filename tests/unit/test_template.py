@@ -101,9 +101,16 @@ def test_the_wildcard_check_catches_wildcards(template: dict[str, Any], action: 
     assert wildcard_actions(tampered) == [f"Resources.R.Properties.PolicyDocument: {action!r}"]
 
 
-def test_only_metrics_and_traces_have_a_resource_wildcard(template: dict[str, Any]) -> None:
+def test_only_metrics_traces_and_task_tokens_have_a_resource_wildcard(template: dict[str, Any]) -> None:
+    """Allowed actions on every resource: only those that have no resource-level permissions at all.
+
+    A key policy's ``"*"`` means the key itself, so key policies are not
+    counted; denies on ``"*"`` only narrow.
+    """
     unscoped = set()
-    for _, statement in policy_statements(template):
+    for where, statement in policy_statements(template):
+        if where.startswith("Resources.TopicKey.") or statement["Effect"] != "Allow":
+            continue
         resources = statement.get("Resource", [])
         if resources == "*" or (isinstance(resources, list) and "*" in resources):
             actions = statement["Action"]
@@ -113,6 +120,7 @@ def test_only_metrics_and_traces_have_a_resource_wildcard(template: dict[str, An
         "cloudwatch:ListMetrics",
         "xray:PutTraceSegments",
         "xray:PutTelemetryRecords",
+        "states:SendTaskSuccess",  # the task token is the capability; IAM cannot scope it
     }
 
 
@@ -178,7 +186,8 @@ def test_only_the_replace_role_may_replace_nodes(template: dict[str, Any]) -> No
 def test_kubernetes_roles_have_access_entries_in_the_rbac_group(template: dict[str, Any]) -> None:
     entries = _resources(template, "AWS::EKS::AccessEntry")
     principals = {e["Properties"]["PrincipalArn"]["Fn::GetAtt"][0] for e in entries.values()}
-    assert principals == {"KubernetesRole", "ReplaceRole"}
+    # The replacement handlers ask HyperPod only (tests/functional/test_iam_inventory.py records it).
+    assert principals == {"KubernetesRole"}
     for entry in entries.values():
         assert entry["Properties"]["KubernetesGroups"] == [{"Ref": "KubernetesGroup"}]
     assert template["Parameters"]["KubernetesGroup"]["Default"] == "sdcguard-pipeline"
@@ -212,3 +221,351 @@ def test_every_asl_placeholder_is_substituted(template: dict[str, Any], machine:
         assert template["Resources"][function]["Type"] == "AWS::Lambda::Function"
     key = props["DefinitionS3Location"]["Key"]["Ref"]
     assert key in template["Parameters"]
+
+
+# -- who may publish ------------------------------------------------------------------------------
+
+ROLE = "arn:aws:iam::123456789012:role/trainer"
+
+
+def failed_rules(template: dict[str, Any], parameters: dict[str, str]) -> list[str]:
+    """The template's Rules whose assertion fails for ``parameters``, as CloudFormation evaluates them."""
+    from infra.deploy.template_lint import SAMPLE_PARAMETERS, _Renderer
+
+    renderer = _Renderer(template, {**SAMPLE_PARAMETERS, "TrainingRoleArn": "", **parameters})
+    failed = []
+    for name, rule in template["Rules"].items():
+        if "RuleCondition" in rule and not renderer.render(rule["RuleCondition"]):
+            continue
+        if not all(renderer.render(a["Assert"]) for a in rule["Assertions"]):
+            failed.append(name)
+    return failed
+
+
+@pytest.mark.parametrize(
+    ("parameters", "refused"),
+    [
+        ({}, True),
+        ({"AllowAnyPublisher": "true"}, False),
+        ({"TrainingRoleArn": ROLE}, False),
+        ({"TrainingRoleArn": ROLE, "AllowAnyPublisher": "true"}, True),
+    ],
+)
+def test_the_bus_is_open_to_the_account_only_when_asked_for(
+    template: dict[str, Any], parameters: dict[str, str], refused: bool
+) -> None:
+    from infra.deploy.deploy import DeployError, check_publisher
+
+    assert bool(failed_rules(template, parameters)) is refused  # CloudFormation's Rules
+    effective = {"TrainingRoleArn": "", "AllowAnyPublisher": "false", **parameters}
+    if refused:
+        with pytest.raises(DeployError, match=r"TrainingRoleArn|AllowAnyPublisher"):
+            check_publisher(effective)  # and sdcguard deploy, before anything changes
+    else:
+        check_publisher(effective)
+    assert template["Parameters"]["AllowAnyPublisher"]["Default"] == "false"
+
+
+def test_with_a_training_role_only_it_may_put_events(template: dict[str, Any]) -> None:
+    from infra.deploy.template_lint import template_policies
+
+    policies = dict(template_policies(template, {"TrainingRoleArn": ROLE}))
+    allow, deny = policies["EventBus"]["Statement"]
+    assert (allow["Effect"], allow["Principal"], allow["Action"]) == ("Allow", {"AWS": ROLE}, "events:PutEvents")
+    assert (deny["Effect"], deny["Principal"], deny["Action"]) == ("Deny", "*", "events:PutEvents")
+    assert deny["Condition"] == {"ArnNotEquals": {"aws:PrincipalArn": ROLE}}
+    assert "EventBus" not in dict(template_policies(template, {"TrainingRoleArn": "", "AllowAnyPublisher": "true"}))
+
+
+class _NewStackSession:
+    """A session on an account without the stack: CloudFormation answers, anything else fails the test."""
+
+    region_name = "us-east-1"
+
+    def client(self, name: str, **_: Any) -> Any:
+        from botocore.exceptions import ClientError
+
+        assert name == "cloudformation", f"deploy created a {name} client for a refused deployment"
+
+        class Cfn:
+            def describe_stacks(self, **_: Any) -> Any:
+                raise ClientError({"Error": {"Code": "ValidationError", "Message": "Stack s does not exist"}}, "DescribeStacks")
+
+        return Cfn()
+
+
+NEW_STACK = {
+    "HyperPodClusterName": "ml-cluster",
+    "HyperPodClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdef123456",
+    "EksClusterName": "ml-eks",
+    "CheckpointBucket": "my-ckpts",
+    "CheckpointPrefix": "jobs/llama",
+}
+
+
+def test_deploy_refuses_an_open_bus_before_packaging_or_uploading_anything() -> None:
+    from infra.deploy.deploy import DeployError, deploy
+
+    with pytest.raises(DeployError, match=r"TrainingRoleArn is empty.*AllowAnyPublisher=true"):
+        deploy("s", NEW_STACK, session=_NewStackSession())
+
+
+# -- who may approve ------------------------------------------------------------------------------
+
+
+def test_the_training_role_may_never_decide(template: dict[str, Any]) -> None:
+    statements = template["Resources"]["TrainingPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    denied = {
+        (a, json.dumps(s["Resource"], sort_keys=True))
+        for s in statements
+        if s["Effect"] == "Deny"
+        for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
+    }
+    assert denied == {
+        ("states:StartExecution", json.dumps({"Ref": "DecideStateMachine"})),
+        ("states:SendTaskSuccess", '"*"'),
+        ("states:SendTaskFailure", '"*"'),
+        ("states:SendTaskHeartbeat", '"*"'),
+    }
+    allowed = {a for s in statements if s["Effect"] == "Allow" for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])}
+    assert not {a for a in allowed if a.startswith("states:")}
+
+
+def test_the_reviewer_policy_may_start_the_decide_machine_and_nothing_that_acts(template: dict[str, Any]) -> None:
+    policy = template["Resources"]["ReviewerPolicy"]
+    assert policy["Type"] == "AWS::IAM::ManagedPolicy"
+    assert template["Outputs"]["ReviewerPolicyArn"]["Value"] == {"Ref": "ReviewerPolicy"}
+    statements = {s["Sid"]: s for s in policy["Properties"]["PolicyDocument"]["Statement"]}
+    assert statements["Decide"]["Action"] == "states:StartExecution"
+    assert statements["Decide"]["Resource"] == {"Ref": "DecideStateMachine"}
+    actions = {a for s in statements.values() for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])}
+    assert all(s["Effect"] == "Allow" for s in statements.values())
+    # A reviewer decides through the decide machine only: no task tokens, no writes, no nodes.
+    assert actions == {"states:StartExecution", "states:DescribeExecution", "dynamodb:GetItem", "dynamodb:Scan",
+                       "cloudformation:DescribeStacks"}  # fmt: skip
+
+
+def test_task_tokens_are_answered_by_the_decide_role_alone(template: dict[str, Any]) -> None:
+    holders = set()
+    for where, statement in policy_statements(template):
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        if statement["Effect"] == "Allow" and {"states:SendTaskSuccess", "states:SendTaskFailure"} & set(actions):
+            holders.add(where.split(".")[1])
+            # Task-token actions have no resource type: a statement scoped to a machine never matches.
+            assert statement["Resource"] == "*"
+    assert holders == {"DecideRole"}
+
+
+# -- every failure path alerts --------------------------------------------------------------------
+
+
+def test_failed_and_timed_out_executions_and_dead_letters_alarm_to_the_topic(template: dict[str, Any]) -> None:
+    alarms = _resources(template, "AWS::CloudWatch::Alarm")
+    watched = set()
+    for alarm in alarms.values():
+        props = alarm["Properties"]
+        assert props["AlarmActions"] == [{"Ref": "ReviewerTopic"}]
+        assert props["ComparisonOperator"] == "GreaterThanThreshold"
+        assert props["Threshold"] == 0
+        assert props["TreatMissingData"] == "notBreaching"  # no executions is no trouble
+        (dimension,) = props["Dimensions"]
+        watched.add((props["Namespace"], props["MetricName"], json.dumps(dimension["Value"], sort_keys=True)))
+    machine = {m: json.dumps({"Ref": m}) for m in ("IncidentStateMachine", "DecideStateMachine")}
+    assert watched == {
+        ("AWS/SQS", "ApproximateNumberOfMessagesVisible", json.dumps({"Fn::GetAtt": ["DeadLetterQueue", "QueueName"]})),
+        ("AWS/States", "ExecutionsFailed", machine["IncidentStateMachine"]),
+        ("AWS/States", "ExecutionsTimedOut", machine["IncidentStateMachine"]),
+        ("AWS/States", "ExecutionsFailed", machine["DecideStateMachine"]),
+        ("AWS/States", "ExecutionsTimedOut", machine["DecideStateMachine"]),
+    }
+
+
+def test_cloudwatch_may_publish_to_the_encrypted_topic(template: dict[str, Any]) -> None:
+    # The AWS managed key alias/aws/sns cannot be used by CloudWatch alarms: the topic needs a key of its own.
+    assert template["Resources"]["ReviewerTopic"]["Properties"]["KmsMasterKeyId"] == {"Ref": "TopicKey"}
+    key = template["Resources"]["TopicKey"]["Properties"]
+    assert key["EnableKeyRotation"] is True
+    alarms = next(s for s in key["KeyPolicy"]["Statement"] if s["Sid"] == "AlarmsPublish")
+    assert alarms["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
+    assert set(alarms["Action"]) == {"kms:GenerateDataKey", "kms:Decrypt"}
+
+
+# -- the execution history limit ----------------------------------------------------------------------
+
+
+def _incident_asl() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((ROOT / "stepfunctions" / "incident.asl.json").read_text())
+    return loaded
+
+
+def test_the_most_polls_allowed_fit_the_execution_history(template: dict[str, Any]) -> None:
+    from infra.deploy.execution_history import (
+        HISTORY_LIMIT,
+        events_outside_the_loop,
+        events_per_poll,
+        max_polls,
+    )
+
+    asl = _incident_asl()
+    most = int(template["Parameters"]["ReplacementMaxPolls"]["MaxValue"])
+    assert most * events_per_poll(asl) + events_outside_the_loop(asl) < HISTORY_LIMIT
+    assert most <= max_polls(asl)
+    assert int(template["Parameters"]["ReplacementMaxPolls"]["Default"]) <= most
+
+
+def test_the_history_budget_counts_every_retry_of_the_loop() -> None:
+    from infra.deploy.execution_history import HistoryBudgetError, check_polls, events_per_poll, poll_loop
+
+    asl = _incident_asl()
+    assert poll_loop(asl)[0] == "WaitForReplacement"
+    per_poll = events_per_poll(asl)
+    assert per_poll >= 9  # wait (2) + task (5) + choice (2), before any retry
+    greedy = json.loads(json.dumps(asl))
+    check = greedy["States"][poll_loop(asl)[1]]
+    check["Retry"] = [*check.get("Retry", []), {"ErrorEquals": ["States.ALL"], "MaxAttempts": 10}]
+    assert events_per_poll(greedy) == per_poll + 30
+    check_polls(asl, 300)
+    with pytest.raises(HistoryBudgetError, match=r"ReplacementMaxPolls=5000: .* over the execution history limit"):
+        check_polls(asl, 5000)
+    unlooped = json.loads(json.dumps(asl))
+    unlooped["States"]["ReplacementDone"]["Default"] = "ReplacementTimedOut"
+    with pytest.raises(HistoryBudgetError, match="not a loop"):
+        poll_loop(unlooped)
+
+
+def test_deploy_refuses_polls_that_could_overrun_the_history(tmp_path: Path) -> None:
+    from infra.deploy.deploy import DeployError, check_history_budget
+
+    asl = tmp_path / "incident.asl.json"
+    asl.write_text(json.dumps(_incident_asl()))
+    check_history_budget({"ReplacementMaxPolls": "300"}, asl)
+    with pytest.raises(DeployError, match="ReplacementMaxPolls=2000"):
+        check_history_budget({"ReplacementMaxPolls": "2000"}, asl)
+    # A definition whose poll writes more events lowers the bound for the same value.
+    heavier = _incident_asl()
+    heavier["States"]["CheckReplacement"]["Retry"].append({"ErrorEquals": ["States.Timeout"], "MaxAttempts": 99})
+    asl.write_text(json.dumps(heavier))
+    with pytest.raises(DeployError, match="ReplacementMaxPolls=300"):
+        check_history_budget({"ReplacementMaxPolls": "300"}, asl)
+
+
+# -- the ledger's index of open incidents -------------------------------------------------------------
+
+
+def test_the_ledger_has_the_index_the_guard_queries(template: dict[str, Any]) -> None:
+    from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION
+
+    props = template["Resources"]["LedgerTable"]["Properties"]
+    assert props["GlobalSecondaryIndexes"] == [OPEN_INDEX_DEFINITION]
+    assert all(a in props["AttributeDefinitions"] for a in OPEN_INDEX_ATTRIBUTES)
+    # Every role that reads the ledger through the index may query that index, and only that one.
+    for where, statement in policy_statements(template):
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        if "dynamodb:Query" in actions:
+            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+            index_arn = {"Fn::Sub": f"${{LedgerTable.Arn}}/index/{OPEN_INDEX_DEFINITION['IndexName']}"}
+            assert resources == [index_arn], where
+
+
+# -- the linters ----------------------------------------------------------------------------------------
+
+
+def test_check_runs_checkov_and_parliament_on_the_template() -> None:
+    from infra.check import checks
+
+    labels = {label: command for label, command in checks()}
+    assert labels["checkov"][-2:] == ["checkov", "infra/deploy/template.yaml"]
+    assert labels["iam policies (parliament)"][-2:] == ["parliament", "infra/deploy/template.yaml"]
+
+
+def _tampered(template: dict[str, Any], tmp_path: Path, change: Any) -> Path:
+    import yaml
+
+    tampered = json.loads(json.dumps(template))
+    change(tampered)
+    path = tmp_path / "template.yaml"
+    path.write_text(yaml.safe_dump(tampered))
+    return path
+
+
+def test_parliament_passes_the_template_and_fails_a_policy_that_cannot_work(
+    template: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from infra.deploy.template_lint import run
+
+    assert run("parliament", [TEMPLATE]) == 0
+
+    def scope_tokens_to_the_machine(t: dict[str, Any]) -> None:  # what the template did before: never matches
+        statements = t["Resources"]["DecideRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+        answer = next(s for s in statements if s["Sid"] == "AnswerApproval")
+        answer["Resource"] = {"Fn::Sub": "arn:${AWS::Partition}:states:${AWS::Region}:${AWS::AccountId}:stateMachine:x"}
+
+    def misspell(t: dict[str, Any]) -> None:
+        statements = t["Resources"]["TrainingPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+        statements[1]["Action"] = [*statements[1]["Action"], "s3:GetObjekt"]
+
+    for change, issue in ((scope_tokens_to_the_machine, "RESOURCE_MISMATCH at DecideRole"), (misspell, "UNKNOWN_ACTION at TrainingPolicy")):
+        assert run("parliament", [_tampered(template, tmp_path, change)]) == 1
+        assert issue in capsys.readouterr().out
+
+
+def test_a_justification_must_give_a_reason_and_must_still_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from infra.deploy.template_lint import EXCEPTIONS, load_exceptions, run
+
+    entries = load_exceptions()
+    assert all(len(e["reason"].split()) >= 8 for tool in entries.values() for e in tool)
+    no_reason = tmp_path / "no-reason.yaml"
+    no_reason.write_text(yaml.safe_dump({"parliament": [{"check": "RESOURCE_STAR", "where": "TopicKey.*"}]}))
+    with pytest.raises(ValueError, match="needs reason"):
+        load_exceptions(no_reason)
+    stale = tmp_path / "stale.yaml"
+    data = yaml.safe_load(EXCEPTIONS.read_text())
+    data["parliament"].append({"check": "RESOURCE_STAR", "where": "NoSuchRole.*", "reason": "a justification of nothing at all"})
+    stale.write_text(yaml.safe_dump(data))
+    assert run("parliament", [TEMPLATE], exceptions=stale) == 1
+    assert "RESOURCE_STAR at NoSuchRole.*, which no longer occurs" in capsys.readouterr().out
+
+
+def test_botocore_knows_the_replace_action_parliament_does_not() -> None:
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    assert "BatchReplaceClusterNodes" in model.operation_names
+
+
+def test_a_missing_checkov_fails_the_check_and_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from infra.deploy.template_lint import run
+
+    monkeypatch.setenv("SDCGUARD_CHECKOV", str(tmp_path / "no-checkov"))
+    assert run("checkov", [TEMPLATE]) == 2
+    assert ".venv/tools/checkov" in capsys.readouterr().err
+
+
+def _checkov_or_skip() -> None:
+    from infra.deploy.template_lint import ToolMissing, checkov_binary
+
+    try:
+        checkov_binary()
+    except ToolMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.slow
+def test_checkov_passes_the_template_and_fails_an_unencrypted_queue(
+    template: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from infra.deploy.template_lint import run
+
+    _checkov_or_skip()
+    assert run("checkov", [TEMPLATE]) == 0
+
+    def plain_queue(t: dict[str, Any]) -> None:
+        t["Resources"]["DeadLetterQueue"]["Properties"].pop("SqsManagedSseEnabled")
+        t["Resources"]["Spare"] = {"Type": "AWS::SQS::Queue", "Properties": {}}
+
+    assert run("checkov", [_tampered(template, tmp_path, plain_queue)]) == 1
+    assert "CKV_AWS_27 at AWS::SQS::Queue.Spare" in capsys.readouterr().out

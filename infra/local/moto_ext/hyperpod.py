@@ -19,7 +19,9 @@ Running, ``hooks.on_node_replaced(cluster, old_id, new_id)`` runs (the stand-in
 uses it to swap the Kubernetes node).
 
 Hooks: ``SageMakerModelBackend.create_cluster``, ``ClusterNode.describe``,
-and three new actions on ``SageMakerResponse`` and the backend.
+and three new actions on ``SageMakerResponse`` and the backend. ``install``
+also installs :mod:`infra.local.moto_ext.hyperpod_faults`, the HyperPod calls'
+chaos knob (transient throttling and 5xx at a rate).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from moto.core.utils import utcnow
 from moto.sagemaker.exceptions import ResourceNotFound, ValidationError
 from moto.sagemaker.models import Cluster, ClusterNode, SageMakerModelBackend
 from moto.sagemaker.responses import SageMakerResponse
+
+from infra.local.moto_ext import hyperpod_faults
 
 logger = logging.getLogger(__name__)
 
@@ -301,3 +305,4 @@ def install() -> None:
     SageMakerResponse.batch_replace_cluster_nodes = _respond_replace  # type: ignore[attr-defined]
     SageMakerResponse.batch_reboot_cluster_nodes = _respond_reboot  # type: ignore[attr-defined]
     SageMakerResponse.start_cluster_health_check = _respond_health_check  # type: ignore[attr-defined]
+    hyperpod_faults.install()

@@ -1,0 +1,358 @@
+"""Least privilege that works: each role grants exactly the actions its code really calls on the stand-in.
+
+The calls are recorded (see :mod:`tests.functional.recorded_calls`) while
+the handler scenarios of ``test_handlers_pipeline`` run again, each handler
+attributed to the role the template gives its function; the agent's
+checkpoint save, re-save and load, its multipart upload and abort, and its
+alarm spool are attributed to the training policy; the operator CLI's
+list/show/approve to the reviewer policy. Each role must grant what its code
+called (nothing missing) and nothing else (nothing unused), apart from
+:data:`NOT_EXERCISED`: actions that are needed on AWS but that no code here
+calls, each with the reason. The ClusterRole of ``infra/deploy/rbac.yaml``
+must grant exactly the Kubernetes requests the handlers made.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infra.deploy.cfn_yaml import load_template
+from infra.local.standin import LocalStandIn
+from tests.functional import test_handlers_ops_cli as ops_cli
+from tests.functional import test_handlers_pipeline as pipeline
+from tests.functional.recorded_calls import AwsCall, Recorder, dynamodb_resource, iam_actions, rbac_request
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = load_template(ROOT / "infra" / "deploy" / "template.yaml")
+RBAC = list(yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()))
+
+world = pipeline.world  # the handler scenarios' stand-in set-up (a module fixture)
+setup = ops_cli.setup  # the operator CLI's ledger and decide machine
+
+_LOGS = "the Lambda runtime writes the function's logs to its log group, not the handler"
+_XRAY = "Active tracing: the runtime's X-Ray daemon sends the segments, not the handler's SDK calls"
+_KMS = "the reviewers' topic is encrypted with the stack's key: SNS calls KMS as the publisher (moto does not)"
+LAMBDA_RUNTIME = {
+    "logs:CreateLogStream": _LOGS,
+    "logs:PutLogEvents": _LOGS,
+    "xray:PutTraceSegments": _XRAY,
+    "xray:PutTelemetryRecords": _XRAY,
+}
+PUBLISHES = {"kms:GenerateDataKey": _KMS, "kms:Decrypt": _KMS}
+_VERSIONED = (
+    "on a versioned checkpoint bucket (recommended) S3 authorizes reads and GetObjectAttributes as the Version "
+    "actions; moto does not tell them apart"
+)
+NOT_EXERCISED: dict[str, dict[str, str]] = {
+    "LedgerRole": {**LAMBDA_RUNTIME, **PUBLISHES},
+    "KubernetesRole": {**LAMBDA_RUNTIME, **PUBLISHES},
+    "EvidenceRole": {**LAMBDA_RUNTIME},
+    "ApprovalRole": {**LAMBDA_RUNTIME, **PUBLISHES},
+    "ReplaceRole": {**LAMBDA_RUNTIME},
+    "PointerRole": {
+        **LAMBDA_RUNTIME,
+        "s3:GetObjectVersion": _VERSIONED,
+        "s3:GetObjectVersionAttributes": _VERSIONED,
+    },
+    "DecideRole": {**LAMBDA_RUNTIME},
+    "TrainingPolicy": {},
+    "ReviewerPolicy": {
+        "cloudformation:DescribeStacks": "the CLI finds the ledger and the decide machine from the stack's outputs "
+        "when no --table/--state-machine-arn is given; the stand-in CLI tests pass both",
+    },
+}
+
+
+# -- what the template grants ---------------------------------------------------------------
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _statements(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in _as_list(document["Statement"]) if s["Effect"] == "Allow"]
+
+
+def granted(template: dict[str, Any]) -> dict[str, set[str]]:
+    """Allowed actions by role (inline policies) or managed policy."""
+    out: dict[str, set[str]] = {}
+    for name, resource in template["Resources"].items():
+        props = resource.get("Properties", {})
+        if resource["Type"] == "AWS::IAM::Role":
+            documents = [p["PolicyDocument"] for p in props.get("Policies", [])]
+        elif resource["Type"] == "AWS::IAM::ManagedPolicy":
+            documents = [props["PolicyDocument"]]
+        else:
+            continue
+        out[name] = {a for d in documents for s in _statements(d) for a in _as_list(s["Action"])}
+    return out
+
+
+def function_roles(template: dict[str, Any]) -> dict[str, str]:
+    """Handler module name -> the role its function runs as."""
+    out = {}
+    for resource in template["Resources"].values():
+        if resource["Type"] == "AWS::Lambda::Function":
+            props = resource["Properties"]
+            handler = props["Handler"].removeprefix("lambdas.handlers.").removesuffix(".handler")
+            out[handler] = props["Role"]["Fn::GetAtt"][0]
+    return out
+
+
+# -- what the code calls ------------------------------------------------------------------------
+
+
+def _arguments(function: Callable[..., Any], values: dict[str, Any]) -> dict[str, Any]:
+    names = list(inspect.signature(function).parameters)
+    unknown = [n for n in names if n not in values]
+    assert not unknown, f"{function.__name__} wants fixtures the inventory does not provide: {unknown}"
+    return {n: values[n] for n in names}
+
+
+def _run_handler_scenarios(world: pipeline.World, recorder: Recorder) -> dict[str, str]:
+    """Every test of test_handlers_pipeline, with each handler's calls attributed to it.
+
+    Returns each scenario's outcome ("passed", or the error): a scenario that
+    fails still leaves the calls it made, and the inventory reports it.
+    """
+    ran: dict[str, str] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in function_roles(TEMPLATE):
+            module = importlib.import_module(f"lambdas.handlers.{name}")
+            patch.setattr(module, "handler", recorder.attributing(name, module.handler))
+        for name, test in vars(pipeline).items():
+            if not (name.startswith("test_") and inspect.isfunction(test)):
+                continue
+            with pytest.MonkeyPatch.context() as monkeypatch, tempfile.TemporaryDirectory() as tmp:
+                arguments = _arguments(test, {"world": world, "monkeypatch": monkeypatch, "tmp_path": Path(tmp)})
+                try:
+                    test(**arguments)
+                    ran[name] = "passed"
+                except Exception as exc:  # reported by test_every_scenario_ran_and_every_handler_was_exercised
+                    ran[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return ran
+
+
+def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path) -> None:
+    """The agent's checkpoint save, re-save and load, a multipart upload and its abort, the alarm spool."""
+    import torch
+    from torch import nn
+
+    from agent.checkpoint import CheckpointWriter
+    from agent.config import GuardConfig
+    from agent.publisher import Publisher
+    from contract import Alarm
+    from lineage.store import S3Store
+    from tests.events import load_event
+
+    s3 = standin.client("s3")
+    bucket = f"inv-{uuid.uuid4().hex[:10]}"
+    s3.create_bucket(Bucket=bucket)
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    training = recorder.acting_as
+    prefix = f"s3://{bucket}/jobs/inv"
+    with training("training"):
+        writer = CheckpointWriter(prefix, client=standin.client("s3"), written_by="inventory")
+        first = writer.load(model=model, optimizer=optimizer)
+        writer.save(4, model=model, optimizer=optimizer, fingerprint="ab" * 24)
+        writer.save(4, model=model, optimizer=optimizer, fingerprint="ab" * 24)  # re-save: replaces the manifest
+        writer.save(8, model=model, optimizer=optimizer, fingerprint="cd" * 24)
+        loaded = CheckpointWriter(prefix, client=standin.client("s3")).load(model=model, optimizer=optimizer)
+    assert first is None
+    assert loaded is not None
+    assert loaded.step == 8
+
+    # A checkpoint object big enough for parts, and an upload that fails half way (aborted, not left behind).
+    failing = standin.client("s3")
+    calls = {"n": 0}
+
+    def fail_second_part(params: Any, **_: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ConnectionError("the network went away mid-upload")
+
+    failing.meta.events.register("before-parameter-build.s3.UploadPart", fail_second_part)
+    parts = {"multipart_threshold": 5 * 1024**2, "part_size": 5 * 1024**2}
+    with training("training"):
+        S3Store(bucket, "jobs/inv", client=s3, **parts).put_bytes("checkpoints/step-000000012/model.pt", b"\0" * 11 * 1024**2)
+        with pytest.raises(ConnectionError):
+            S3Store(bucket, "jobs/inv", client=failing, **parts).put_bytes(
+                "checkpoints/step-000000016/model.pt", b"\1" * 11 * 1024**2
+            )
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []  # the failed upload was aborted
+
+    # An alarm spooled while EventBridge is unreachable, then republished by the next start.
+    config = GuardConfig(
+        checkpoint_prefix=prefix, spool_dir=str(tmp / "spool"), event_bus=f"{bucket}-bus",
+        publish_budget_s=2.0, publish_retries=1,
+    )  # fmt: skip
+    standin.client("events").create_event_bus(Name=f"{bucket}-bus")
+    spooled = "jobs/inv/alarms/"
+    with training("training"):
+        outcome = Publisher(config, events_client=_Unreachable(), s3_client=standin.client("s3")).publish(
+            Alarm.model_validate(load_event("alarm_ring_audit")["detail"])
+        )
+    assert not outcome.delivered
+    _wait_for(lambda: s3.list_objects_v2(Bucket=bucket, Prefix=spooled).get("KeyCount", 0) == 1)
+    with training("training"):
+        outcomes = Publisher(config, events_client=standin.client("events"), s3_client=standin.client("s3")).republish_spooled()
+    assert [o.delivered for o in outcomes.values()] == [True]
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=spooled).get("KeyCount", 0) == 0
+
+
+class _Unreachable:
+    """An EventBridge client whose endpoint never answers."""
+
+    def put_events(self, **_: Any) -> Any:
+        raise ConnectionError("EventBridge is unreachable")
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.1)
+
+
+def _run_reviewer(setup: ops_cli.Setup, recorder: Recorder) -> None:
+    """What a reviewer does with the CLI: list, show, approve (as in test_handlers_ops_cli)."""
+    incident_id = ops_cli.open_incident(setup, waiting=True)
+    with recorder.acting_as("reviewer"):
+        assert ops_cli.main(["incidents", "--json", "--table", setup.table]) == 0
+        assert ops_cli.main(["incidents", "--table", setup.table, "show", incident_id]) == 0
+        argv = ["approve", incident_id, "--reason", "inventory", "--table", setup.table, "--state-machine-arn", setup.machine]
+        assert ops_cli.main(argv) == 0
+    assert setup.ledger.get(incident_id).state.value == "APPROVED"
+
+
+def _with_the_templates_indexes(standin: LocalStandIn, table: str) -> None:
+    """Give the scenarios' ledger table the template's secondary indexes, as a deployed ledger has them."""
+    ddb = standin.client("dynamodb")
+    props = TEMPLATE["Resources"]["LedgerTable"]["Properties"]
+    have = {i["IndexName"] for i in ddb.describe_table(TableName=table)["Table"].get("GlobalSecondaryIndexes", [])}
+    for index in props.get("GlobalSecondaryIndexes", []):
+        if index["IndexName"] not in have:
+            ddb.update_table(
+                TableName=table,
+                AttributeDefinitions=props["AttributeDefinitions"],
+                GlobalSecondaryIndexUpdates=[{"Create": index}],
+            )
+
+
+@pytest.fixture(scope="module")
+def recorded(standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup) -> Recorder:
+    _with_the_templates_indexes(standin, world.ledger.table)
+    with Recorder() as recorder, tempfile.TemporaryDirectory() as tmp:
+        recorder.scenarios = _run_handler_scenarios(world, recorder)
+        _run_training_job(standin, recorder, Path(tmp))
+        _run_reviewer(setup, recorder)
+    return recorder
+
+
+def used_actions(recorder: Recorder) -> dict[str, set[str]]:
+    """The IAM actions each role or managed policy needs, from the calls recorded."""
+    owner = {**function_roles(TEMPLATE), "training": "TrainingPolicy", "reviewer": "ReviewerPolicy"}
+    out: dict[str, set[str]] = {}
+    for actor, calls in recorder.aws.items():
+        out.setdefault(owner[actor], set()).update(a for call in calls for a in iam_actions(call))
+    return out
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_every_scenario_ran_and_every_handler_was_exercised(recorded: Recorder) -> None:
+    assert len(recorded.scenarios) >= 15
+    assert {name: outcome for name, outcome in recorded.scenarios.items() if outcome != "passed"} == {}
+    assert set(function_roles(TEMPLATE)) <= set(recorded.aws) | set(recorded.kube)
+    assert {"training", "reviewer"} <= set(recorded.aws)
+
+
+@pytest.mark.parametrize("role", sorted(NOT_EXERCISED))
+def test_each_role_grants_exactly_what_its_code_calls(recorded: Recorder, role: str) -> None:
+    used = used_actions(recorded).get(role, set())
+    allowed_unused = NOT_EXERCISED[role]
+    have = granted(TEMPLATE)[role]
+    missing, unused = used - have, have - used - set(allowed_unused)
+    assert (sorted(missing), sorted(unused)) == ([], []), (
+        f"{role}: grants {sorted(have)}; its code called {sorted(used)}"
+    )
+    assert set(allowed_unused) <= have, f"{role}: NOT_EXERCISED lists actions it does not grant"
+    assert not set(allowed_unused) & used, f"{role}: NOT_EXERCISED lists actions the code did call"
+
+
+def test_the_state_machines_may_invoke_exactly_their_tasks() -> None:
+    for machine in ("IncidentStateMachine", "DecideStateMachine"):
+        props = TEMPLATE["Resources"][machine]["Properties"]
+        role = props["RoleArn"]["Fn::GetAtt"][0]
+        asl = (ROOT / "stepfunctions" / f"{machine.removesuffix('StateMachine').lower()}.asl.json").read_text()
+        needs = set()
+        for resource in _task_resources(json.loads(asl)):
+            if resource.startswith("arn:aws:states:::lambda:invoke"):
+                needs.add("lambda:InvokeFunction")
+            elif resource.startswith("arn:aws:states:::sns:publish"):
+                needs |= {"sns:Publish", *PUBLISHES}
+            else:
+                raise AssertionError(f"{machine}: a task resource the inventory does not know: {resource}")
+        assert granted(TEMPLATE)[role] == needs, machine
+
+
+def _task_resources(definition: dict[str, Any]) -> Iterator[str]:
+    for state in definition["States"].values():
+        if state["Type"] == "Task":
+            yield state["Resource"]
+        for nested in [state.get("ItemProcessor"), state.get("Iterator"), *state.get("Branches", [])]:
+            if nested:
+                yield from _task_resources(nested)
+
+
+def test_the_ledger_is_queried_only_through_the_open_incidents_index(recorded: Recorder, world: pipeline.World) -> None:
+    """Scans read every incident ever opened; the guard's picture must come from the index of open ones."""
+    calls: list[AwsCall] = [c for calls in recorded.aws.values() for c in calls if c.service == "dynamodb"]
+    ledger_reads = {
+        (c.operation, index)
+        for c in calls
+        for table, index in dynamodb_resource(c)
+        if table == world.ledger.table and c.operation in ("Query", "Scan")
+    }
+    index = {i["IndexName"] for i in TEMPLATE["Resources"]["LedgerTable"]["Properties"]["GlobalSecondaryIndexes"]}
+    assert ledger_reads <= {("Query", name) for name in index} | {("Scan", None)}
+
+
+def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: Recorder) -> None:
+    used = {rbac_request(c) for calls in recorded.kube.values() for c in calls}
+    role = next(d for d in RBAC if d["kind"] == "ClusterRole")
+    granted_rbac = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted_rbac == used
+    # Only the roles with an EKS access entry talk to the Kubernetes API.
+    kube_roles = {function_roles(TEMPLATE)[actor] for actor in recorded.kube}
+    entries = {
+        r["Properties"]["PrincipalArn"]["Fn::GetAtt"][0]
+        for r in TEMPLATE["Resources"].values()
+        if r["Type"] == "AWS::EKS::AccessEntry"
+    }
+    assert kube_roles == entries
