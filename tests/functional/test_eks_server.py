@@ -919,8 +919,7 @@ def test_the_pipeline_may_do_what_the_manifest_grants(rbac_server: EksApiServer,
     )
 
     assert core.read_node(node).spec.unschedulable is True
-    assert [n.metadata.name for n in core.list_node().items] == [node]
-    assert [p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items] == ["rbac-worker-0"]
+    assert core.read_namespaced_pod("rbac-worker-0", NAMESPACE).spec.node_name == node
     job = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "rbac-job")
     assert job["spec"]["runPolicy"]["suspend"] is True
 
@@ -936,8 +935,9 @@ def test_the_pipeline_is_refused_what_the_manifest_does_not_grant(rbac_server: E
         f'nodes "{node}" is forbidden: User "sdcguard-pipeline" cannot delete resource "nodes" '
         'in API group "" at the cluster scope'
     )
-    # pods: list only, never get
-    assert "in the namespace" in _forbidden(lambda: core.read_namespaced_pod("x", NAMESPACE))["message"]
+    # pods: get by name only, never list; nodes: never list
+    assert "in the namespace" in _forbidden(lambda: core.list_namespaced_pod(NAMESPACE))["message"]
+    _forbidden(core.list_node)
     _forbidden(lambda: core.create_namespace({"metadata": {"name": "not-allowed"}}))
     assert admin.read_node(node).metadata.name == node
 
@@ -960,19 +960,21 @@ def test_a_role_patched_through_the_api_applies_at_once(rbac_server: EksApiServe
     role = rbac_api.read_cluster_role("sdcguard-pipeline")
     original = [r.to_dict() for r in role.rules]
     narrowed = [
-        {"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": [v for v in r["verbs"] if v != "list"]}
+        {"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": [v for v in r["verbs"] if v != "get"]}
         for r in original
     ]
+    admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    _, node = _node(admin)
 
     rbac_api.patch_cluster_role("sdcguard-pipeline", {"rules": narrowed})
     try:
-        _forbidden(core.list_node)
+        _forbidden(lambda: core.read_node(node))
     finally:
         rbac_api.patch_cluster_role(
             "sdcguard-pipeline",
             {"rules": [{"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": r["verbs"]} for r in original]},
         )
-    assert core.list_node().items is not None
+    assert core.read_node(node).metadata.name == node
 
 
 def test_access_reviews_answer_for_the_caller_and_for_whom_an_admin_impersonates(
@@ -992,12 +994,13 @@ def test_access_reviews_answer_for_the_caller_and_for_whom_an_admin_impersonates
     assert review(pipeline, "patch", "nodes")
     assert review(pipeline, "patch", "pytorchjobs", "kubeflow.org")
     assert not review(pipeline, "delete", "nodes")
-    assert not review(pipeline, "get", "pods")
+    assert review(pipeline, "get", "pods")
+    assert not review(pipeline, "list", "pods")
     assert review(admin, "delete", "nodes")
     assert review(impersonating, "patch", "nodes", Impersonate_User="x", Impersonate_Group=PIPELINE_GROUP)
     assert not review(impersonating, "delete", "nodes")
     pipeline.set_default_header("Impersonate-User", "kubernetes-admin")
-    _forbidden(lambda: k8s.CoreV1Api(pipeline).list_node())
+    _forbidden(lambda: k8s.CoreV1Api(pipeline).delete_node("any"))
 
 
 def test_a_manifest_with_other_kinds_is_refused() -> None:
