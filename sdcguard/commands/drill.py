@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Options of ``sdcguard drill``."""
     defaults = DrillOptions()
     parser.add_argument("--fault", choices=FAULTS, default=defaults.fault,
-                        help="the silent fault to inject (default %(default)s: only the ring audit sees it)")
+                        help="the silent fault to inject (default %(default)s: a finite error the ring audit, or the magnitude trigger's confirmation, catches)")
     parser.add_argument("--fault-rank", type=int, default=defaults.fault_rank,
                         help="the rank whose GPU is faulty (default %(default)s; ranks 0-5 on 3 nodes of 2)")
     parser.add_argument("--fault-step", type=int, default=defaults.fault_step,
