@@ -750,6 +750,7 @@ class _Drill:
         decision: str = self.options.decision
         reason = self.options.reason
         if decision == "ask":
+            self.kubectl_hints(waiting)
             decision, reason = _ask(waiting.incident)
         self.summary.decision = decision
         self.story.reviewer(decision, incident_id, reason)
@@ -760,6 +761,18 @@ class _Drill:
             raise DrillFailed("decision", f"sdcguard {decision} exited {status}: {' '.join(answer)}")
         self.outcome.seconds["review_and_decision"] = round(time.monotonic() - began, 2)
         return decision
+
+    def kubectl_hints(self, waiting: _Waiting) -> Path:
+        """Write a kubeconfig for the drill's stand-in and show the kubectl lines that check the containment."""
+        from infra.local.kubeconfig import operator_commands, write_kubeconfig
+
+        seeded = self.stage.seeded
+        path, _ = write_kubeconfig(seeded["eks_cluster"], self.work_dir / "kubeconfig", env=self.stage.env)
+        lines = [line for instance in waiting.incident.instance_ids
+                 for line in operator_commands("contained", hyperpod_node_name(instance), seeded["namespace"],
+                                               seeded["job"])]
+        self.story.kubectl(path, lines)
+        return path
 
     # 5. replacement, pointer, resume (or release)
 

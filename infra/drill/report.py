@@ -210,6 +210,12 @@ class Story:
         self.say(f"  the incident waits for a reviewer (sdcguard incidents show {incident_id}):")
         self._quote(shown)
 
+    def kubectl(self, kubeconfig: Path, lines: Sequence[str]) -> None:
+        """The kubectl lines an operator runs, in another terminal, to see the containment for themselves."""
+        self.say(f"  see it with kubectl, in another terminal: export KUBECONFIG={kubeconfig}")
+        for line in lines:
+            self.say(f"    $ {line}")
+
     def reviewer(self, decision: str, incident_id: str, reason: str) -> None:
         """The reviewer's command, as typed."""
         self.say(f"  reviewer: sdcguard {decision} {incident_id} --reason {json.dumps(reason)}")

@@ -15,6 +15,7 @@ final fingerprint against the fault-free one.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -247,3 +248,42 @@ def test_the_command_runs_a_whole_drill_and_prints_only_the_summary_with_json(tm
     assert "[6/7] fingerprints" in done.stderr  # the progress went to stderr
     assert json.loads((report / "summary.json").read_text())["recovered_fingerprint"] == summary["clean_fingerprint"]
     assert (report / "losses.png").exists()
+
+
+def test_the_interactive_pause_shows_kubectl_lines_that_read_the_containment(
+    stage: Stage, trainer: Trainer, clean: RunResult, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given an interactive drill, whose reviewer runs the kubectl lines it was shown before answering,
+    import shlex
+
+    from contract import Incident
+    from contract.naming import node_name
+    from infra.drill import flow
+
+    said: list[str] = []
+    ran: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def reviewer(incident: Incident) -> tuple[str, str]:
+        lines = [line.split("$ ", 1)[1] for line in said if "$ kubectl " in line]
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "kubeconfig")}
+        for line in lines:
+            ran[line] = subprocess.run(shlex.split(line), env=env, capture_output=True, text=True, timeout=120,
+                                       check=False)
+        return "approve", "checked with kubectl"
+
+    monkeypatch.setattr(flow, "_ask", reviewer)
+
+    # when the drill pauses for the decision,
+    options = DrillOptions(**{**SHORT.__dict__, "decision": "ask"})
+    summary = run_drill(stage, options, tmp_path, trainer=trainer, clean=clean, say=said.append)
+
+    # the lines it showed ran against its stand-in and read the cordoned node and the suspended job.
+    assert summary.verdict == "PASSED"
+    assert summary.suspect_instances
+    node = node_name(summary.suspect_instances[0])
+    assert all(r.returncode == 0 for r in ran.values()), {k: r.stderr for k, r in ran.items()}
+    [unschedulable] = [r.stdout for line, r in ran.items() if f"get node {node} " in line and "unschedulable" in line]
+    assert unschedulable.splitlines()[0] == "true"
+    [suspended] = [r.stdout for line, r in ran.items() if "get pytorchjob" in line]
+    assert suspended.strip() == "true"
