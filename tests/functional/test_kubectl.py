@@ -344,8 +344,9 @@ def test_the_handlers_credentials_get_exactly_the_manifests_grants(
 
     core.patch_node(node, {"metadata": {"annotations": {"sdcguard.io/rbac-probe": "1"}}})
     assert k8s.CoreV1Api(kube).read_node(node).metadata.annotations["sdcguard.io/rbac-probe"] == "1"
+    assert core.read_namespaced_pod(pod, seeded["namespace"]).spec.node_name == node  # pods: get by name
     with pytest.raises(k8s.ApiException) as caught:
-        core.read_namespaced_pod(pod, seeded["namespace"])
+        core.list_namespaced_pod(seeded["namespace"])  # but never list
     assert caught.value.status == 403
 
     # patch taken out of the role: the same call is refused, and nothing changes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import boto3
 import pytest
 
 from sdcguard.cli import main
@@ -41,6 +42,8 @@ def test_incidents_without_credentials_says_so(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # boto3's default session keeps the credentials an earlier test's environment gave it.
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     for argv in (["incidents"], ["incidents", "--table", "ledger"], ["incidents", "show", "sdc-x", "--table", "t"]):
         assert main(argv) == 1
         err = capsys.readouterr().err
