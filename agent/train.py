@@ -23,6 +23,8 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,11 +213,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+FAILED_RANK_GRACE_S = 30.0
+"""After one rank fails, how long ``launch`` lets the others end on their own before it stops them."""
+
+
 def _child(fn: Callable[..., Any], rank: int, env: Mapping[str, str], args: Sequence[Any]) -> None:
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank % int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    _exit_with_parent()
     fn(*args)
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this rank when the process that launched it is gone (killed, not only ended): no orphan goes on training."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sdcguard-parent-watch", daemon=True).start()
 
 
 def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Mapping[str, str] | None = None,
@@ -223,8 +243,10 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
     """Run ``fn(*args)`` in ``nproc`` spawned processes with torchrun's variables set; their exit codes.
 
     ``env`` adds variables (per-rank ones may be given as ``NAME@RANK``).
-    A process still running after ``timeout`` seconds is terminated (exit
-    code None is reported for it).
+    A process still running after ``timeout`` seconds, or ``FAILED_RANK_GRACE_S``
+    after another rank failed, is terminated (exit code None is reported for
+    it); so is every rank when the caller is interrupted, and a rank whose
+    launching process is killed ends itself.
     """
     ctx = multiprocessing.get_context("spawn")
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
@@ -237,16 +259,28 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
         p = ctx.Process(target=_child, args=(fn, rank, child_env, tuple(args)), daemon=False)
         p.start()
         procs.append(p)
-    codes: list[int | None] = []
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.terminate()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed_at: float | None = None
+    try:
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now  # the others may wait for the failed rank in a collective until gloo's timeout
+            if (deadline is not None and now >= deadline) or (failed_at is not None
+                                                               and now - failed_at > FAILED_RANK_GRACE_S):
+                break
+            next(p for p in procs if p.is_alive()).join(0.2)
+    finally:
+        # Whatever ended the wait (all done, the time limit, a failed rank, Ctrl-C): leave no rank running.
+        stopped = {i for i, p in enumerate(procs) if p.is_alive()}
+        for i in stopped:
+            procs[i].terminate()
+        for p in procs:
             p.join(5)
-            codes.append(None)
-        else:
-            codes.append(p.exitcode)
-    return codes
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [None if i in stopped else p.exitcode for i, p in enumerate(procs)]
 
 
 # -- the command line --------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""``./dev bench coverage [--quick] [--out DIR] [--replay ROW-ID]``: the fault-injection campaign (benchmarks/coverage/)."""
+"""``./dev bench coverage [--quick] [--out DIR] [--replay ROW-ID]``: the fault-injection campaign (the campaign package)."""
 
 from __future__ import annotations
 
-from benchmarks.coverage import main
+from campaign import main
 
 WHOLE_SET_ARGS = ["--quick"]
 """A plain ``./dev bench`` (every benchmark) runs the quick campaign; the full one (~30 min) only when named."""

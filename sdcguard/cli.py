@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "incidents": ("sdcguard.commands.incidents", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
     "approve": ("sdcguard.commands.incidents", "approve an incident's node replacement (starts the decision machine)"),
     "reject": ("sdcguard.commands.incidents", "reject an incident as a false alarm: release the node, resume the job"),
+    "campaign": ("sdcguard.commands.campaign", "the fault-injection campaign: which detector catches how much corruption, against the baselines"),
     "drill": ("sdcguard.commands.drill", "the incident drill on the local stand-in: fault, alarm, approval, replacement, recovery"),
 }
 

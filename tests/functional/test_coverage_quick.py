@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.coverage import QUICK, run_campaign
-from benchmarks.coverage.outcome import judge_fault
+from campaign import QUICK, run_campaign
+from campaign.outcome import judge_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

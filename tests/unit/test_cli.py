@@ -49,3 +49,16 @@ def test_incidents_without_credentials_says_so(
         err = capsys.readouterr().err
         assert "sdcguard: error: no AWS credentials" in err
         assert "no ledger table" not in err
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--faults-per-model", "0"], "faults_per_model: must be > 0"),
+    (["--models", "matmul_fwd,cosmic_ray"], "unknown fault model(s) ['cosmic_ray']"),
+    (["--replay", "matmul_fwd/sometimes/001"], "unknown persistence 'sometimes'"),
+])
+def test_campaign_refuses_bad_options_before_running_anything(
+        args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["campaign", "--out", str(out), *args]) == 2
+    assert names in capsys.readouterr().err
+    assert not out.exists()  # nothing was started, nothing written

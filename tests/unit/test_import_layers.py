@@ -17,7 +17,7 @@ import pytest
 from infra import check
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sdcguard", "infra", "lambdas", "agent", "lineage", "contract")
+PACKAGES = ("sdcguard", "infra", "campaign", "lambdas", "agent", "lineage", "contract")
 LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 
@@ -37,7 +37,7 @@ def _lint(cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_contract_is_the_agreed_layering() -> None:
     contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     assert contract["contracts"][0]["type"] == "layers"
-    assert contract["contracts"][0]["layers"] == ["sdcguard", "infra", "lambdas | agent", "lineage", "contract"]
+    assert contract["contracts"][0]["layers"] == ["sdcguard", "infra | campaign", "lambdas | agent", "lineage", "contract"]
     assert sorted(contract["root_packages"]) == sorted(PACKAGES)
 
 
@@ -60,6 +60,9 @@ def test_the_tree_keeps_the_contract() -> None:
         ("infra", "sdcguard"),
         ("lambdas", "agent"),  # the two middle parts are independent
         ("agent", "lambdas"),
+        ("campaign", "sdcguard"),  # the campaign is driven by the CLI, not the other way round
+        ("agent", "campaign"),  # the agent knows nothing of the faults injected around it
+        ("infra", "campaign"),
     ],
 )
 def test_an_upward_import_breaks_the_contract(tmp_path: Path, importer: str, imported: str) -> None:

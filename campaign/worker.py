@@ -38,9 +38,9 @@ from agent.config import GuardConfig
 from agent.guard import SDCGuard, StepResult
 from agent.publisher import Publisher, PublishOutcome
 from agent.train import JobShape, SyntheticData, build, loss_fn, shutdown
-from benchmarks.coverage import detectors
-from benchmarks.coverage.faults import FaultSpec
-from benchmarks.coverage.injectors import ModelShape, ProductMode, checkpoint_corrupter, install
+from campaign import detectors
+from campaign.faults import FaultSpec
+from campaign.injectors import ModelShape, ProductMode, checkpoint_corrupter, install
 from contract import Alarm, LastClean
 from contract.checkpoint import checkpoint_dir
 from lineage.errors import CheckpointCorrupt, NoSafeCheckpoint
@@ -509,7 +509,7 @@ def device_for(name: str) -> torch.device:
 def rank_main(plan_path: str) -> None:
     """The entry of every spawned rank: read the plan, run it, leave the process group."""
     logging.basicConfig(level=logging.CRITICAL)
-    for name in ("agent", "lineage", "benchmarks"):
+    for name in ("agent", "lineage", "campaign"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.pop("SDCGUARD_INJECT", None)
     plan = json.loads(Path(plan_path).read_text())

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from benchmarks.coverage import baselines
+from campaign import baselines
 
 SIZES = ("catastrophic", "visible", "tiny")
 VISIBLE = 1e-3

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from agent.train import JobShape, launch
-from benchmarks.coverage import baselines, detectors, report
-from benchmarks.coverage.faults import (
+from campaign import baselines, detectors, options, report
+from campaign.faults import (
     CAMPAIGN_MODELS,
     MODELS,
     PERSISTENCES,
@@ -31,8 +31,8 @@ from benchmarks.coverage.faults import (
     parse_row_id,
     row_id,
 )
-from benchmarks.coverage.outcome import Detection, FaultOutcome, judge, table
-from benchmarks.coverage.worker import rank_main
+from campaign.outcome import Detection, FaultOutcome, judge, table
+from campaign.worker import rank_main
 
 
 class CampaignFailed(RuntimeError):
@@ -98,11 +98,11 @@ class Settings:
         return self.first_step + self.span + self.horizon
 
 
-QUICK = Settings(faults_per_model=3, models=(*CAMPAIGN_MODELS, "null"), horizon=8, span=10, soak_steps=150,
+QUICK = Settings(faults_per_model=1, models=(*CAMPAIGN_MODELS, "null"), horizon=8, span=10, soak_steps=150,
                  trigger_lead=10, first_step=12, timeout_s=1800.0)
-"""The short form the test runs: 3 faults per model (one of each persistence) and the null control, an
-8-step window, a 450-rank-step soak; the trigger gets only its warm-up (10 steps) of history, not its full
-window."""
+"""The short form the test runs: one fault per model (the models take turns at transient, intermittent and
+persistent) and the null control, an 8-step window, a 450-rank-step soak; the trigger gets only its warm-up
+(10 steps) of history, not its full window."""
 
 
 def plan(settings: Settings, replay: str | None = None) -> list[FaultSpec]:
@@ -112,8 +112,10 @@ def plan(settings: Settings, replay: str | None = None) -> list[FaultSpec]:
     if replay is not None:
         parse_row_id(replay)
         return [draw(settings.seed, replay, **kwargs)]
-    return [draw(settings.seed, row_id(model, PERSISTENCES[i % len(PERSISTENCES)], i), **kwargs)
-            for model in settings.models for i in range(settings.faults_per_model)]
+    # With fewer faults per model than persistences, the models take turns (the quick form still has each).
+    turn = len(PERSISTENCES) > settings.faults_per_model
+    return [draw(settings.seed, row_id(model, PERSISTENCES[(i + m * turn) % len(PERSISTENCES)], i), **kwargs)
+            for m, model in enumerate(settings.models) for i in range(settings.faults_per_model)]
 
 
 def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None = None,
@@ -238,24 +240,9 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
 
 
 def parser() -> argparse.ArgumentParser:
-    """The campaign's command line."""
-    p = argparse.ArgumentParser(prog="./dev bench coverage",
-                                description="How much silent corruption does sdcguard catch? A fault-injection "
-                                            "campaign on 3 simulated nodes (gloo, CPU or GPU).")
-    p.add_argument("--quick", action="store_true", help="about a minute: 3 faults per model and a short soak")
-    p.add_argument("--out", default="build/coverage", help="output folder (default: build/coverage)")
-    p.add_argument("--replay", metavar="ROW-ID", help="run only this row (e.g. matmul_fwd/transient/007), with "
-                                                      "the same size options as the run that listed it")
-    p.add_argument("--faults-per-model", type=int)
-    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)}")
-    p.add_argument("--horizon", type=int)
-    p.add_argument("--audit-every", type=int)
-    p.add_argument("--fingerprint-every", type=int)
-    p.add_argument("--trigger-lead", type=int, help="clean steps before a fault for runs with the magnitude trigger")
-    p.add_argument("--soak-steps", type=int, help="clean soak steps (x 3 ranks); 0 skips the soak")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--device", choices=["cpu", "cuda"], help="cpu (gloo, default) or cuda (a GPU per rank, NCCL)")
-    p.add_argument("--timeout", type=float, help="seconds before the ranks are stopped")
+    """The campaign's command line (``./dev bench coverage``; ``sdcguard campaign`` has the same options)."""
+    p = argparse.ArgumentParser(prog="./dev bench coverage", description=options.DESCRIPTION)
+    options.add_arguments(p)
     return p
 
 
@@ -274,21 +261,25 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: 0 when the campaign ran and its clean run was clean, 1 otherwise, 2 for bad arguments."""
-    args = parser().parse_args(argv)
+    return run_from_args(parser().parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace, prog: str = "coverage") -> int:
+    """Run the campaign the parsed options describe; the exit code (0 ran and clean, 1 failed, 2 bad options)."""
     try:
         settings = settings_from(args)
         if args.replay:
             parse_row_id(args.replay)
     except ValueError as exc:
-        print(f"coverage: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
         run_campaign(settings, args.out, replay=args.replay)
     except ValueError as exc:
-        print(f"coverage: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except CampaignFailed as exc:
-        print(f"coverage: FAILED: {exc}", file=sys.stderr)
+        print(f"{prog}: FAILED: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.coverage.faults import FaultSpec
+from campaign.faults import FaultSpec
 
 _aten = torch.ops.aten
 PRODUCTS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution, _aten.convolution_backward}

@@ -1,4 +1,4 @@
-"""How much silent corruption does sdcguard catch? A fault-injection campaign (``./dev bench coverage``).
+"""How much silent corruption does sdcguard catch? A fault-injection campaign (``sdcguard campaign``).
 
 Faults drawn from realistic models (bit flips in matrix products, a faulty
 lane, activations, weights, gradients, one rank's all-reduce result, the
@@ -10,9 +10,20 @@ teams use today (a loss-spike monitor, the MAD outlier test on gradient
 norms) are judged on the same runs. A clean soak counts false alarms.
 
 ``run_campaign(Settings(...), out_dir)`` for code, ``main(argv)`` for the
-command line; see ``campaign.py``.
+command line; see ``campaign.py``. The names are imported on first use, so
+that the command line's ``--help`` does not load torch.
 """
 
-from benchmarks.coverage.campaign import QUICK, CampaignFailed, Settings, main, run_campaign
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["QUICK", "CampaignFailed", "Settings", "main", "run_campaign"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from campaign import campaign as _campaign
+
+        return getattr(_campaign, name)
+    raise AttributeError(f"module 'campaign' has no attribute {name!r}")

@@ -1,0 +1,29 @@
+"""The campaign's options, shared by ``./dev bench coverage`` and ``sdcguard campaign`` (no torch imported here)."""
+
+from __future__ import annotations
+
+import argparse
+
+from campaign.faults import MODELS
+
+DESCRIPTION = ("How much silent corruption does sdcguard catch? A fault-injection campaign on 3 simulated nodes "
+               "(gloo on CPU, or one GPU per rank): every detector alone and together, and the baselines teams "
+               "use today, judged on the same runs; writes coverage.txt, coverage.json and coverage.png.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the campaign's options to ``p``."""
+    p.add_argument("--quick", action="store_true", help="about a minute: one fault per model and a short soak")
+    p.add_argument("--out", default="build/coverage", help="output folder (default: build/coverage)")
+    p.add_argument("--replay", metavar="ROW-ID", help="run only this row (e.g. matmul_fwd/transient/007), with "
+                                                      "the same size options as the run that listed it")
+    p.add_argument("--faults-per-model", type=int, help="faults drawn per fault model (default 51)")
+    p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)}")
+    p.add_argument("--horizon", type=int, help="steps a faulted run trains from its fault (default 12)")
+    p.add_argument("--audit-every", type=int, help="ring audit cadence in the campaign's runs (default 10)")
+    p.add_argument("--fingerprint-every", type=int, help="weight fingerprint cadence (default 5)")
+    p.add_argument("--trigger-lead", type=int, help="clean steps before a fault for runs with the magnitude trigger")
+    p.add_argument("--soak-steps", type=int, help="clean soak steps (x 3 ranks; default 33,334); 0 skips the soak")
+    p.add_argument("--seed", type=int, help="the campaign seed every fault is drawn from (default 0)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="cpu (gloo, default) or cuda (a GPU per rank, NCCL)")
+    p.add_argument("--timeout", type=float, help="seconds before the ranks are stopped (default 4 hours)")

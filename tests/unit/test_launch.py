@@ -1,0 +1,82 @@
+"""The one-machine launcher leaves no rank behind.
+
+Given ranks that would wait for ever, ``launch`` stops them: at its time
+limit, shortly after another rank failed (instead of gloo's half-hour
+timeout), and when the process that launched them is killed outright (the
+ranks notice their parent is gone and end themselves).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import train
+
+
+def _wait_forever(pid_dir: str) -> None:
+    Path(pid_dir, f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
+def _rank_one_fails(pid_dir: str) -> None:
+    if os.environ["RANK"] == "1":
+        raise SystemExit(3)
+    _wait_forever(pid_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a parent that is gone) counts as gone.
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def test_ranks_past_the_time_limit_are_stopped(tmp_path: Path) -> None:
+    started = time.monotonic()
+    codes = train.launch(2, _wait_forever, (str(tmp_path),), timeout=6)
+    assert codes == [None, None]
+    assert time.monotonic() - started < 30
+    assert not any(_alive(int(p.read_text())) for p in tmp_path.glob("*.pid"))
+
+
+def test_a_failed_rank_stops_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train, "FAILED_RANK_GRACE_S", 1.0)
+    started = time.monotonic()
+    codes = train.launch(3, _rank_one_fails, (str(tmp_path),), timeout=600)
+    assert codes[1] == 3
+    assert codes[0] is None  # stopped, not left waiting for rank 1
+    assert codes[2] is None
+    assert time.monotonic() - started < 60
+
+
+def test_ranks_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    script = ("import sys; from agent import train; from tests.unit.test_launch import _wait_forever; "
+              f"train.launch(2, _wait_forever, ({str(tmp_path)!r},))")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            assert parent.poll() is None, "the launcher ended early"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert all(_alive(pid) for pid in pids)
+        parent.send_signal(signal.SIGKILL)  # no finally, no atexit: only the ranks themselves can notice
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
