@@ -13,7 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from sdcguard.errors import CommandError
 
@@ -34,7 +34,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(configured: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; only the subcommands in ``configured`` (default: all) get their options, and only
+    their modules are imported (the others are listed by name and help)."""
     parser = argparse.ArgumentParser(
         prog="sdcguard",
         description=(
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module)
-        _configure(module, sub_parser)
+        if configured is None or name in configured:
+            _configure(module, sub_parser)
     return parser
 
 
@@ -56,8 +59,18 @@ def _configure(module: str, parser: argparse.ArgumentParser) -> None:
     importlib.import_module(module).configure(parser)
 
 
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (its first word that is not an option), if it is one of ours."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Only the command that runs is imported (none for --help): `sdcguard local exec-credential`, which
+    # kubectl starts for every call, does not pay for the drill's or the pipeline's imports.
+    command = _command_in(argv)
+    parser = build_parser(configured=[command] if command else [])
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import boto3
@@ -62,3 +64,14 @@ def test_campaign_refuses_bad_options_before_running_anything(
     assert main(["campaign", "--out", str(out), *args]) == 2
     assert names in capsys.readouterr().err
     assert not out.exists()  # nothing was started, nothing written
+
+
+@pytest.mark.parametrize("argv", [["local", "exec-credential", "--help"], ["campaign", "--help"], ["--help"]])
+def test_a_command_imports_only_its_own_part(argv: list[str]) -> None:
+    # kubectl starts `sdcguard local exec-credential` for every call: it must not load the drill, the
+    # pipeline's Kubernetes client or torch, and neither must --help.
+    code = ("import sys\nfrom sdcguard.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'kubernetes', 'infra.drill', 'lambdas') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                          check=True, cwd=Path(__file__).parents[2])
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
