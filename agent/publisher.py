@@ -21,13 +21,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import ValidationError
 
 from contract import DETAIL_TYPE, EVENT_SOURCE, Alarm
 
 if TYPE_CHECKING:
+    from mypy_boto3_events import EventBridgeClient
+    from mypy_boto3_s3 import S3Client
+
     from agent.config import GuardConfig
 
 log = logging.getLogger(__name__)
@@ -49,12 +52,18 @@ class PublishOutcome:
 class Publisher:
     """Sends alarms to an EventBridge bus; clients may be passed in (tests, the local stand-in)."""
 
-    def __init__(self, config: GuardConfig, *, events_client: Any = None, s3_client: Any = None) -> None:
+    def __init__(
+        self, config: GuardConfig, *, events_client: EventBridgeClient | None = None, s3_client: S3Client | None = None
+    ) -> None:
         self.config = config
         self._events = events_client
         self._s3 = s3_client
 
-    def _client(self, service: str, timeout: float) -> Any:
+    @overload
+    def _client(self, service: Literal["events"], timeout: float) -> EventBridgeClient: ...
+    @overload
+    def _client(self, service: Literal["s3"], timeout: float) -> S3Client: ...
+    def _client(self, service: Literal["events", "s3"], timeout: float) -> Any:
         import boto3
         from botocore.config import Config
 

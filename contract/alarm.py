@@ -25,8 +25,11 @@ DETAIL_TYPE = "SDC Alarm"
 # fits in one EventBridge entry (256 KiB) and one DynamoDB item (400 KiB).
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 Text = Annotated[str, Field(max_length=1024)]
-Step = Annotated[int, Field(ge=0)]
-Rank = Annotated[int, Field(ge=0)]
+# Integers are strict, as the JSON Schema says: pydantic's lax mode would take
+# ``true`` for 1 and ``"7"`` for 7, so what the pipeline acts on would differ
+# from what a schema-checking reader of the same event sees.
+Step = Annotated[int, Field(ge=0, strict=True)]
+Rank = Annotated[int, Field(ge=0, strict=True)]
 Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{16,128}$")]
 
 MAX_SUSPECTS = 1024
@@ -78,7 +81,7 @@ class NonFiniteBucket(Strict):
     """One gradient bucket that held a NaN or an infinity."""
 
     rank: Rank
-    bucket: Annotated[int, Field(ge=0)]
+    bucket: Annotated[int, Field(ge=0, strict=True)]
     phase: Literal["local", "reduced"]
 
 
@@ -170,8 +173,8 @@ class Alarm(Strict):
     job: JobIdentity
     detector: Detector
     step: Step
-    world_size: Annotated[int, Field(ge=1, le=1_000_000)]
-    ranks_per_node: Annotated[int, Field(ge=1, le=1024)]
+    world_size: Annotated[int, Field(ge=1, le=1_000_000, strict=True)]
+    ranks_per_node: Annotated[int, Field(ge=1, le=1024, strict=True)]
     suspects: Annotated[list[Suspect], Field(max_length=MAX_SUSPECTS)]
     """Ranks blamed. Empty when the fault is real but not localised."""
     localized: bool

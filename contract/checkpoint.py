@@ -49,7 +49,7 @@ class ObjectDigest(Strict):
     name: str
     """File name inside the checkpoint folder (no slashes)."""
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-    size: Annotated[int, Field(ge=0)]
+    size: Annotated[int, Field(ge=0, strict=True)]
 
     @field_validator("name")
     @classmethod
@@ -59,19 +59,41 @@ class ObjectDigest(Strict):
         return value
 
 
+class ShardedLayout(Strict):
+    """How a sharded checkpoint (FSDP2 on a DeviceMesh, saved with torch.distributed.checkpoint) is laid out."""
+
+    format: Literal["dcp"] = "dcp"
+    """torch.distributed.checkpoint files: ``dcp.metadata`` and each rank's ``dcp__R_N.distcp``."""
+    replicas: Annotated[int, Field(ge=1, strict=True)]
+    """Replica groups of the mesh that saved it (1: pure FSDP)."""
+    shards: Annotated[int, Field(ge=1, strict=True)]
+    """Shards per replica group."""
+    shard_fingerprints: Annotated[list[Fingerprint], Field(min_length=1, max_length=100_000)]
+    """Per shard position, the fingerprint of its weights and optimizer state that every replica agreed on;
+    the manifest's ``fingerprint`` combines them in this order."""
+
+    @model_validator(mode="after")
+    def _one_per_shard(self) -> ShardedLayout:
+        if len(self.shard_fingerprints) != self.shards:
+            raise ValueError(f"shard_fingerprints: {len(self.shard_fingerprints)} given for {self.shards} shards")
+        return self
+
+
 class CheckpointManifest(Strict):
     """Written last: its presence commits the checkpoint."""
 
     schema_version: Literal["1"] = MANIFEST_SCHEMA_VERSION
     step: Step
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
-    world_size: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=1, strict=True)]
     fingerprint: Fingerprint
     """The weight (and optimizer-state) fingerprint all replicas agreed on before the save."""
     objects: Annotated[list[ObjectDigest], Field(min_length=1, max_length=10_000)]
     last_clean_audit_step: Step | None = None
     last_clean_fingerprint_step: Step | None = None
     written_by: Annotated[str, Field(max_length=256)] = ""
+    sharding: ShardedLayout | None = None
+    """Set for a sharded checkpoint (FSDP2); None for a replicated one (DDP)."""
 
     @model_validator(mode="after")
     def _unique_objects(self) -> CheckpointManifest:
@@ -144,6 +166,7 @@ __all__ = [
     "ObjectDigest",
     "PointerEntry",
     "ResumePointer",
+    "ShardedLayout",
     "checkpoint_dir",
     "step_of_dir",
 ]

@@ -153,7 +153,7 @@ class Incident(Strict):
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     alarm: Alarm
-    duplicate_alarms: Annotated[int, Field(ge=0)] = 0
+    duplicate_alarms: Annotated[int, Field(ge=0, strict=True)] = 0
     """Further alarms that collapsed into this incident."""
     suspects: list[ResolvedSuspect] = []
     mode: Literal["normal", "dry_run", "cordon_only"] = "normal"

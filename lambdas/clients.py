@@ -13,7 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 import boto3
 from botocore.config import Config
@@ -26,6 +26,14 @@ from lambdas.settings import get_settings
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s
+    from mypy_boto3_cloudwatch import CloudWatchClient
+    from mypy_boto3_dynamodb import DynamoDBClient
+    from mypy_boto3_eks import EKSClient
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_sagemaker import SageMakerClient
+    from mypy_boto3_sns import SNSClient
+    from mypy_boto3_stepfunctions import SFNClient
+    from mypy_boto3_sts import STSClient
 
 CONFIG = Config(retries={"mode": "standard", "max_attempts": 5}, connect_timeout=5, read_timeout=30)
 """Five attempts with jittered backoff on throttling, 5xx and connection errors (botocore's standard mode)."""
@@ -52,9 +60,33 @@ _lock = threading.Lock()
 _kubernetes: dict[str, tuple[float, k8s.ApiClient]] = {}
 
 
+AwsService = Literal["cloudwatch", "dynamodb", "eks", "s3", "sagemaker", "sns", "stepfunctions", "sts"]
+"""The AWS services a handler talks to."""
+
+
+@overload
+def aws(service: Literal["cloudwatch"]) -> CloudWatchClient: ...
+@overload
+def aws(service: Literal["dynamodb"]) -> DynamoDBClient: ...
+@overload
+def aws(service: Literal["eks"]) -> EKSClient: ...
+@overload
+def aws(service: Literal["s3"]) -> S3Client: ...
+@overload
+def aws(service: Literal["sagemaker"]) -> SageMakerClient: ...
+@overload
+def aws(service: Literal["sns"]) -> SNSClient: ...
+@overload
+def aws(service: Literal["stepfunctions"]) -> SFNClient: ...
+@overload
+def aws(service: Literal["sts"]) -> STSClient: ...
+def aws(service: AwsService) -> Any:
+    """The process's boto3 client for ``service``, with :data:`CONFIG`, typed by the service's stubs."""
+    return _aws(service)
+
+
 @functools.cache
-def aws(service: str) -> Any:
-    """The process's boto3 client for ``service``, with :data:`CONFIG`."""
+def _aws(service: AwsService) -> Any:
     return boto3.client(service, config=CONFIG)
 
 
@@ -84,7 +116,7 @@ def kubernetes() -> k8s.ApiClient:
 
 def forget() -> None:
     """Drop every cached client (tests that point the process at another stand-in or table)."""
-    aws.cache_clear()
+    _aws.cache_clear()
     _ledger.cache_clear()
     with _lock:
         _kubernetes.clear()

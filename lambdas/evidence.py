@@ -190,15 +190,25 @@ def evidence_for_incident(
 ) -> Incident:
     """Collect and record the evidence (CORDONED -> EVIDENCE_COLLECTED). Idempotent.
 
-    Raises :class:`IncidentNotWaiting` before the node is cordoned.
+    The earlier incidents of each suspect instance (in the same HyperPod
+    cluster) come from one query per instance (:meth:`Ledger.naming`), never a
+    scan. Raises :class:`IncidentNotWaiting` before the node is cordoned.
     """
     incident = ledger.get(incident_id)
     if incident.entered(IncidentState.EVIDENCE_COLLECTED):
         return incident
     if incident.state != IncidentState.CORDONED:
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; evidence follows the cordon")
-    history = ledger.list(hyperpod_cluster=incident.alarm.job.hyperpod_cluster)
-    found = summary(collect_evidence(incident, history, dcgm_counters=dcgm_counters, client=cloudwatch))
+    # Each instance's own history, through the ledger's index of incidents by suspect instance: the
+    # step reads the incidents that named these instances, not every incident ever opened.
+    cluster = incident.alarm.job.hyperpod_cluster
+    history = {
+        other.incident_id: other
+        for instance_id in incident.instance_ids
+        for other in ledger.naming(instance_id)
+        if other.alarm.job.hyperpod_cluster == cluster
+    }
+    found = summary(collect_evidence(incident, history.values(), dcgm_counters=dcgm_counters, client=cloudwatch))
     return ledger.update(
         incident_id,
         lambda current: current

@@ -1,10 +1,13 @@
 """The incident ledger: one DynamoDB item per incident, written with conditional updates.
 
 Table layout (the template creates it): partition key ``incident_id`` (S);
-TTL attribute ``expires_at``; one sparse global secondary index,
-:data:`OPEN_INDEX_DEFINITION` (partition ``open_cluster``, sort ``open_until``,
-keys only), holding only the incidents that still count toward a cluster's
-blast radius, so the guard reads those and never the closed ones. Item kinds:
+TTL attribute ``expires_at``; two sparse global secondary indexes, keys only:
+:data:`OPEN_INDEX_DEFINITION` (partition ``open_cluster``, sort ``open_until``),
+holding only the incidents that still count toward a cluster's blast radius,
+so the guard reads those and never the closed ones; and
+:data:`SUSPECT_INDEX_DEFINITION` (partition ``suspect_instance``, sort
+``suspect_of``), holding one entry per incident and instance it names, so the
+evidence step reads an instance's history and not the whole ledger. Item kinds:
 
 - the incident: ``incident_id``, ``kind="incident"``, ``version`` (N),
   ``state``, ``hyperpod_cluster``, ``created_at``, ``body`` (the
@@ -13,6 +16,10 @@ blast radius, so the guard reads those and never the closed ones. Item kinds:
   ``opened_by`` (the execution that opened it), ``fault_persistence``, and,
   while it counts toward the blast radius (:func:`counts_until`),
   ``open_cluster`` and ``open_until`` (epoch seconds);
+- for each instance an incident names as a suspect, its index entry:
+  ``incident_id="suspect#<instance id>#<id>"``, ``kind="suspect"``,
+  ``suspect_instance`` (the instance id), ``suspect_of`` (the incident id);
+  written before the incident records its suspects (:meth:`Ledger.index_suspects`);
 - its approval task token: ``incident_id="token#<id>"``, ``kind="token"``,
   ``token``, ``expires_at`` (epoch seconds, also the TTL);
 - a lock per HyperPod cluster: ``incident_id="lock#<cluster>"``,
@@ -34,10 +41,10 @@ import builtins
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.exceptions import ClientError
@@ -45,8 +52,13 @@ from botocore.exceptions import ClientError
 from contract import Alarm, Incident, IncidentState, Transition
 from lambdas.errors import IncidentNotFound, LedgerConflict, LockLost
 
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb import DynamoDBClient
+    from mypy_boto3_dynamodb.type_defs import UpdateTypeDef
+
 UNLOCALISED = "unlocalised"
 _TOKEN = "token#"
+_SUSPECT = "suspect#"
 _LOCK = "lock#"
 _MAX_ATTEMPTS = 12
 S = IncidentState
@@ -66,6 +78,21 @@ OPEN_INDEX_DEFINITION: dict[str, Any] = {
 }
 """The ledger's index of the incidents that count toward a cluster's blast radius (the template's
 ``GlobalSecondaryIndexes`` entry; its attributes are :data:`OPEN_INDEX_ATTRIBUTES`)."""
+SUSPECT_INDEX = "incidents-by-instance"
+SUSPECT_INDEX_ATTRIBUTES = [
+    {"AttributeName": "suspect_instance", "AttributeType": "S"},
+    {"AttributeName": "suspect_of", "AttributeType": "S"},
+]
+SUSPECT_INDEX_DEFINITION: dict[str, Any] = {
+    "IndexName": SUSPECT_INDEX,
+    "KeySchema": [
+        {"AttributeName": "suspect_instance", "KeyType": "HASH"},
+        {"AttributeName": "suspect_of", "KeyType": "RANGE"},
+    ],
+    "Projection": {"ProjectionType": "KEYS_ONLY"},
+}
+"""The ledger's index of incidents by the instances they named as suspects (the template's second
+``GlobalSecondaryIndexes`` entry; its attributes are :data:`SUSPECT_INDEX_ATTRIBUTES`)."""
 FOREVER = 32_503_680_000.0
 """``open_until`` of an incident that counts until something changes it (the year 3000)."""
 REPLACEMENT_WINDOW = timedelta(hours=24)
@@ -131,7 +158,7 @@ def incident_id_for(key: str) -> str:
 class Ledger:
     """The DynamoDB incident ledger. ``client`` defaults to a boto3 DynamoDB client."""
 
-    def __init__(self, table: str, client: Any = None) -> None:
+    def __init__(self, table: str, client: DynamoDBClient | None = None) -> None:
         self.table = table
         self.client = client or boto3.client("dynamodb")
 
@@ -217,7 +244,7 @@ class Ledger:
         del item["incident_id"]
         gone = [k for k in _INDEX_KEYS if k not in item]
         # SET, not a whole-item put: the duplicates counter is someone else's.
-        update: dict[str, Any] = {
+        update: UpdateTypeDef = {
             "TableName": self.table,
             "Key": {"incident_id": {"S": incident.incident_id}},
             "UpdateExpression": "SET " + ", ".join(f"#{k} = :{k}" for k in item)
@@ -237,7 +264,7 @@ class Ledger:
         now = time.time()
         stale = [i for i, at in lease.recent.items() if at < now - RECENT_SECONDS and i != incident.incident_id]
         names = {"#o": "owner", "#me": incident.incident_id, **{f"#r{n}": i for n, i in enumerate(stale)}}
-        lock = {
+        lock: UpdateTypeDef = {
             "TableName": self.table,
             "Key": lease.key,
             "UpdateExpression": "SET recent.#me = :now" + "".join(f" REMOVE recent.#r{n}" if n == 0 else f", recent.#r{n}" for n in range(len(stale))),
@@ -388,6 +415,53 @@ class Ledger:
             if until is not None and until > now and incident.alarm.job.hyperpod_cluster == hyperpod_cluster:
                 out.append(incident)
         return out
+
+    # -- incidents by suspect instance ---------------------------------------------
+
+    def index_suspects(self, incident_id: str, instance_ids: Iterable[str]) -> None:
+        """Enter ``incident_id`` in :data:`SUSPECT_INDEX` under each of ``instance_ids`` (repeating it changes nothing).
+
+        Called before the incident records the suspects, so that no incident
+        naming an instance is ever missing from the index; an entry whose
+        incident did not come to name the instance (the write that would have
+        recorded it failed) is passed over by :meth:`naming`.
+        """
+        for instance_id in sorted(set(instance_ids)):
+            self.client.put_item(
+                TableName=self.table,
+                Item={
+                    "incident_id": {"S": f"{_SUSPECT}{instance_id}#{incident_id}"},
+                    "kind": {"S": "suspect"},
+                    "suspect_instance": {"S": instance_id},
+                    "suspect_of": {"S": incident_id},
+                },
+            )
+
+    def naming(self, instance_id: str) -> builtins.list[Incident]:
+        """The incidents that name ``instance_id`` as a suspect, oldest first.
+
+        One query of :data:`SUSPECT_INDEX` (its entries only, never the other
+        incidents), then each incident read from the table itself; an entry
+        whose incident does not name the instance, or no longer exists, is left out.
+        """
+        ids: set[str] = set()
+        pages = self.client.get_paginator("query").paginate(
+            TableName=self.table,
+            IndexName=SUSPECT_INDEX,
+            KeyConditionExpression="suspect_instance = :i",
+            ExpressionAttributeValues={":i": {"S": instance_id}},
+        )
+        for page in pages:
+            ids.update(item["suspect_of"]["S"] for item in page.get("Items", []))
+        out: builtins.list[Incident] = []
+        for incident_id in sorted(ids):
+            try:
+                incident = self.get(incident_id)
+            except IncidentNotFound:
+                continue
+            if instance_id in incident.instance_ids:
+                out.append(incident)
+        return sorted(out, key=lambda i: i.created_at)
 
     # -- approval task tokens ---------------------------------------------------
 

@@ -22,7 +22,9 @@ def check_scope(alarm: Alarm, settings: Settings) -> None:
     """Raises :class:`NotInCluster` unless ``alarm`` is about what this deployment guards.
 
     That is the HyperPod and EKS cluster, and the job namespace; a deployment
-    without ``JOB_NAMESPACE`` guards no namespace, so it acts on no alarm.
+    without ``JOB_NAMESPACE`` guards no namespace, and one without ``JOB_NAME``
+    no job, so it acts on no alarm. Whether the alarm is about the guarded job
+    is :func:`check_job`'s question, asked by ``resolve``.
     """
     job = alarm.job
     if job.hyperpod_cluster != settings.hyperpod_cluster or job.eks_cluster != settings.eks_cluster:
@@ -38,6 +40,25 @@ def check_scope(alarm: Alarm, settings: Settings) -> None:
     if job.namespace != settings.job_namespace:
         raise NotInCluster(
             f"alarm {alarm.alarm_id} is for namespace {job.namespace}; this pipeline guards {settings.job_namespace}"
+        )
+    if not settings.job_name:
+        raise NotInCluster(
+            f"alarm {alarm.alarm_id}: this deployment guards no job (JobName / JOB_NAME is empty); nothing is acted on"
+        )
+
+
+def check_job(alarm: Alarm, settings: Settings) -> None:
+    """Raises :class:`NotInCluster` unless ``alarm`` is about the PyTorchJob this deployment guards (``JOB_NAME``).
+
+    Asked after the incident is opened, not by :func:`check_scope`: an alarm from
+    another job of the guarded namespace may be a true report about hardware the
+    guarded job shares, so it is recorded and stops for attention, with nothing touched.
+    """
+    job = alarm.job
+    if job.job_name != settings.job_name:
+        raise NotInCluster(
+            f"alarm {alarm.alarm_id} is for PyTorchJob {job.namespace}/{job.job_name!r}; this pipeline guards "
+            f"{settings.job_namespace}/{settings.job_name!r} (JobName / JOB_NAME); nothing touched"
         )
 
 

@@ -1,9 +1,10 @@
 """Resolution: suspect rank -> pod -> node -> EC2 instance, each link confirmed by the cluster.
 
 An alarm is a claim, and anyone who can put an event on the bus can make one;
-so nothing it names is believed. The suspect's pod is read through the
-Kubernetes API: it must exist in the job's namespace, carry the alarm's job
-in its job-name label, and run (``spec.nodeName``) on the node the alarm
+so nothing it names is believed. It must be about the one PyTorchJob the
+deployment guards (``JOB_NAME``), and the suspect's pod is read through the
+Kubernetes API: it must exist in the job's namespace, carry that job in its
+job-name label, and run (``spec.nodeName``) on the node the alarm
 names. That node is then traced to its instance: on HyperPod EKS clusters a
 node is named ``hyperpod-i-0123456789abcdef0`` (:mod:`contract.naming`); a
 renamed node is matched by its own name or addresses (never by a host name
@@ -26,7 +27,7 @@ from contract.naming import instance_id_of
 from lambdas.errors import NotInCluster, SuspectMismatch, SuspectUnresolvable
 from lambdas.kube_errors import kubernetes_errors
 from lambdas.ledger import Ledger
-from lambdas.record import check_scope
+from lambdas.record import check_job, check_scope
 from lambdas.settings import Settings
 
 JOB_NAME_LABELS = ("training.kubeflow.org/job-name", "job-name")
@@ -203,7 +204,7 @@ def resolve_incident(
 
     Idempotent: an incident already resolved is returned unchanged. Records
     nothing and raises :class:`NotInCluster` (an alarm outside what the
-    settings guard, or an instance that is not the cluster's),
+    settings guard, an alarm for another job than ``JOB_NAME``, or an instance that is not the cluster's),
     :class:`SuspectMismatch` (the pod is missing, not of the job, or on
     another node; the node's provider id names another instance) and
     :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node).
@@ -213,6 +214,7 @@ def resolve_incident(
         return incident
     alarm = incident.alarm
     check_scope(alarm, settings)
+    check_job(alarm, settings)
     if not alarm.suspects:
         resolve_suspects(alarm, {})  # raises: not localised
     job = alarm.job
@@ -220,7 +222,7 @@ def resolve_incident(
     reasons = [
         reason
         for suspect in sorted(alarm.suspects, key=lambda s: s.global_rank)
-        if (reason := mismatch(suspect, observed[suspect.global_rank], namespace=job.namespace, job_name=job.job_name))
+        if (reason := mismatch(suspect, observed[suspect.global_rank], namespace=job.namespace, job_name=settings.job_name))
     ]
     if reasons:
         raise SuspectMismatch(f"alarm {alarm.alarm_id} does not match the cluster; nothing touched: " + "; ".join(reasons))
@@ -239,6 +241,8 @@ def resolve_incident(
                 f"not {s.instance_id}; nothing touched"
             )
     note = ", ".join(f"rank {s.global_rank} -> pod {s.pod} on {s.node} -> {s.instance_id}" for s in suspects)
+    # Indexed before they are recorded: an incident that names an instance is always in its history.
+    ledger.index_suspects(incident_id, [s.instance_id for s in suspects])
     return ledger.update(
         incident_id,
         lambda current: current

@@ -41,7 +41,10 @@ class Settings(BaseModel):
     eks_cluster: Annotated[str, Field(alias="EKS_CLUSTER", min_length=1)]
     """The EKS cluster that orchestrates it."""
     job_namespace: Annotated[str, Field(alias="JOB_NAMESPACE")] = ""
-    """The namespace of the guarded jobs. Empty: no alarm is acted on (each is refused, naming this)."""
+    """The namespace of the guarded job. Empty: no alarm is acted on (each is refused, naming this)."""
+    job_name: Annotated[str, Field(alias="JOB_NAME")] = ""
+    """The guarded PyTorchJob in that namespace. Empty: no alarm is acted on (each is refused, naming this);
+    an alarm for another job stops for attention at resolve, touching nothing."""
     checkpoint_bucket: Annotated[str, Field(alias="CHECKPOINT_BUCKET", min_length=3)]
     """The bucket of the checkpoints the pipeline may rewrite the pointer in."""
     checkpoint_prefix: Annotated[str, Field(alias="CHECKPOINT_PREFIX")] = ""

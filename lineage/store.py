@@ -29,6 +29,7 @@ from lineage.errors import CheckpointCorrupt, InvalidStoreUri, ObjectNotFound, P
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef, ListObjectsV2OutputTypeDef
 
 # Streaming digests read this much at a time: big enough to be fast, small
 # enough that a Lambda verifying a multi-GB checkpoint stays within memory.
@@ -215,7 +216,7 @@ class S3Store(ObjectStore):
             Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256", Metadata=metadata
         )
         upload_id = upload["UploadId"]
-        parts = []
+        parts: list[CompletedPartTypeDef] = []
         try:
             for number, (chunk, digest) in enumerate(zip(chunks, digests, strict=True), start=1):
                 checksum = base64.b64encode(digest).decode()
@@ -290,7 +291,7 @@ class S3Store(ObjectStore):
             )
         return whole, size
 
-    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[dict[str, Any]]:
+    def _pages(self, prefix: str, delimiter: str | None) -> Iterator[ListObjectsV2OutputTypeDef]:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._full(prefix) if prefix else self._root()}
         if delimiter:
             kwargs["Delimiter"] = delimiter

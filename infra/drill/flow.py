@@ -238,6 +238,7 @@ def prepare(standin: Any, *, name: str = "sdcguard-demo", nodes: int = 3, ranks_
         "HyperPodClusterName": seeded["hyperpod_cluster"],
         "EksClusterName": seeded["eks_cluster"],
         "JobNamespace": seeded["namespace"],
+        "JobName": seeded["job"],
         "CheckpointBucket": seeded["bucket"],
         "CheckpointPrefix": seeded["checkpoint_prefix"],
         "EventBusName": f"{name}-bus",

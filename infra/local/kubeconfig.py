@@ -16,22 +16,21 @@ any shell, with or without the stand-in's exports.
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import boto3
 import yaml
 
 from infra.local.eks.bearer_token import eks_bearer_token
+from infra.local.seed import is_loopback
 
 if TYPE_CHECKING:
-    from botocore.client import BaseClient
     from mypy_boto3_eks import EKSClient
+    from mypy_boto3_sts import STSClient
 
 EXEC_API_VERSION = "client.authentication.k8s.io/v1beta1"
 TOKEN_SECONDS = 15 * 60
@@ -41,16 +40,6 @@ REFRESH_MARGIN_SECONDS = 60
 
 class KubeconfigError(Exception):
     """The kubeconfig cannot be written as asked (no such cluster, several to choose from, not the stand-in)."""
-
-
-def _is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def plugin_command(cluster_name: str) -> list[str]:
@@ -155,7 +144,7 @@ def write_kubeconfig(
 
     env = os.environ if env is None else env
     endpoint = env.get("AWS_ENDPOINT_URL", "")
-    if not endpoint or not _is_loopback(endpoint):
+    if not endpoint or not is_loopback(endpoint):
         raise KubeconfigError(
             "AWS_ENDPOINT_URL does not point at the local stand-in (start it with `sdcguard local up` and paste "
             "its exports); for a real cluster use `aws eks update-kubeconfig`"
@@ -170,7 +159,7 @@ def write_kubeconfig(
     )
     name = _choose_cluster(eks, cluster_name)
     cluster = eks.describe_cluster(name=name)["cluster"]
-    if not _is_loopback(cluster["endpoint"]):
+    if not is_loopback(cluster["endpoint"]):
         raise KubeconfigError(f"cluster {name}'s endpoint {cluster['endpoint']} is not the local EKS API server")
     plugin_env = {
         "AWS_ENDPOINT_URL": endpoint,
@@ -192,7 +181,7 @@ def write_kubeconfig(
 
 
 def exec_credential(
-    cluster_name: str, sts_client: BaseClient | None = None, now: dt.datetime | None = None
+    cluster_name: str, sts_client: STSClient | None = None, now: dt.datetime | None = None
 ) -> dict[str, Any]:
     """An ``ExecCredential`` with a fresh ``k8s-aws-v1.`` token for ``cluster_name``, as ``aws eks get-token`` prints it.
 

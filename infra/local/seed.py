@@ -43,10 +43,14 @@ from infra.local.eks.bearer_token import cluster_api_client
 from infra.local.eks.hyperpod_node import hyperpod_node
 
 if TYPE_CHECKING:
-    from botocore.client import BaseClient
+    from mypy_boto3_cloudwatch.literals import StandardUnitType
+    from mypy_boto3_cloudwatch.type_defs import DimensionTypeDef, MetricDatumTypeDef
+    from mypy_boto3_eks import EKSClient
+    from mypy_boto3_sagemaker import SageMakerClient
+    from mypy_boto3_sagemaker.literals import ClusterInstanceTypeType
 
 INSTANCE_GROUP = "worker-group"
-INSTANCE_TYPE = "ml.p5.48xlarge"
+INSTANCE_TYPE: ClusterInstanceTypeType = "ml.p5.48xlarge"
 METRIC_NAMESPACE = "ContainerInsights"
 CONTAINER_INSIGHTS_METRICS = (
     "node_gpu_temperature",
@@ -61,7 +65,7 @@ DCGM_METRICS = (
     "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
 )
-_UNITS = {
+_UNITS: dict[str, StandardUnitType] = {
     "node_gpu_temperature": "None",  # degrees Celsius; CloudWatch has no unit for it
     "node_gpu_power_draw": "None",  # watts
     "node_gpu_utilization": "Percent",
@@ -120,7 +124,8 @@ def _check_options(
         raise SeedError(f"--bucket {bucket!r} is not a valid S3 bucket name")
 
 
-def _is_loopback(endpoint: str) -> bool:
+def is_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint``'s host is ``localhost`` or a loopback address: where the stand-in listens, never AWS."""
     host = urlsplit(endpoint).hostname or ""
     if host == "localhost":
         return True
@@ -149,7 +154,7 @@ def _session_and_endpoint(target: Any) -> tuple[boto3.Session, str]:
         raise SeedError(
             "AWS_ENDPOINT_URL is not set: seed works only against the local stand-in (start it with `sdcguard local up`)"
         )
-    if not _is_loopback(endpoint):
+    if not is_loopback(endpoint):
         raise SeedError(
             f"AWS_ENDPOINT_URL={endpoint} is not on loopback; seed refuses to touch anything but the local stand-in"
         )
@@ -160,7 +165,7 @@ def _error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-def _refuse_taken_names(sagemaker: BaseClient, eks: BaseClient, cluster: str, eks_cluster: str) -> None:
+def _refuse_taken_names(sagemaker: SageMakerClient, eks: EKSClient, cluster: str, eks_cluster: str) -> None:
     try:
         sagemaker.describe_cluster(ClusterName=cluster)
     except ClientError as exc:
@@ -297,12 +302,12 @@ def _metric_data(
     end: dt.datetime,
     minutes: int,
     seed_text: str,
-) -> list[dict[str, Any]]:
+) -> list[MetricDatumTypeDef]:
     rng = random.Random(seed_text)  # the same cluster name gives the same metrics
-    data: list[dict[str, Any]] = []
+    data: list[MetricDatumTypeDef] = []
     for index, instance_id in enumerate(instances):
         for gpu in range(ranks_per_node):
-            dimensions = [
+            dimensions: list[DimensionTypeDef] = [
                 {"Name": "ClusterName", "Value": eks_cluster},
                 {"Name": "NodeName", "Value": node_name(instance_id)},
                 {"Name": "InstanceId", "Value": instance_id},
@@ -359,11 +364,11 @@ def seed(
     session, endpoint = _session_and_endpoint(target)
     region = session.region_name or "us-east-1"
 
-    def aws(service: str) -> BaseClient:
-        return session.client(service, endpoint_url=endpoint)
-
-    sagemaker, eks, sts = aws("sagemaker"), aws("eks"), aws("sts")
-    s3, cloudwatch = aws("s3"), aws("cloudwatch")
+    sagemaker = session.client("sagemaker", endpoint_url=endpoint)
+    eks = session.client("eks", endpoint_url=endpoint)
+    sts = session.client("sts", endpoint_url=endpoint)
+    s3 = session.client("s3", endpoint_url=endpoint)
+    cloudwatch = session.client("cloudwatch", endpoint_url=endpoint)
     seconds: dict[str, float] = {}
     began = last = time.monotonic()
 

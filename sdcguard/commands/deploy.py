@@ -21,7 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="template parameters, e.g. HyperPodClusterName=ml-cluster EksClusterName=ml-eks "
-        "CheckpointBucket=my-ckpts CheckpointPrefix=jobs/llama ReviewerEmail=oncall@example.com",
+        "JobNamespace=training JobName=llama CheckpointBucket=my-ckpts CheckpointPrefix=jobs/llama "
+        "ReviewerEmail=oncall@example.com (without JobNamespace and JobName every alarm is refused)",
     )
     parser.add_argument("--region", help="AWS region (default: the environment's)")
     parser.add_argument("--code-bucket", help="bucket for the package (default: sdcguard-code-ACCOUNT-REGION)")

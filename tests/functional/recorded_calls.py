@@ -91,7 +91,7 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         recorder = self
-        original_aws = botocore.client.BaseClient._make_api_call
+        original_aws = botocore.client.BaseClient._make_api_call  # type: ignore[attr-defined]  # private, so botocore-stubs leave it out
         original_kube = ApiClient.call_api
 
         @functools.wraps(original_aws)

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import boto3
 from botocore.config import Config
@@ -14,6 +15,9 @@ from agent.config import GuardConfig
 from agent.publisher import Publisher
 from contract import Alarm
 from infra.local.standin import LocalStandIn
+
+if TYPE_CHECKING:
+    from mypy_boto3_events import EventBridgeClient
 
 EVENT = Path(__file__).resolve().parents[1] / "events" / "alarm_ring_audit.json"
 
@@ -82,7 +86,8 @@ def test_a_hanging_endpoint_never_blocks_past_the_budget(tmp_path: Path) -> None
 
     config = GuardConfig(publish_budget_s=1.0, spool_dir=str(tmp_path))
     started = time.monotonic()
-    outcome = Publisher(config, events_client=Hanging()).publish(sample_alarm())
+    # put_events is all the publisher calls on its EventBridge client.
+    outcome = Publisher(config, events_client=cast("EventBridgeClient", Hanging())).publish(sample_alarm())
     assert time.monotonic() - started < 1.5
     assert not outcome.delivered
     assert len(outcome.spooled) == 1

@@ -44,6 +44,7 @@ def _overrides(name: str) -> dict[str, str]:
         "HyperPodClusterArn": "arn:aws:sagemaker:us-east-1:123456789012:cluster/abcdef123456",
         "EksClusterName": f"eks-{name}",
         "JobNamespace": "training",
+        "JobName": "llama",
         "CheckpointBucket": f"ckpt-{name}",
         "CheckpointPrefix": "jobs/llama",
         "ReviewerEmail": "oncall@example.com",
@@ -121,6 +122,7 @@ def test_deploy_stands_up_the_pipeline_then_updates_and_destroys_it(aws: LocalSt
     env = lam.get_function_configuration(FunctionName=f"{name}-cordon")["Environment"]["Variables"]
     assert env["MODE"] == "cordon_only"
     assert env["CHECKPOINT_PREFIX"] == "jobs/llama"  # kept from the first deploy
+    assert (env["JOB_NAMESPACE"], env["JOB_NAME"]) == ("training", "llama")
 
     # When destroyed, the stack and its functions are gone.
     assert destroy(name, poll_seconds=0.1) == "DELETE_COMPLETE"

@@ -71,9 +71,9 @@ class Pipeline:
     def read_node(self, name: str) -> Any:
         return k8s.CoreV1Api(self.kube()).read_node(name)
 
-    def read_job(self) -> dict[str, Any]:
+    def read_job(self, name: str | None = None) -> dict[str, Any]:
         job: dict[str, Any] = k8s.CustomObjectsApi(self.kube()).get_namespaced_custom_object(
-            "kubeflow.org", "v1", self.seeded["namespace"], "pytorchjobs", self.seeded["job"]
+            "kubeflow.org", "v1", self.seeded["namespace"], "pytorchjobs", name or self.seeded["job"]
         )
         return job
 
@@ -229,6 +229,7 @@ def _deploy(standin: LocalStandIn, *, approval_timeout: int) -> Iterator[Pipelin
                 "HyperPodClusterName": seeded["hyperpod_cluster"],
                 "EksClusterName": seeded["eks_cluster"],
                 "JobNamespace": seeded["namespace"],
+                "JobName": seeded["job"],
                 "CheckpointBucket": seeded["bucket"],
                 "CheckpointPrefix": seeded["job"],
                 "EventBusName": f"bus-{suffix}",
@@ -376,6 +377,35 @@ def test_a_kubernetes_api_that_fails_transiently_then_recovers(pipeline: Pipelin
     assert p.execution_end(p.execution_of(incident.incident_id))["status"] == "SUCCEEDED"
 
 
+def test_a_kubernetes_api_that_fails_while_resolving_is_retried_by_the_resolve_state(pipeline: Pipeline) -> None:
+    p, node = pipeline, pipeline.node(1)
+    eks = p.standin.eks
+    assert eks is not None
+    p.job_running()
+    # Given the API server answers the next read of the suspect's pod with 503,
+    eks.faults.fail_next("GET", "pods", node["pod"], status=503, times=1)
+    failed_before = [r for r in eks.requests if r.name == node["pod"] and r.status == 503]
+
+    alarm = p.alarm(1, ring_clean=27000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+
+    # the Resolve state retries it (TransientKubernetesError) and the incident reaches the reviewers, contained.
+    waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED, S.NEEDS_ATTENTION)
+    assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
+    assert waiting.instance_ids == [node["instance_id"]]
+    assert len([r for r in eks.requests if r.name == node["pod"] and r.status == 503]) - len(failed_before) == 1
+    execution = p.execution_of(incident.incident_id)
+    history = p.standin.client("stepfunctions").get_execution_history(executionArn=execution)["events"]
+    errors = [e["taskFailedEventDetails"]["error"] for e in history if e["type"] == "TaskFailed"]
+    assert errors == ["TransientKubernetesError"]
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+
+    # (released again, so the job is free for the next test)
+    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
+    assert p.execution_end(execution)["status"] == "SUCCEEDED"
+
+
 def test_a_replacement_that_fails_stops_safely_for_attention(pipeline: Pipeline) -> None:
     p, node = pipeline, pipeline.node(5)
     p.job_running()
@@ -486,14 +516,29 @@ def plant(p: Pipeline, node: str, *, job: str | None = None) -> str:
     return pod
 
 
+def another_job(p: Pipeline) -> str:
+    """A second PyTorchJob, running, in the guarded namespace: one the stack does not guard."""
+    name = f"another-{uuid.uuid4().hex[:8]}"
+    k8s.CustomObjectsApi(p.kube()).create_namespaced_custom_object(
+        "kubeflow.org", "v1", p.seeded["namespace"], "pytorchjobs",
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
+         "spec": {"runPolicy": {"suspend": False},
+                  "pytorchReplicaSpecs": {"Worker": {"replicas": 1, "template": {"spec": {"containers": [
+                      {"name": "pytorch", "image": "busybox"}]}}}}}},
+    )  # fmt: skip
+    return name
+
+
 def all_taints(p: Pipeline) -> dict[str, list[Any]]:
     """sdcguard's taints on every node of the (shared) Kubernetes API."""
     return {n.metadata.name: our_taints(n) for n in k8s.CoreV1Api(p.kube()).list_node().items}
 
 
-def forged(p: Pipeline, *, pod: str, node: str, ring_clean: int) -> dict[str, Any]:
+def forged(p: Pipeline, *, pod: str, node: str, ring_clean: int, job: str | None = None) -> dict[str, Any]:
     detail = p.alarm(0, ring_clean=ring_clean)
     detail["suspects"][0].update(pod=pod, node=node, host=pod)
+    if job is not None:
+        detail["job"]["job_name"] = job
     return detail
 
 
@@ -501,6 +546,7 @@ def test_forged_alarms_cordon_nothing_and_suspend_nothing(pipeline: Pipeline) ->
     p = pipeline
     p.job_running()
     victim, elsewhere = p.node(7), p.node(6)
+    other = another_job(p)
     cases = {
         # a pod of the job, but on another node than the one the alarm would have cordoned
         "pod on another node": (forged(p, pod=elsewhere["pod"], node=victim["node_name"], ring_clean=21000), "runs on node"),
@@ -513,6 +559,11 @@ def test_forged_alarms_cordon_nothing_and_suspend_nothing(pipeline: Pipeline) ->
         "non-HyperPod node": (
             forged(p, pod=plant(p, "ip-10-77-0-1.ec2.internal"), node="ip-10-77-0-1.ec2.internal", ring_clean=23000),
             "neither a HyperPod node name",
+        ),
+        # another PyTorchJob of the guarded namespace, consistent with its own pod: not the job the stack guards
+        "another job of the namespace": (
+            forged(p, pod=plant(p, victim["node_name"], job=other), node=victim["node_name"], ring_clean=25000, job=other),
+            f"this pipeline guards {p.seeded['namespace']}/{p.seeded['job']!r} (JobName / JOB_NAME)",
         ),
     }
     taints_before = all_taints(p)
@@ -530,9 +581,9 @@ def test_forged_alarms_cordon_nothing_and_suspend_nothing(pipeline: Pipeline) ->
         assert S.GUARDED not in [t.state for t in stopped.transitions], what
     # Nothing was cordoned, and the job runs on, not claimed by any of them.
     assert all_taints(p) == taints_before
-    job = p.read_job()
-    assert not job["spec"]["runPolicy"].get("suspend")
-    assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
+    for job in (p.read_job(), p.read_job(other)):
+        assert not job["spec"]["runPolicy"].get("suspend"), job["metadata"]["name"]
+        assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
 
 
 def test_an_end_handler_that_fails_still_ends_with_a_notification(pipeline: Pipeline) -> None:
@@ -569,3 +620,50 @@ def test_an_end_handler_that_fails_still_ends_with_a_notification(pipeline: Pipe
     (message,) = [b for b in bodies if incident.incident_id in b["Message"]]
     assert "could not record or announce it" in message["Message"]
     assert message["Subject"] == "sdcguard: incident stopped for attention (not recorded)"
+
+
+def test_a_refused_alarm_whose_fail_handler_fails_still_ends_with_a_notification(pipeline: Pipeline) -> None:
+    p = pipeline
+    sqs, sns, lam, sfn = (p.standin.client(s) for s in ("sqs", "sns", "lambda", "stepfunctions"))
+    queue = sqs.create_queue(QueueName=f"inbox-{uuid.uuid4().hex[:6]}")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sns.subscribe(TopicArn=p.outputs["TopicArn"], Protocol="sqs", Endpoint=queue_arn)
+    function = f"{p.stack}-fail"  # the template's FunctionName
+    saved = {k: str(v) for k, v in lam.get_function_configuration(FunctionName=function)["Environment"]["Variables"].items()}
+    gone = p.outputs["TopicArn"].rsplit(":", 1)[0] + ":no-such-topic"
+    known = {e["executionArn"] for e in p.executions()}
+    # Given the fail handler cannot announce anything (its topic does not exist),
+    lam.update_function_configuration(FunctionName=function, Environment={"Variables": {**saved, "TOPIC_ARN": gone}})
+    try:
+        # when an alarm for another cluster is refused before any incident is opened,
+        detail = p.alarm(0, ring_clean=26000)
+        detail["job"]["hyperpod_cluster"] = "someone-elses-cluster"
+        p.publish(detail)
+        arn = wait_for(
+            lambda: next(
+                (e["executionArn"] for e in p.executions() if e["executionArn"] not in known
+                 and detail["alarm_id"] in sfn.describe_execution(executionArn=e["executionArn"])["input"]),
+                None,
+            ),
+            timeout=60,
+            what="the refused alarm's execution",
+        )  # fmt: skip
+        execution = p.execution_end(arn)
+    finally:
+        lam.update_function_configuration(FunctionName=function, Environment={"Variables": saved})
+
+    # the execution still ends, having told the reviewers itself, on the stack's topic.
+    assert execution["status"] == "FAILED"
+    history = sfn.get_execution_history(executionArn=arn)["events"]
+    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+    assert entered == ["Record", "AlarmRefused", "NotifyRefusalDirectly", "Refused"]
+    bodies = wait_for(
+        lambda: [json.loads(m["Body"]) for m in sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", [])] or None,
+        timeout=30,
+        what="the direct notification",
+    )
+    (message,) = [b for b in bodies if arn in b["Message"]]
+    assert message["Subject"] == "sdcguard: alarm refused (not announced)"
+    assert "refused (NotInCluster)" in message["Message"]
+    assert "someone-elses-cluster" not in message["Message"]  # the alarm's own strings stay in the execution
+    assert all(i.alarm.alarm_id != detail["alarm_id"] for i in p.ledger.list())  # nothing was opened

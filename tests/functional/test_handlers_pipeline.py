@@ -56,7 +56,13 @@ from lambdas.handlers import (
     rewrite_pointer,
     suspend_job,
 )
-from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
+from lambdas.ledger import (
+    OPEN_INDEX_ATTRIBUTES,
+    OPEN_INDEX_DEFINITION,
+    SUSPECT_INDEX_ATTRIBUTES,
+    SUSPECT_INDEX_DEFINITION,
+    Ledger,
+)
 from lambdas.settings import get_settings
 from lineage.commit import commit, put_object
 from lineage.pointer import read_pointer
@@ -138,6 +144,7 @@ def world(standin: LocalStandIn) -> Iterator[World]:
         "HYPERPOD_CLUSTER": seeded["hyperpod_cluster"],
         "EKS_CLUSTER": seeded["eks_cluster"],
         "JOB_NAMESPACE": seeded["namespace"],
+        "JOB_NAME": seeded["job"],
         "CHECKPOINT_BUCKET": seeded["bucket"],
         "CHECKPOINT_PREFIX": seeded["job"],
         "MODE": "normal",
@@ -164,12 +171,14 @@ def world(standin: LocalStandIn) -> Iterator[World]:
 
 
 def create_ledger_table(ddb: Any, name: str) -> None:
-    """The ledger table as the template creates it: the key, and the index of incidents that count."""
+    """The ledger table as the template creates it: the key, the index of incidents that count, the index by instance."""
     ddb.create_table(
         TableName=name,
         KeySchema=[{"AttributeName": "incident_id", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "incident_id", "AttributeType": "S"}, *OPEN_INDEX_ATTRIBUTES],
-        GlobalSecondaryIndexes=[OPEN_INDEX_DEFINITION],
+        AttributeDefinitions=[
+            {"AttributeName": "incident_id", "AttributeType": "S"}, *OPEN_INDEX_ATTRIBUTES, *SUSPECT_INDEX_ATTRIBUTES
+        ],
+        GlobalSecondaryIndexes=[OPEN_INDEX_DEFINITION, SUSPECT_INDEX_DEFINITION],
         BillingMode="PAY_PER_REQUEST",
     )
 
@@ -378,6 +387,22 @@ def test_a_suspect_the_cluster_contradicts_touches_nothing(world: World) -> None
     assert {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]} == taints_before
 
 
+def test_an_alarm_for_another_job_of_the_namespace_touches_nothing(world: World) -> None:
+    # Given an alarm of another PyTorchJob in the guarded namespace, consistent with its own pod on a node of the cluster,
+    node = world.node(0)
+    event = naming(world, alarm_event(world, 0), pod=plant(world, node["node_name"], job="another-job"), node=node["node_name"])
+    event["detail"]["job"]["job_name"] = "another-job"
+    taints_before = our_taints(read_node(world, node["node_name"]))
+    # it is recorded (it may be a true report about shared hardware),
+    incident_id = record.handler(event, CTX)["incident_id"]
+    # but resolve refuses it, naming the job the stack guards,
+    with pytest.raises(NotInCluster, match=rf"another-job'; this pipeline guards {world.seeded['namespace']}/'{world.seeded['job']}'"):
+        resolve.handler({"incident_id": incident_id}, CTX)
+    # and nothing is resolved, so nothing downstream can act.
+    assert (world.ledger.get(incident_id).state, world.ledger.get(incident_id).suspects) == (S.RECORDED, [])
+    assert our_taints(read_node(world, node["node_name"])) == taints_before
+
+
 def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     from lambdas.guard import quarantined_nodes
 
@@ -486,6 +511,66 @@ def test_evidence_reads_the_gpu_metrics_of_the_suspect(world: World) -> None:
     names = {m["name"] for m in entry["metrics"] if m["points"]}
     assert "node_gpu_temperature" in names
     assert summary["verdict"] == "corroborated"  # the seeded faulty GPU reports Xid and ECC errors
+
+
+def test_a_later_incident_on_the_same_instance_finds_the_earlier_one(world: World) -> None:
+    # Given an incident that resolve traced to node 0's instance,
+    earlier = drive(world, alarm_event(world, 0), through="resolve")
+    # when another fault on the same node (another window) reaches the evidence step,
+    later = drive(world, alarm_event(world, 0), through="evidence")
+    # the earlier incident is in the instance's history, found through the index resolve wrote.
+    instances: list[dict[str, Any]] = world.ledger.get(later).evidence["instances"]  # type: ignore[assignment]
+    (entry,) = instances
+    assert earlier in entry["prior_incidents"]
+    assert later not in entry["prior_incidents"]
+    assert world.ledger.get(later).evidence["verdict"] == "corroborated"
+
+
+def test_evidence_reads_only_the_incidents_of_its_instances(world: World) -> None:
+    from contract import Alarm, ResolvedSuspect
+    from lambdas.evidence import evidence_for_incident
+
+    ledger = private_ledger(world)
+    node = fresh_node(world)
+    instance = node.removeprefix("hyperpod-")
+    windows = iter(range(100, 100_000, 100))
+
+    def incident_on(node: str, *, cluster: str = "ml-cluster", resolved: bool = True) -> str:
+        detail = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
+        clean = next(windows)
+        detail.update(step=clean + 50, last_clean={"ring_audit": clean, "weight_fingerprint": clean})
+        detail["suspects"][0]["node"] = node
+        detail["job"]["hyperpod_cluster"] = cluster
+        incident, _ = ledger.open(Alarm.model_validate(detail), mode="normal")
+        suspect = ResolvedSuspect(global_rank=3, pod="p", node=node, instance_id=node.removeprefix("hyperpod-"))
+        ledger.index_suspects(incident.incident_id, [suspect.instance_id])  # as resolve does, before recording them
+        if resolved:
+            ledger.update(incident.incident_id, resolved_to(suspect))
+        return incident.incident_id
+
+    # Given 200 incidents of other instances, an earlier one of this instance, one whose resolve failed after
+    # indexing it, and one of an instance of the same id in another cluster,
+    for n in range(200):
+        incident_on(f"hyperpod-i-0{n:016x}")
+    earlier = incident_on(node)
+    incident_on(node, resolved=False)
+    incident_on(node, cluster="another-cluster")
+    mine = incident_on(node)
+    for state in (S.GUARDED, S.SUSPENDED, S.CORDONED):
+        ledger.update(mine, moved_to(state))
+    calls: list[str] = []
+    ledger.client.meta.events.register("before-call.dynamodb.*", lambda model, **_: calls.append(model.name))
+
+    # when the evidence step runs,
+    collected = evidence_for_incident(ledger, mine, dcgm_counters=[], cloudwatch=world.standin.client("cloudwatch"))
+
+    # it finds exactly the earlier incident, with one query of the index and no scan.
+    instances: list[dict[str, Any]] = collected.evidence["instances"]  # type: ignore[assignment]
+    (entry,) = instances
+    assert (entry["instance_id"], entry["prior_incidents"]) == (instance, [earlier])
+    assert collected.evidence["verdict"] == "corroborated"
+    assert "Scan" not in calls
+    assert calls.count("Query") == 1
 
 
 # -- approval and decision ---------------------------------------------------------------

@@ -21,7 +21,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import yaml
@@ -30,7 +30,10 @@ from infra.deploy.cfn_yaml import load_template
 from infra.local.standin import LocalStandIn
 from tests.functional import test_handlers_ops_cli as ops_cli
 from tests.functional import test_handlers_pipeline as pipeline
-from tests.functional.recorded_calls import AwsCall, Recorder, dynamodb_resource, iam_actions, rbac_request
+from tests.functional.recorded_calls import Recorder, dynamodb_resource, iam_actions, rbac_request
+
+if TYPE_CHECKING:
+    from mypy_boto3_events import EventBridgeClient
 
 pytestmark = pytest.mark.slow
 
@@ -205,7 +208,9 @@ def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path) -> N
     standin.client("events").create_event_bus(Name=f"{bucket}-bus")
     spooled = "jobs/inv/alarms/"
     with training("training"):
-        outcome = Publisher(config, events_client=_Unreachable(), s3_client=standin.client("s3")).publish(
+        # put_events is all the publisher calls on its EventBridge client.
+        unreachable = cast("EventBridgeClient", _Unreachable())
+        outcome = Publisher(config, events_client=unreachable, s3_client=standin.client("s3")).publish(
             Alarm.model_validate(load_event("alarm_ring_audit")["detail"])
         )
     assert not outcome.delivered
@@ -324,17 +329,22 @@ def _task_resources(definition: dict[str, Any]) -> Iterator[str]:
                 yield from _task_resources(nested)
 
 
-def test_the_ledger_is_queried_only_through_the_open_incidents_index(recorded: Recorder, world: pipeline.World) -> None:
-    """Scans read every incident ever opened; the guard's picture must come from the index of open ones."""
-    calls: list[AwsCall] = [c for calls in recorded.aws.values() for c in calls if c.service == "dynamodb"]
+def test_the_handlers_read_the_ledger_only_through_its_indexes(recorded: Recorder, world: pipeline.World) -> None:
+    """Scans read every incident ever opened: the guard's picture comes from the index of open incidents,
+    an instance's history (the evidence step) from the index of incidents by suspect instance."""
+    from lambdas.ledger import OPEN_INDEX, SUSPECT_INDEX
+
+    handlers = set(function_roles(TEMPLATE))
     ledger_reads = {
-        (c.operation, index)
+        (actor, c.operation, index)
+        for actor, calls in recorded.aws.items()
+        if actor in handlers
         for c in calls
+        if c.service == "dynamodb" and c.operation in ("Query", "Scan")
         for table, index in dynamodb_resource(c)
-        if table == world.ledger.table and c.operation in ("Query", "Scan")
+        if table == world.ledger.table
     }
-    index = {i["IndexName"] for i in TEMPLATE["Resources"]["LedgerTable"]["Properties"]["GlobalSecondaryIndexes"]}
-    assert ledger_reads <= {("Query", name) for name in index} | {("Scan", None)}
+    assert ledger_reads == {("guard", "Query", OPEN_INDEX), ("evidence", "Query", SUSPECT_INDEX)}
 
 
 def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: Recorder) -> None:

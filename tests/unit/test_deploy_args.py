@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -19,6 +19,9 @@ from infra.deploy.deploy import (
 )
 from infra.deploy.package import LAMBDA_TARGET, Target, local_target, package_key, prune_cache, requirements
 from sdcguard.cli import main
+
+if TYPE_CHECKING:
+    import boto3
 
 
 class NoAws:
@@ -87,7 +90,8 @@ def test_good_overrides_pass(template: dict[str, Any]) -> None:
 )
 def test_deploy_refuses_before_creating_any_client(stack: str, overrides: dict[str, str], message: str) -> None:
     with pytest.raises(DeployError, match=message):
-        deploy(stack, overrides, session=NoAws())
+        # NoAws answers only what a refused deploy may touch (region_name), failing on any client.
+        deploy(stack, overrides, session=cast("boto3.Session", NoAws()))
 
 
 def test_cli_reports_a_refusal_as_an_error(capsys: pytest.CaptureFixture[str]) -> None:

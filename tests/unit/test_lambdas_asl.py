@@ -20,7 +20,7 @@ MACHINES = {name: ROOT / "stepfunctions" / f"{name}.asl.json" for name in ("inci
 PLACEHOLDERS = {
     f"${{{name}FunctionArn}}"
     for name in ["Record", "Resolve", "Guard", "SuspendJob", "Cordon", "Evidence", "RequestApproval", "Replace", "ReplacementStatus", "RewritePointer", "ResumeJob", "Close", "Release", "NeedsAttention", "Fail", "Decide"]
-}
+} | {"${TopicArn}"}
 
 
 def load(name: str) -> dict[str, Any]:
@@ -155,6 +155,23 @@ def test_a_failing_end_handler_still_ends_with_a_direct_notification() -> None:
     # the topic travels in the data from the first state on
     assert states["Record"]["ResultSelector"]["topic_arn.$"] == "$.Payload.topic_arn"
     assert states["Opened"]["Parameters"]["topic_arn.$"] == "$.recorded.topic_arn"
+
+
+def test_a_refused_alarm_whose_fail_handler_fails_still_ends_with_a_direct_notification() -> None:
+    states = load("incident")["States"]
+    assert [c["Next"] for c in states["Record"]["Catch"]] == ["AlarmRefused"]
+    (catch,) = states["AlarmRefused"]["Catch"]
+    assert (catch["ErrorEquals"], catch["Next"]) == (["States.ALL"], "NotifyRefusalDirectly")
+    publish = states["NotifyRefusalDirectly"]
+    assert publish["Resource"] == "arn:aws:states:::sns:publish"
+    # Nothing was recorded that would carry the topic: it comes from the definition.
+    assert publish["Parameters"]["TopicArn"] == "${TopicArn}"
+    # Only names and the execution: the refusal's cause quotes the alarm, which may be anyone's text.
+    message = publish["Parameters"]["Message.$"]
+    assert {"$.error.Error", "$.notify_error.Error", "$$.Execution.Id"} <= set(re.findall(r"\$\$?[.\w]+", message))
+    assert "Cause" not in message
+    assert (publish["Next"], [c["Next"] for c in publish["Catch"]]) == ("Refused", ["Refused"])
+    assert states["Refused"]["Type"] == "Fail"
 
 
 def test_record_is_told_its_execution_and_a_mismatching_suspect_stops_for_attention() -> None:

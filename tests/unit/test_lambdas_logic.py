@@ -18,7 +18,7 @@ from lambdas.job import holders
 from lambdas.ledger import FOREVER, Ledger, counts_until, idempotency_key, incident_id_for
 from lambdas.notify import describe
 from lambdas.pointer import allowed_prefix
-from lambdas.record import check_scope
+from lambdas.record import check_job, check_scope
 from lambdas.replace import find_successors
 from lambdas.resolve import ClusterNode, Observed, instance_id_from_node_name, mismatch, resolve_suspects
 from lambdas.settings import Settings, SettingsError
@@ -410,8 +410,19 @@ def test_without_a_job_namespace_no_alarm_is_in_scope() -> None:
     with pytest.raises(NotInCluster, match="guards no namespace"):
         check_scope(a, Settings.from_env(ENV))
     with pytest.raises(NotInCluster, match="namespace training; this pipeline guards other"):
-        check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "other"}))
-    check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "training"}))
+        check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "other", "JOB_NAME": "gpt-pretrain"}))
+    check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "training", "JOB_NAME": "gpt-pretrain"}))
+
+
+def test_without_a_job_name_no_alarm_is_in_scope_and_another_job_is_not_the_guarded_one() -> None:
+    a = alarm("alarm_ring_audit")  # job training/gpt-pretrain
+    with pytest.raises(NotInCluster, match=r"guards no job \(JobName / JOB_NAME is empty\)"):
+        check_scope(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "training"}))
+    other_job = Settings.from_env({**ENV, "JOB_NAMESPACE": "training", "JOB_NAME": "gpt-finetune"})
+    check_scope(a, other_job)  # recorded: the question is resolve's
+    with pytest.raises(NotInCluster, match=r"PyTorchJob training/'gpt-pretrain'; this pipeline guards training/'gpt-finetune'"):
+        check_job(a, other_job)
+    check_job(a, Settings.from_env({**ENV, "JOB_NAMESPACE": "training", "JOB_NAME": "gpt-pretrain"}))
 
 
 # -- what counts toward the blast radius ------------------------------------------------------------------
@@ -492,6 +503,6 @@ def test_throttling_after_the_clients_retries_is_raised_by_name() -> None:
     with pytest.raises(ClientError, match="AccessDenied"):  # not throttling: the user must see it as it is
         failing("AccessDeniedException")()
     # Once a client is built from it, botocore rewrites max_attempts as total_max_attempts (one more).
-    retries = dict(CONFIG.retries)
+    retries = dict(CONFIG.retries)  # type: ignore[attr-defined]  # botocore-stubs give Config's options as arguments only
     assert retries.pop("mode") == "standard"
     assert retries in ({"max_attempts": 5}, {"total_max_attempts": 6})

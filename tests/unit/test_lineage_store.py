@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
 from lineage.errors import InvalidStoreUri, ObjectNotFound, PreconditionFailed
 from lineage.store import LocalStore, S3Store, open_store, sha256_hex
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+# These tests parse locations and check sizes: a client must be given (else boto3 builds one) but is never called.
+UNCALLED_S3 = cast("S3Client", object())
 
 
 def test_put_get_round_trip_with_sha256_etag(tmp_path: Path) -> None:
@@ -83,11 +90,11 @@ def test_keys_must_be_plain(tmp_path: Path, key: str) -> None:
 
 
 def test_open_store_parses_locations(tmp_path: Path) -> None:
-    s3 = open_store("s3://bucket-name/jobs/llama/", client=object())
+    s3 = open_store("s3://bucket-name/jobs/llama/", client=UNCALLED_S3)
     assert isinstance(s3, S3Store)
     assert (s3.bucket, s3.prefix) == ("bucket-name", "jobs/llama")
     assert s3.uri("RESUME.json") == "s3://bucket-name/jobs/llama/RESUME.json"
-    assert open_store("s3://bucket-name", client=object()).uri("k") == "s3://bucket-name/k"
+    assert open_store("s3://bucket-name", client=UNCALLED_S3).uri("k") == "s3://bucket-name/k"
     local = open_store(f"file://{tmp_path}")
     assert isinstance(local, LocalStore)
     assert local.uri("k") == str(tmp_path / "k")
@@ -107,6 +114,6 @@ def test_open_store_refuses_a_file(tmp_path: Path) -> None:
 
 def test_s3_part_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="part_size"):
-        S3Store("bucket-name", client=object(), part_size=1024)
+        S3Store("bucket-name", client=UNCALLED_S3, part_size=1024)
     with pytest.raises(ValueError, match="part_size"):
-        S3Store("bucket-name", client=object(), multipart_threshold=6 * 1024**2, part_size=8 * 1024**2)
+        S3Store("bucket-name", client=UNCALLED_S3, multipart_threshold=6 * 1024**2, part_size=8 * 1024**2)

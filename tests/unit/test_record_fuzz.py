@@ -116,7 +116,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeDynamoDB, list[
     env = {
         "LEDGER_TABLE": "ledger", "IDEMPOTENCY_TABLE": "idem", "TOPIC_ARN": "arn:aws:sns:us-east-1:123456789012:t",
         "HYPERPOD_CLUSTER": GUARDED["hyperpod_cluster"], "EKS_CLUSTER": GUARDED["eks_cluster"],
-        "JOB_NAMESPACE": GUARDED["namespace"], "CHECKPOINT_BUCKET": "ckpt", "CHECKPOINT_PREFIX": "jobs/gpt",
+        "JOB_NAMESPACE": GUARDED["namespace"], "JOB_NAME": GUARDED["job_name"], "CHECKPOINT_BUCKET": "ckpt", "CHECKPOINT_PREFIX": "jobs/gpt",
         "MODE": "normal", "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "sdcguard-fuzz",
         "AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "fuzz", "AWS_SECRET_ACCESS_KEY": "fuzz",
     }  # fmt: skip
@@ -252,7 +252,7 @@ def broken_details(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
         return detail, field
     if how == "range":
         field = draw(st.sampled_from(["step", "world_size", "ranks_per_node"]))
-        detail[field] = draw(st.sampled_from([-1, 0, -(2**63), 1.5, [7], None]))
+        detail[field] = draw(st.sampled_from([-1, 0, -(2**63), 1.5, [7], None, True, "7"]))
         return detail, field
     if how == "nest":
         field = draw(st.sampled_from(sorted(SCHEMA["$defs"]["JobIdentity"]["required"])))
@@ -299,7 +299,7 @@ def test_a_call_toward_a_node_would_be_caught(world: tuple[FakeDynamoDB, list[st
     with pytest.raises(AssertionError, match="Kubernetes API"):
         ApiClient().call_api("/api/v1/nodes/{name}", "PATCH", {"name": "n"})
     with pytest.raises(AssertionError, match="eks:DescribeCluster"):
-        botocore.client.BaseClient._make_api_call(_Client("eks"), "DescribeCluster", {"name": "c"})
+        botocore.client.BaseClient._make_api_call(_Client("eks"), "DescribeCluster", {"name": "c"})  # type: ignore[attr-defined]  # private, so botocore-stubs leave it out
     assert touched == ["kubernetes PATCH /api/v1/nodes/{name}", "eks:DescribeCluster"]
 
 
@@ -308,16 +308,20 @@ class _Client:
         self.meta = type("Meta", (), {"service_model": type("Model", (), {"service_name": service})()})()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the contract coerces like pydantic's lax mode (true -> 1, '7' -> 7) where the schema refuses: "
-    "contract.Alarm's integer fields need strict types; until then the fuzzing above leaves these values out",
-)
+# pydantic's lax mode would take these for 1 and 7 where the schema refuses them: the contract's integers are strict.
 @pytest.mark.parametrize("value", [True, "7"])
-def test_the_contract_refuses_what_the_schema_refuses_for_integers(value: object) -> None:
+@pytest.mark.parametrize(
+    "field", ["world_size", "step", "publisher_rank", "suspects.0.global_rank", "last_clean.ring_audit", "evidence.pairs.0.auditor"]
+)
+def test_the_contract_refuses_what_the_schema_refuses_for_integers(field: str, value: object) -> None:
     detail = json.loads((ROOT / "tests" / "events" / "alarm_ring_audit.json").read_text())["detail"]
-    detail["world_size"] = value
+    *path, last = field.split(".")
+    where: Any = detail
+    for key in path:
+        where = where[int(key)] if key.isdigit() else where[key]
+    where[last] = value
     assert not jsonschema.Draft202012Validator(SCHEMA).is_valid(detail)
     event = envelope(detail, wrapped=False, n=0)
-    with pytest.raises(MalformedEvent, match=r"detail\.world_size"):
+    reported = field.replace("evidence.", "evidence.ring_audit.")  # the discriminated union names its member
+    with pytest.raises(MalformedEvent, match=rf"detail\.{re.escape(reported)}"):
         parse_input(AlarmEvent, event)

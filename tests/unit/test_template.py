@@ -9,11 +9,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from infra.deploy.cfn_yaml import load_template
+
+if TYPE_CHECKING:
+    import boto3
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "infra" / "deploy" / "template.yaml"
@@ -26,7 +29,7 @@ HANDLERS = {
 }  # fmt: skip
 # The environment every handler validates at cold start (lambdas/settings.py).
 SETTINGS_ENV = {
-    "LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "JOB_NAMESPACE",
+    "LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "JOB_NAMESPACE", "JOB_NAME",
     "CHECKPOINT_BUCKET", "CHECKPOINT_PREFIX", "MODE", "MAX_QUARANTINED_NODES", "MAX_REPLACEMENTS_PER_DAY",
     "APPROVAL_TIMEOUT_SECONDS", "DCGM_METRIC_NAMES", "DECIDE_STATE_MACHINE_ARN", "REPLACEMENT_POLL_SECONDS",
     "REPLACEMENT_MAX_POLLS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
@@ -139,7 +142,7 @@ def test_one_function_per_handler_with_the_settings_environment(template: dict[s
 
 def test_agreed_parameters_and_outputs(template: dict[str, Any]) -> None:
     assert {
-        "HyperPodClusterName", "EksClusterName", "JobNamespace", "CheckpointBucket", "CheckpointPrefix",
+        "HyperPodClusterName", "EksClusterName", "JobNamespace", "JobName", "CheckpointBucket", "CheckpointPrefix",
         "ReviewerEmail", "Mode", "MaxQuarantinedNodes", "MaxReplacementsPerDay", "ApprovalTimeoutSeconds",
         "CodeBucket", "CodeKey", "EventBusName", "LambdaArchitecture", "TrainingRoleArn",
     } <= set(template["Parameters"])  # fmt: skip
@@ -216,6 +219,9 @@ def test_every_asl_placeholder_is_substituted(template: dict[str, Any], machine:
     substitutions = props["DefinitionSubstitutions"]
     assert placeholders == set(substitutions)
     for name, value in substitutions.items():
+        if name == "TopicArn":  # the refused alarm's direct notification (nothing recorded carries the topic)
+            assert value == {"Ref": "ReviewerTopic"}
+            continue
         function = value["Fn::GetAtt"][0]
         assert name == f"{function}Arn"
         assert template["Resources"][function]["Type"] == "AWS::Lambda::Function"
@@ -307,7 +313,8 @@ def test_deploy_refuses_an_open_bus_before_packaging_or_uploading_anything() -> 
     from infra.deploy.deploy import DeployError, deploy
 
     with pytest.raises(DeployError, match=r"TrainingRoleArn is empty.*AllowAnyPublisher=true"):
-        deploy("s", NEW_STACK, session=_NewStackSession())
+        # The fake answers region_name and a CloudFormation client, all a refused deploy may touch.
+        deploy("s", NEW_STACK, session=cast("boto3.Session", _NewStackSession()))
 
 
 # -- who may approve ------------------------------------------------------------------------------
@@ -452,19 +459,33 @@ def test_deploy_refuses_polls_that_could_overrun_the_history(tmp_path: Path) -> 
 # -- the ledger's index of open incidents -------------------------------------------------------------
 
 
-def test_the_ledger_has_the_index_the_guard_queries(template: dict[str, Any]) -> None:
-    from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION
+def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: dict[str, Any]) -> None:
+    from lambdas.ledger import (
+        OPEN_INDEX_ATTRIBUTES,
+        OPEN_INDEX_DEFINITION,
+        SUSPECT_INDEX_ATTRIBUTES,
+        SUSPECT_INDEX_DEFINITION,
+    )
 
     props = template["Resources"]["LedgerTable"]["Properties"]
-    assert props["GlobalSecondaryIndexes"] == [OPEN_INDEX_DEFINITION]
-    assert all(a in props["AttributeDefinitions"] for a in OPEN_INDEX_ATTRIBUTES)
-    # Every role that reads the ledger through the index may query that index, and only that one.
+    assert props["GlobalSecondaryIndexes"] == [OPEN_INDEX_DEFINITION, SUSPECT_INDEX_DEFINITION]
+    assert all(a in props["AttributeDefinitions"] for a in [*OPEN_INDEX_ATTRIBUTES, *SUSPECT_INDEX_ATTRIBUTES])
+    # The guard's role may query the open incidents, the evidence role an instance's incidents; nothing else
+    # queries the ledger, and no pipeline role may scan it.
+    queries: dict[str, list[Any]] = {}
     for where, statement in policy_statements(template):
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        role = where.split(".")[1]
+        if role.endswith("Role"):
+            assert "dynamodb:Scan" not in actions, where
         if "dynamodb:Query" in actions:
             resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
-            index_arn = {"Fn::Sub": f"${{LedgerTable.Arn}}/index/{OPEN_INDEX_DEFINITION['IndexName']}"}
-            assert resources == [index_arn], where
+            queries.setdefault(role, []).extend(resources)
+    index_arn = "${{LedgerTable.Arn}}/index/{}".format
+    assert queries == {
+        "KubernetesRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],
+        "EvidenceRole": [{"Fn::Sub": index_arn(SUSPECT_INDEX_DEFINITION["IndexName"])}],
+    }
 
 
 # -- the linters ----------------------------------------------------------------------------------------

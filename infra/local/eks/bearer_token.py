@@ -20,12 +20,13 @@ import boto3
 from kubernetes import client as k8s
 
 if TYPE_CHECKING:
-    from botocore.client import BaseClient
+    from mypy_boto3_eks import EKSClient
+    from mypy_boto3_sts import STSClient
 
 TOKEN_PREFIX = "k8s-aws-v1."
 
 
-def eks_bearer_token(cluster_name: str, sts_client: BaseClient | None = None, expires_in: int = 60) -> str:
+def eks_bearer_token(cluster_name: str, sts_client: STSClient | None = None, expires_in: int = 60) -> str:
     """A ``k8s-aws-v1.`` token for ``cluster_name`` signed with the STS client's credentials.
 
     Raises botocore's errors when there are no credentials.
@@ -63,7 +64,7 @@ def kubernetes_configuration(endpoint: str, ca_data: str, token: str) -> k8s.Con
 
 
 def cluster_api_client(
-    cluster_name: str, eks_client: BaseClient | None = None, sts_client: BaseClient | None = None
+    cluster_name: str, eks_client: EKSClient | None = None, sts_client: STSClient | None = None
 ) -> k8s.ApiClient:
     """A kubernetes ApiClient for an EKS cluster: endpoint and CA from DescribeCluster, a fresh bearer token.
 
