@@ -182,7 +182,18 @@ class SDCGuard:
     ``SDCGUARD_INJECT``. ``unchecked_buffers`` names buffers the weight
     fingerprint must leave out. Raises ``ValueError`` for a model that is not
     DDP-wrapped or a bad setting.
+
+    With ``mesh`` (a ``DeviceMesh``), ``model`` is an FSDP2 model
+    (``fully_shard(..., mesh=mesh)``) and the guard is an
+    :class:`agent.sharded.ShardedGuard`.
     """
+
+    def __new__(cls, *args: Any, mesh: Any = None, **kwargs: Any) -> SDCGuard:
+        if mesh is not None and cls is SDCGuard:
+            from agent.sharded import ShardedGuard  # imports this module: only when asked for
+
+            return super().__new__(ShardedGuard)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -199,7 +210,10 @@ class SDCGuard:
         group: dist.ProcessGroup | None = None,
         checkpoints: CheckpointWriter | None = None,
         unchecked_buffers: tuple[str, ...] = (),
+        mesh: Any = None,
     ) -> None:
+        if mesh is not None:
+            raise ValueError("mesh: only for an FSDP2 model (SDCGuard builds a ShardedGuard for it)")
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("model: must be a torch.nn.parallel.DistributedDataParallel")
         self.config = cfg = config if config is not None else GuardConfig.from_env()

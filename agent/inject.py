@@ -212,8 +212,13 @@ class Injector:
                 raise ValueError("injection: an activation fault needs a torch.nn.Linear in the model")
             self.handles.append(linears[-1].register_forward_hook(self.activation_hook()))
         elif inj.kind == "grad_bitflip":
-            param = self._target(module, last=True)
-            self.handles.append(param.register_hook(self._flip_gradient))
+            before = getattr(guard.hook, "before_reduce", None)
+            if before is not None:
+                # A sharded model: the gradients exist whole only as they enter the reduce-scatter.
+                before.append(self.unreduced_gradients)
+            else:
+                param = self._target(module, last=True)
+                self.handles.append(param.register_hook(self._flip_gradient))
         elif inj.kind == "weight_bitflip":
             param = self._target(module, last=False)
             self.handles.append(guard.optimizer.register_step_post_hook(
@@ -264,6 +269,13 @@ class Injector:
         flip_bit(out, self.injection.bit)
         return out
 
+    def unreduced_gradients(self, index: int, flat: torch.Tensor) -> None:
+        """grad_bitflip on a sharded model: flip a bit of the first FSDP group's local gradients, in place,
+        as they enter the reduce-scatter."""
+        if index == 0 and self._on("grad_bitflip"):
+            assert self.injection is not None
+            flip_bit(flat, self.injection.bit)
+
     def reduced_bucket(self, index: int, reduced: torch.Tensor) -> None:
         """reduced_grad_corrupt: scale one element of this rank's all-reduce result of bucket 0."""
         if index == 0 and self._on("reduced_grad_corrupt"):
@@ -275,8 +287,11 @@ class Injector:
         """weight_bitflip: flip a bit of the first of ``params``, after the update."""
         if self._on("weight_bitflip") and params:
             assert self.injection is not None
+            target = params[0]
+            # A sharded parameter (a DTensor): this rank's own shard.
+            target = target.to_local() if hasattr(target, "to_local") else target
             with torch.no_grad():
-                flip_bit(params[0], self.injection.bit)
+                flip_bit(target, self.injection.bit)
 
 
 def corrupt_checkpoint_bytes(data: bytes, *, step: int, rank: int, node: str = "",

@@ -16,6 +16,7 @@ stopped it under the default ``on_alarm=stop``, 2 for bad arguments. Copy
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -146,17 +147,56 @@ def build(shape: JobShape, device: torch.device, group: dist.ProcessGroup | None
 # -- the loop ----------------------------------------------------------------------------------------
 
 
+SHARDINGS = ("ddp", "hsdp", "fsdp")
+"""``--sharding``: DDP, FSDP2 on a ("replicate", "shard") mesh, FSDP2 on a 1-D mesh."""
+
+
+def build_sharded(shape: JobShape, device: torch.device, sharding: str, replicas: int,
+                  ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The FSDP2 model (each block, then the root, ``fully_shard`` on the mesh), its AdamW, and the mesh.
+
+    ``hsdp``: ``replicas`` replica groups of world/replicas shards; ``fsdp``: one 1-D mesh of the world.
+    Raises ``ValueError`` naming ``--replicas`` when it does not divide the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if sharding == "hsdp":
+        if replicas < 2 or world % replicas:
+            raise ValueError(f"--replicas: {replicas} replica groups do not divide a world of {world} into 2 or more")
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    torch.manual_seed(shape.seed)
+    model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout).to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # fused: one kernel per step; the default runs each op of each parameter through DTensor's dispatch,
+    # which costs a tiny model more than its forward and backward together.
+    return model, torch.optim.AdamW(model.parameters(), lr=shape.lr, fused=True), mesh
+
+
 def train(steps: int, shape: JobShape, config: GuardConfig, *, checkpoint_every: int = 0,
-          on_step: Callable[[Any], None] | None = None) -> dict[str, Any]:
+          on_step: Callable[[Any], None] | None = None, sharding: str = "ddp",
+          replicas: int | None = None) -> dict[str, Any]:
     """Train ``steps`` steps in the initialised process group; returns a summary of the run.
 
+    ``sharding`` is one of SHARDINGS; under ``hsdp``, ``replicas`` replica groups (default: one per node).
     An alarm under ``on_alarm="stop"`` exits the process (SystemExit with
     ALARM_EXIT_CODE) after it is published.
     """
     device = _device()
-    ddp, optimizer = build(shape, device)
     data = SyntheticData(shape, device)
-    guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config)
+    if sharding == "ddp":
+        ddp, optimizer = build(shape, device)
+        guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config)
+    else:
+        per_node = config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        sharded, optimizer, mesh = build_sharded(shape, device, sharding,
+                                                 replicas or dist.get_world_size() // per_node)
+        ddp = cast("Any", sharded)  # SDCGuard's model slot is typed for DDP; with a mesh it takes FSDP2
+        guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config, mesh=mesh)
     start = guard.resume_step() if checkpoint_every else 0
     losses: list[float] = []
     alarms = []
@@ -176,7 +216,8 @@ def train(steps: int, shape: JobShape, config: GuardConfig, *, checkpoint_every:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "alarms": alarms,
-        "final_fingerprint": state_fingerprint_hex(guard.params, guard.optimizer),
+        "final_fingerprint": (state_fingerprint_hex(guard.params, guard.optimizer) if sharding == "ddp"
+                              else guard.state_fingerprint_hex()),
     }
     del guard, ddp, optimizer
     return summary
@@ -239,7 +280,7 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Mapping[str, str] | None = None,
-           timeout: float | None = None) -> list[int | None]:
+           timeout: float | None = None, start_method: str = "spawn") -> list[int | None]:
     """Run ``fn(*args)`` in ``nproc`` spawned processes with torchrun's variables set; their exit codes.
 
     ``env`` adds variables (per-rank ones may be given as ``NAME@RANK``).
@@ -247,8 +288,15 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
     after another rank failed, is terminated (exit code None is reported for
     it); so is every rank when the caller is interrupted, and a rank whose
     launching process is killed ends itself.
+
+    ``start_method="fork"`` saves every rank its imports (seconds each on a
+    small machine), but only a process that has started no threads and run no
+    torch operation may fork: a launcher that has only imported what the ranks
+    need. Raises ``ValueError`` for another start method.
     """
-    ctx = multiprocessing.get_context("spawn")
+    if start_method not in ("spawn", "fork"):
+        raise ValueError(f"start_method: must be spawn or fork, got {start_method!r}")
+    ctx = multiprocessing.get_context("fork") if start_method == "fork" else multiprocessing.get_context("spawn")
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc)}
     extra = dict(env or {})
@@ -301,6 +349,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--sharding", choices=SHARDINGS, default="ddp",
+                   help="ddp (default), hsdp (FSDP2 on a replicate x shard mesh) or fsdp (FSDP2, 1-D mesh)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="with --sharding hsdp: replica groups (default: one per node)")
     p.add_argument("--nproc", type=int, default=0,
                    help="spawn this many local ranks (gloo) instead of running under torchrun")
     p.add_argument("--node-names", default="",
@@ -326,7 +378,8 @@ def _worker(args: argparse.Namespace) -> None:
     init_process_group()
     try:
         shape = JobShape(dim=args.dim, layers=args.layers, batch=args.batch, seed=args.seed)
-        summary = train(args.steps, shape, _config(args), checkpoint_every=args.checkpoint_every)
+        summary = train(args.steps, shape, _config(args), checkpoint_every=args.checkpoint_every,
+                        sharding=args.sharding, replicas=args.replicas)
         if summary["rank"] == 0:
             print(json.dumps(summary), flush=True)
     except SystemExit:
@@ -365,6 +418,21 @@ def _check(args: argparse.Namespace) -> None:
     native.isa_limit()
 
 
+RANK_IMPORTS = {"ddp": ("torch._dynamo",),
+                "hsdp": ("torch._dynamo", "torch.distributed.checkpoint", "agent.sharded", "agent.sharded_checkpoint")}
+
+
+def _start_method(sharding: str) -> str:
+    """``--nproc`` forks on Linux once what every rank needs is imported (a spawned rank imports it again:
+    seconds of CPU per rank on a small machine; DDP's and FSDP's constructors import torch._dynamo); it spawns
+    elsewhere. This process has run no torch operation and started no thread, so it may fork."""
+    if sys.platform != "linux":
+        return "spawn"
+    for module in RANK_IMPORTS.get(sharding, RANK_IMPORTS["hsdp"]):
+        importlib.import_module(module)
+    return "fork"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the reference job; returns the exit status (see the module docstring)."""
     args = parser().parse_args(argv)
@@ -379,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"agent.train: error: {exc}", file=sys.stderr)
             return 2
-        codes = launch(args.nproc, _worker, (args,), env=env)
+        codes = launch(args.nproc, _worker, (args,), env=env, start_method=_start_method(args.sharding))
         return max((c if c is not None else 1) for c in codes)
     _worker(args)
     return 0

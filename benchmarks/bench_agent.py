@@ -8,7 +8,9 @@ machine falls on all of them alike. Per configuration it reports the median
 and the lower quartile of the per-step times over all rounds, and their ratios
 to plain DDP (the same model, data and optimizer, no guard) from the same run:
 when the two ratios agree, the figure is not an artefact of the noise.
-``./dev bench agent [-- --steps N --rounds R --dim D]``.
+``./dev bench agent [-- --steps N --rounds R --dim D]``; with ``--sharding hsdp``
+the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the
+same FSDP2 loop without the guard (benchmarks/agent_sharded.py).
 
 Four more parts (``--only`` picks among verdict, overhead, loop, big, trigger):
 
@@ -132,6 +134,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loop-k", type=int, default=4, help="micro-batches per step in the loop part")
     parser.add_argument("--loop-rounds", type=int, default=40)
     parser.add_argument("--only", default="verdict,overhead,loop,big,trigger", help="comma-separated parts to run")
+    parser.add_argument("--sharding", choices=("ddp", "hsdp"), default="ddp",
+                        help="hsdp: the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the same "
+                             "FSDP2 loop without the guard (benchmarks/agent_sharded.py)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
     if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger"}:
@@ -139,6 +144,10 @@ def main(argv: list[str]) -> int:
     if args.steps < 1 or min(args.rounds, args.big_rounds, args.loop_rounds) < 4 or args.loop_k < 1:
         parser.error("--steps and --loop-k must be at least 1, --rounds, --big-rounds and --loop-rounds at least 4 "
                      "(quartiles need data)")
+    if args.sharding == "hsdp":
+        from benchmarks.agent_sharded import run_parts
+
+        return run_parts(args, parts)
     status = 0
     if "verdict" in parts:
         verdict_table()

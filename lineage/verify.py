@@ -26,6 +26,10 @@ RESUME_OBJECTS = ("model.pt", "optimizer.pt", "trainer.pt")
 """What a resume loads besides each rank's RNG: the weights, the optimizer's state, the trainer's
 (step, data position). The agent's checkpoint writer names its objects so."""
 
+SHARDED_RESUME_OBJECTS = ("dcp.metadata", "trainer.pt")
+"""What a resume of a sharded checkpoint (``manifest.sharding`` set) needs besides the shard files the
+metadata points at: the torch.distributed.checkpoint metadata and the trainer's state."""
+
 
 def manifest_key(step: int) -> str:
     """The key of a checkpoint's manifest relative to the job prefix."""
@@ -86,7 +90,11 @@ def read_verified(store: ObjectStore, step: int, expected: ObjectDigest) -> byte
 
 
 def missing_for_resume(manifest: CheckpointManifest, required: tuple[str, ...] = RESUME_OBJECTS) -> list[str]:
-    """The objects of ``required`` that ``manifest`` does not list (empty: a resume finds all it needs)."""
+    """The objects of ``required`` that ``manifest`` does not list (empty: a resume finds all it needs).
+
+    For a sharded checkpoint the default ``required`` means :data:`SHARDED_RESUME_OBJECTS`."""
+    if manifest.sharding is not None and required == RESUME_OBJECTS:
+        required = SHARDED_RESUME_OBJECTS
     listed = {o.name for o in manifest.objects}
     return [name for name in required if name not in listed]
 

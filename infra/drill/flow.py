@@ -76,6 +76,8 @@ EXPECTED_DETECTOR = {
     "grad_bitflip": "ring_audit",
 }
 FAULTS = tuple(EXPECTED_DETECTOR)
+SHARDINGS = ("ddp", "hsdp")
+"""How the drill's job holds its weights: DDP, or FSDP2 with one replica group per node (``agent.train``'s)."""
 WAITING = S.AWAITING_APPROVAL
 ENDS = frozenset({S.CLOSED, S.FALSE_ALARM, S.CONTAINED, S.DRY_RUN, S.NEEDS_ATTENTION, S.FAILED})
 REVIEWER_REASON = "sdcguard drill: ring audit evidence reviewed"
@@ -111,6 +113,8 @@ class DrillOptions:
     """The fraction of the pipeline's Kubernetes API and SageMaker HyperPod calls that fail transiently."""
     chaos_seed: int = 0
     """Which calls fail: the same seed fails the same calls (the n-th of each operation)."""
+    sharding: str = "ddp"
+    """One of SHARDINGS; under hsdp each node holds one replica of the model, sharded over its ranks."""
 
     @property
     def world_size(self) -> int:
@@ -154,6 +158,8 @@ class DrillOptions:
             raise ValueError(f"decision: must be approve, reject or ask, got {self.decision!r}")
         if not 0 <= self.chaos < 1:
             raise ValueError(f"--chaos: must be a fraction of calls from 0 up to (not including) 1, got {self.chaos}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"--sharding: must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
 
     def injection(self, node_name: str) -> str:
         """``SDCGUARD_INJECT`` for the faulty rank, bound to its node: it fires nowhere else."""
@@ -468,7 +474,8 @@ def run_clean(stage: Stage, options: DrillOptions, trainer: Trainer, work_dir: P
     options.validate()
     run = JobRun(name="clean", checkpoint_prefix=f"s3://{stage.seeded['bucket']}/drill-clean/{uuid.uuid4().hex[:8]}",
                  placements=placements(stage), steps=options.steps, guard=_guard_settings(stage, options),
-                 ranks_per_node=options.ranks_per_node, checkpoint_every=options.checkpoint_every, seed=options.seed)
+                 ranks_per_node=options.ranks_per_node, checkpoint_every=options.checkpoint_every, seed=options.seed,
+                 sharding=options.sharding)
     result = trainer.run(run, work_dir, progress=Story(say).progress("clean"))
     _one_fingerprint(result, "clean run")
     return result
@@ -502,6 +509,7 @@ def run_drill(stage: Stage, options: DrillOptions, work_dir: Path, *, trainer: T
     outcome = Outcome(
         summary=DrillSummary(
             fault=options.fault,
+            sharding=options.sharding,
             fault_rank=options.fault_rank,
             fault_step=options.fault_step,
             steps=options.steps,
@@ -611,7 +619,8 @@ class _Drill:
         options = self.options
         return JobRun(name=name, checkpoint_prefix=prefix, placements=where, steps=options.steps,
                       guard=_guard_settings(self.stage, options), ranks_per_node=options.ranks_per_node,
-                      checkpoint_every=options.checkpoint_every, seed=options.seed, inject=inject)
+                      checkpoint_every=options.checkpoint_every, seed=options.seed, inject=inject,
+                      sharding=options.sharding)
 
     def _keep(self, incident: Incident | None) -> None:
         """Put the incident as it stands (and its evidence) into the report, failed or not."""
@@ -647,7 +656,8 @@ class _Drill:
     def clean_run(self, clean: RunResult | None, before: list[Placement]) -> str:
         """The reference run's fingerprint (running it, or checking that ``clean`` is the same job)."""
         options = self.options
-        self.story.clean_run(options.nodes, options.ranks_per_node, options.steps, options.checkpoint_every)
+        self.story.clean_run(options.nodes, options.ranks_per_node, options.steps, options.checkpoint_every,
+                             options.sharding)
         if clean is None:
             clean = self.trainer.run(
                 self._job("clean", f"s3://{self.stage.seeded['bucket']}/drill-clean/{self.run_id}", before, {}),
@@ -655,8 +665,9 @@ class _Drill:
             self.outcome.seconds["clean_run"] = round(clean.seconds, 2)
         else:
             expected = self._job("clean", clean.run.checkpoint_prefix, list(clean.run.placements), {})
-            if (clean.run.steps, clean.run.seed, clean.run.checkpoint_every, clean.run.world_size, clean.run.guard) != (
-                    expected.steps, expected.seed, expected.checkpoint_every, expected.world_size, expected.guard):
+            if (clean.run.steps, clean.run.seed, clean.run.checkpoint_every, clean.run.world_size, clean.run.guard,
+                    clean.run.sharding) != (expected.steps, expected.seed, expected.checkpoint_every,
+                                            expected.world_size, expected.guard, expected.sharding):
                 raise ValueError("clean: the given fault-free run is not the same job as this drill's")
             self.story.clean_reused(clean.log_path.parent)
         fingerprint = _one_fingerprint(clean, "clean run")

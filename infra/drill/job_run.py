@@ -50,6 +50,8 @@ class JobRun:
     inject: Mapping[int, str] = field(default_factory=dict)
     """``SDCGUARD_INJECT`` per rank: the fault lives in that rank's process only, as in one GPU."""
     timeout_s: float = 300.0
+    sharding: str = "ddp"
+    """``ddp``, or ``hsdp``: FSDP2 on a (replicate, shard) mesh with one replica group per node."""
 
     @property
     def world_size(self) -> int:
@@ -228,6 +230,7 @@ def _spec(run: JobRun, out_dir: Path, env: Mapping[str, str]) -> dict[str, Any]:
         "steps": run.steps,
         "checkpoint_every": run.checkpoint_every,
         "seed": run.seed,
+        "sharding": run.sharding,
         "out_dir": str(out_dir),
         "timeout_s": run.timeout_s,
         "env": {**env, "SDCGUARD_INJECT": ""},

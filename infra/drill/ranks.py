@@ -4,7 +4,8 @@
 agent, and a boto3 session) once, then reads one run spec path per line on
 stdin and, for each, forks one process per rank (world = nodes x ranks per
 node, gloo on CPU, one intra-op thread each). A rank runs the reference job of
-:mod:`agent.train` under :class:`agent.guard.SDCGuard`: resume from the resume
+:mod:`agent.train` under :class:`agent.guard.SDCGuard` (DDP, or with the spec's
+``sharding`` "hsdp" FSDP2 with one replica group per node): resume from the resume
 pointer if there is one, train to the last step, checkpoint every
 ``checkpoint_every`` steps, and stop with ``ALARM_EXIT_CODE`` on an alarm
 (``on_alarm="stop"``, the agent's default). Forking from this small process,
@@ -29,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 EXIT_TIMEOUT = 124
 
@@ -76,17 +77,22 @@ def _train(rank: int, spec: dict[str, Any], port: int) -> None:
 
     from agent.config import GuardConfig
     from agent.guard import SDCGuard
-    from agent.train import JobShape, SyntheticData, build, loss_fn
+    from agent.train import JobShape, SyntheticData, build, build_sharded, loss_fn
     from agent.weights import state_fingerprint_hex
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     shape = JobShape(seed=spec["seed"])
     device = torch.device("cpu")
-    ddp, optimizer = build(shape, device)
     data = SyntheticData(shape, device)
-    guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data,
-                     config=GuardConfig.from_env(**spec["guard"]))
+    config = GuardConfig.from_env(**spec["guard"])
+    sharding = spec.get("sharding", "ddp")
+    if sharding == "ddp":
+        ddp, optimizer = build(shape, device)
+        guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config)
+    else:
+        model, optimizer, mesh = build_sharded(shape, device, sharding, world // per_node)
+        guard = SDCGuard(cast("Any", model), optimizer, loss_fn=loss_fn, batch_for=data, config=config, mesh=mesh)
     out: dict[str, Any] = {"rank": rank, "node": guard.topology.node, "losses": [], "alarm": None,
                            "published": None, "resumed": None, "final_fingerprint": None, "checkpoints": []}
     path = Path(spec["out_dir"], f"rank-{rank}.json")
@@ -116,7 +122,9 @@ def _train(rank: int, spec: dict[str, Any], port: int) -> None:
                 if rank == 0:
                     _say(f"step {step + 1:>4}/{steps}  loss {result.loss:.4f}  checkpoint step-{step + 1:09d} saved"
                          f"  ({time.monotonic() - began:.1f} s)")
-        out["final_fingerprint"] = state_fingerprint_hex(guard.params, guard.optimizer)
+        # Under HSDP the digest of every shard all replicas agree on (a collective), the same on every rank.
+        out["final_fingerprint"] = (state_fingerprint_hex(guard.params, guard.optimizer) if sharding == "ddp"
+                                    else guard.state_fingerprint_hex())
     finally:
         # Written on an alarm too (SystemExit passes through here): what this rank saw before it stopped.
         if guard.alarms:
@@ -148,7 +156,8 @@ def launch(spec: dict[str, Any]) -> list[int]:
 def main() -> int:
     """Serve run specs from stdin (one path a line) until it closes; print each run's exit codes as JSON."""
     # Imported once here, inherited by every fork: DDP's constructor imports torch._dynamo (seconds).
-    for module in ("torch", "torch._dynamo", "agent.guard", "agent.train", "agent.weights", "boto3"):
+    for module in ("torch", "torch._dynamo", "agent.guard", "agent.train", "agent.weights", "agent.sharded",
+                   "agent.sharded_checkpoint", "torch.distributed.checkpoint", "boto3"):
         importlib.import_module(module)
     import boto3
 

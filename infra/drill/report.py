@@ -155,9 +155,12 @@ class Story:
 
     # the runs ---------------------------------------------------------------------------------------
 
-    def clean_run(self, nodes: int, ranks_per_node: int, steps: int, checkpoint_every: int) -> None:
+    def clean_run(self, nodes: int, ranks_per_node: int, steps: int, checkpoint_every: int,
+                  sharding: str = "ddp") -> None:
         """Step 2 begins."""
-        self.say(f"[2/{STEPS}] fault-free run: {nodes} nodes x {ranks_per_node} ranks (gloo, CPU), "
+        held = ("DDP" if sharding == "ddp" else
+                f"HSDP: {nodes} replica groups of {ranks_per_node} shards, one per node")
+        self.say(f"[2/{STEPS}] fault-free run: {nodes} nodes x {ranks_per_node} ranks (gloo, CPU, {held}), "
                  f"{steps} steps, checkpoint every {checkpoint_every}")
 
     def clean_reused(self, run_dir: Path) -> None:

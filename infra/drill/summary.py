@@ -69,6 +69,8 @@ class DrillSummary(_Model):
     """The drill's summary; each stage fills in what it learned."""
 
     fault: str | None = None
+    sharding: str | None = None
+    """ddp or hsdp: how the drill's job held its weights."""
     fault_rank: int | None = None
     fault_step: int | None = None
     steps: int | None = None

@@ -32,7 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
-from infra.drill.flow import FAULTS, Decision, DrillFailed, DrillOptions, prepare, run_drill
+from infra.drill.flow import FAULTS, SHARDINGS, Decision, DrillFailed, DrillOptions, prepare, run_drill
 from infra.drill.job_run import Trainer, TrainerError
 from infra.drill.report import verdict_lines
 from infra.drill.summary import DrillSummary
@@ -66,12 +66,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "transiently (throttling, 500, 503), e.g. 0.2 (default %(default)s: none)")
     parser.add_argument("--chaos-seed", metavar="SEED", type=int, default=defaults.chaos_seed,
                         help="which calls --chaos fails: the same seed fails the same calls (default %(default)s)")
+    parser.add_argument("--sharding", choices=SHARDINGS, default=defaults.sharding,
+                        help="how the job holds its weights: ddp (default) or hsdp (FSDP2, one replica group of "
+                             "2 shards per node, DCP checkpoints)")
 
 
 def _options(args: argparse.Namespace) -> DrillOptions:
     decision: Decision = "ask" if args.interactive else "reject" if args.reject else "approve"
     return DrillOptions(fault=args.fault, fault_rank=args.fault_rank, fault_step=args.fault_step,
-                        steps=args.steps, decision=decision, chaos=args.chaos, chaos_seed=args.chaos_seed)
+                        steps=args.steps, decision=decision, chaos=args.chaos, chaos_seed=args.chaos_seed,
+                        sharding=args.sharding)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,9 @@
 One stand-in, one seeded 3-node cluster and one deployed stack serve every
 case (each drill checkpoints under a prefix of its own and runs on whatever
 nodes the cluster has by then), and one fault-free run is the reference for
-all of them. The jobs are short (20 steps, every check and checkpoint every 5
-steps) so the file stays within a few minutes on two cores.
+all of them (the HSDP drill, whose job shards its weights, runs its own). The
+jobs are short (20 steps, every check and checkpoint every 5 steps) so the
+file stays within a few minutes on two cores.
 
 The assertions are on what the drill observed in the system: the alarm the
 agent published, the incident the pipeline left in the ledger, the HyperPod
@@ -31,6 +32,7 @@ from infra.drill.summary import DrillSummary
 from infra.local.standin import LocalStandIn
 from lineage.pointer import read_pointer
 from lineage.store import open_store
+from lineage.verify import read_manifest
 from sdcguard.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -133,6 +135,36 @@ def test_an_approved_incident_replaces_the_node_and_recovers_bit_exactly(
 def _prefix(work_dir: Path) -> str:
     spec = json.loads((work_dir / "faulty" / "spec.json").read_text())
     return str(spec["guard"]["checkpoint_prefix"])
+
+
+def test_under_hsdp_an_approved_incident_recovers_bit_exactly_from_sharded_checkpoints(
+    stage: Stage, trainer: Trainer, tmp_path: Path
+) -> None:
+    # Given the job under HSDP (each node holds one replica of the model, sharded over its 2 ranks) and a
+    # persistent finite error on rank 3's GPU,
+    before = [p.node_name for p in placements(stage)]
+
+    # when the drill runs it (with a fault-free HSDP run of its own to compare with) and a reviewer approves,
+    options = DrillOptions(**{**SHORT.__dict__, "sharding": "hsdp", "fault_rank": 3, "steps": 16})
+    summary = run_drill(stage, options, tmp_path, trainer=trainer)
+
+    # the magnitude trigger's confirmation (ranks 1 and 5 recompute rank 3's micro-batch) caught it at its own
+    # step, naming rank 3 alone,
+    assert (summary.verdict, summary.sharding) == ("PASSED", "hsdp")
+    assert (summary.detector, summary.alarm_step, summary.suspect_ranks) == ("ring_audit", 12, [3])
+    assert summary.suspect_instances == [before[1].removeprefix("hyperpod-")]
+    # the pipeline replaced its node and moved the pointer back to the sharded checkpoint of step 10,
+    assert summary.incident_state == "CLOSED"
+    assert [r.old for r in summary.replacements or []] == [before[1].removeprefix("hyperpod-")]
+    assert (summary.trusted_through_step, summary.pointer_after) == (10, "checkpoints/step-000000010")
+    manifest = read_manifest(open_store(_prefix(tmp_path), client=stage.client("s3")), 10)
+    assert manifest.sharding is not None
+    assert (manifest.sharding.replicas, manifest.sharding.shards) == (3, 2)
+    assert any(o.name.endswith(".distcp") for o in manifest.objects)
+    # and the job, resumed from it on the new node set, ended bit-identical to the fault-free HSDP run.
+    assert summary.resumed_from_step == 10
+    assert summary.recovered_bit_exact is True
+    assert summary.recovered_fingerprint == summary.clean_fingerprint
 
 
 def test_a_rejected_incident_releases_the_node_and_resumes_from_the_pointer_it_had(

@@ -59,9 +59,11 @@ def test_a_failed_rank_stops_the_others(tmp_path: Path, monkeypatch: pytest.Monk
     assert time.monotonic() - started < 60
 
 
-def test_ranks_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_ranks_end_when_their_launcher_is_killed(tmp_path: Path, method: str) -> None:
+    # (A fresh launcher that has only imported: the one kind of process that may fork its ranks.)
     script = ("import sys; from agent import train; from tests.unit.test_launch import _wait_forever; "
-              f"train.launch(2, _wait_forever, ({str(tmp_path)!r},))")
+              f"train.launch(2, _wait_forever, ({str(tmp_path)!r},), start_method={method!r})")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
     try:
         deadline = time.monotonic() + 120
@@ -80,3 +82,9 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_an_unknown_start_method_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="start_method: must be spawn or fork"):
+        train.launch(2, _wait_forever, (str(tmp_path),), start_method="forkserver")
+    assert not list(tmp_path.glob("*.pid"))
