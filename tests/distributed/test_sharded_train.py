@@ -44,6 +44,9 @@ def test_the_reference_job_resumes_and_stops_on_an_alarm_under_hsdp(six: tuple[P
     env = {k: v for k, v in os.environ.items() if not k.startswith("SDCGUARD_")}
     # a persistent fault on rank 3 from step 6 (the first audit after the resume):
     env["SDCGUARD_INJECT"] = "kind=finite_activation,rank=3,step=6,repeat=2"
+    # (No EventBridge here: the alarm is spooled, into this test's folder, not the working directory's
+    # default spool, where a later guard of the same checkout would republish it.)
+    env["SDCGUARD_SPOOL_DIR"] = str(tmp_path / "spool")
 
     # when the command starts on the same mesh,
     done = subprocess.run(
@@ -57,3 +60,4 @@ def test_the_reference_job_resumes_and_stops_on_an_alarm_under_hsdp(six: tuple[P
     assert "resumed from" in done.stderr
     assert checkpoint_dir(REFERENCE_STEPS) in done.stderr
     assert "SDC alarm at step 6 by ring_audit: suspects [3]" in done.stderr
+    assert list((tmp_path / "spool").glob("alarm-*.json"))

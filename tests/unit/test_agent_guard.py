@@ -87,10 +87,11 @@ def guard_for(tmp_path: Path, on_alarm: OnAlarm, inject: str | None, recorder: R
               **kwargs: Any) -> tuple[SDCGuard, Recorder]:
     shape = JobShape(dim=16, layers=1, seq=8, batch=2)
     ddp, optimizer = build(shape, torch.device("cpu"))
-    recorder = recorder or Recorder()
     config = GuardConfig(on_alarm=on_alarm, audit_every=1, fingerprint_every=1, spool_dir=str(tmp_path),
                          checkpoint_prefix=str(tmp_path / "ckpt"), checkpoint_retry_delay_s=0.01,
                          **kwargs.pop("config", {}))
+    # The guard's own spool: a default config would republish whatever another run left in ./sdcguard-spool.
+    recorder = recorder or Recorder(config)
     guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=SyntheticData(shape, torch.device("cpu")),
                      config=config, publisher=recorder, injection=Injection.parse(inject) if inject else None,
                      **kwargs)
