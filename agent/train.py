@@ -310,14 +310,14 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
     deadline = None if timeout is None else time.monotonic() + timeout
     failed_at: float | None = None
     try:
-        while any(p.is_alive() for p in procs):
+        while alive := [p for p in procs if p.is_alive()]:
             now = time.monotonic()
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now  # the others may wait for the failed rank in a collective until gloo's timeout
             if (deadline is not None and now >= deadline) or (failed_at is not None
                                                                and now - failed_at > FAILED_RANK_GRACE_S):
                 break
-            next(p for p in procs if p.is_alive()).join(0.2)
+            alive[0].join(0.2)  # it may have ended since: join returns at once
     finally:
         # Whatever ended the wait (all done, the time limit, a failed rank, Ctrl-C): leave no rank running.
         stopped = {i for i, p in enumerate(procs) if p.is_alive()}

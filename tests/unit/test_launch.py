@@ -88,3 +88,37 @@ def test_an_unknown_start_method_is_refused_before_any_rank_starts(tmp_path: Pat
     with pytest.raises(ValueError, match="start_method: must be spawn or fork"):
         train.launch(2, _wait_forever, (str(tmp_path),), start_method="forkserver")
     assert not list(tmp_path.glob("*.pid"))
+
+
+class _EndsBetweenChecks:
+    """A rank that is alive at the loop's check and has ended by the time the launcher picks one to wait on."""
+
+    started: list[_EndsBetweenChecks] = []
+
+    def __init__(self, **_: object) -> None:
+        self.checks = 0
+        self.exitcode: int | None = None
+        self.started.append(self)
+
+    def start(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        self.checks += 1
+        if self.checks == 1 and self is self.started[0]:
+            return True  # the first rank, at the first check; every other rank has already ended
+        self.exitcode = 0
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_the_last_rank_ending_between_two_checks_is_an_ordinary_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI once saw StopIteration here: every rank ended between "any alive?" and "wait on an alive one".
+    class Context:
+        Process = _EndsBetweenChecks
+
+    monkeypatch.setattr(_EndsBetweenChecks, "started", [])
+    monkeypatch.setattr(train.multiprocessing, "get_context", lambda method: Context)
+    assert train.launch(2, _wait_forever, ("unused",), start_method="fork") == [0, 0]
