@@ -19,6 +19,17 @@ def _keep_torch_deterministic_setting() -> Iterator[None]:
         torch.use_deterministic_algorithms(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _spool_outside_the_working_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A guard configured from the environment (the reference job, the examples, their subprocesses) spools
+    undelivered alarms into ./sdcguard-spool and republishes what it finds there: each test session (each
+    worker of ``./dev test``) gets its own spool, outside the tree."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SDCGUARD_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def standin() -> Iterator[LocalStandIn]:
     """One local stand-in (moto with extensions + the local EKS API server) for the session.

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from agent.train import launch
 from contract import Alarm
 from infra.local.standin import LocalStandIn
+from tests.forked import launch_forked
 from tests.functional import loop_scenarios
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -77,7 +77,7 @@ def six(tmp_path_factory: pytest.TempPathFactory, standin: LocalStandIn) -> list
     for rank in range(WORLD):
         env[f"NODE_NAME@{rank}"] = node_name(rank // PER_NODE)
         env[f"POD_NAME@{rank}"] = env[f"HOSTNAME@{rank}"] = f"gpt-test-worker-{rank}"
-    codes = launch(WORLD, loop_scenarios.run, (str(tmp), scenarios, PER_NODE), env=env, timeout=500)
+    codes = launch_forked(WORLD, loop_scenarios.run, (str(tmp), scenarios, PER_NODE), env=env, timeout=500)
     assert codes == [0] * WORLD, f"ranks exited with {codes}"
     results = [json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     print("scenario seconds (rank 0):", {k: round(v["seconds"], 1) for k, v in results[0].items()})

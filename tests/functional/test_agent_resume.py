@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from agent.config import GuardConfig
-from agent.train import JobShape, init_process_group, launch, shutdown, train
+from agent.train import JobShape, init_process_group, shutdown, train
+from tests.forked import launch_forked
 
 WORLD = 3
 
@@ -37,7 +38,7 @@ def _job(out_dir: str, steps: int, prefix: str) -> None:
 def _run(tmp: Path, name: str, steps: int, prefix: Path) -> list[dict[str, object]]:
     out = tmp / name
     out.mkdir()
-    codes = launch(WORLD, _job, (str(out), steps, str(prefix)), env={"PYTHONPATH": str(Path.cwd())}, timeout=240)
+    codes = launch_forked(WORLD, _job, (str(out), steps, str(prefix)), timeout=240)
     assert codes == [0] * WORLD, f"ranks exited with {codes}"
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
 

@@ -436,25 +436,29 @@ def test_a_replacement_that_fails_stops_safely_for_attention(pipeline: Pipeline)
     assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
 
 
+STORM = 3 * NODES * RANKS_PER_NODE
+"""Alarms in the storm: every rank of the job, three times over."""
+
+
 def test_a_storm_of_duplicate_alarms_makes_one_incident(pipeline: Pipeline) -> None:
     p, node = pipeline, pipeline.node(6)
     eks = p.standin.eks
     assert eks is not None
     p.job_running()
     alarm = p.alarm(6, ring_clean=13000)
-    # 100 ranks (and re-deliveries) report the same fault.
-    storm = [{**alarm, "alarm_id": uuid.uuid4().hex, "publisher_rank": i % (NODES * RANKS_PER_NODE)} for i in range(100)]
+    # Every rank (and re-deliveries) reports the same fault, at once.
+    storm = [{**alarm, "alarm_id": uuid.uuid4().hex, "publisher_rank": i % (NODES * RANKS_PER_NODE)} for i in range(STORM)]
     known = {e["executionArn"] for e in p.executions()}
     patches_before = len([r for r in eks.requests if r.method == "PATCH" and r.name == node["node_name"]])
 
     p.publish(*storm)
 
     started = wait_for(
-        lambda: (new if len(new := [e for e in p.executions() if e["executionArn"] not in known]) >= 100 else None),
+        lambda: (new if len(new := [e for e in p.executions() if e["executionArn"] not in known]) >= STORM else None),
         timeout=120,
-        what="100 executions",
+        what=f"{STORM} executions",
     )
-    assert len(started) == 100
+    assert len(started) == STORM
     ids = {a["alarm_id"] for a in storm}
     incidents = wait_for(
         lambda: [i for i in p.ledger.list() if i.alarm.alarm_id in ids] or None, timeout=60, what="the incident"
@@ -463,10 +467,10 @@ def test_a_storm_of_duplicate_alarms_makes_one_incident(pipeline: Pipeline) -> N
     p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
     opener = p.execution_of(incident.incident_id)
     ended = [p.execution_end(e["executionArn"]) for e in started if e["executionArn"] != opener]
-    assert len(ended) == 99
+    assert len(ended) == STORM - 1
     assert {e["status"] for e in ended} == {"SUCCEEDED"}
     assert all(json.loads(e["output"])["duplicate"] is True for e in ended)
-    assert p.ledger.get(incident.incident_id).duplicate_alarms == 99
+    assert p.ledger.get(incident.incident_id).duplicate_alarms == STORM - 1
     patches = [r for r in eks.requests if r.method == "PATCH" and r.name == node["node_name"]]
     assert len(patches) - patches_before == 1  # cordoned once
 
