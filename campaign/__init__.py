@@ -7,7 +7,9 @@ persistent) are injected from outside the real ``agent.SDCGuard`` on 3
 simulated nodes; each faulted run is compared bit for bit with the clean run,
 and every sdcguard detector alone, all of them together, and the baselines
 teams use today (a loss-spike monitor, the MAD outlier test on gradient
-norms) are judged on the same runs. A clean soak counts false alarms.
+norms) are judged on the same runs. A clean soak counts false alarms. The job
+trained is the reference TinyGPT or a team's own, through a factory
+(``campaign.job``, ``--job``).
 
 ``run_campaign(Settings(...), out_dir)`` for code, ``main(argv)`` for the
 command line; see ``campaign.py``. The names are imported on first use, so

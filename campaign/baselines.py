@@ -9,6 +9,10 @@
   step, a rank whose distance from the median exceeds ``MAD_K`` median
   absolute deviations (k = 336, the seed's threshold) is the suspect; a
   non-finite norm counts as an outlier.
+
+A baseline that fires on the clean run at some step is not credited with a
+catch at that step of a faulted run (it would have fired without the
+fault): its clean firings are its false alarms, counted apart.
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ class Firing:
     suspects: list[int]
 
 
-def loss_spike(mean_losses: list[float], watch_from: int = 0) -> Firing | None:
-    """The first step ``>= watch_from`` at which the loss-spike detector fires on ``mean_losses`` (index = step)."""
+def loss_spike(mean_losses: list[float], watch_from: int = 0, ignore: frozenset[int] = frozenset()) -> Firing | None:
+    """The first step ``>= watch_from`` and not in ``ignore`` at which the loss-spike detector fires on
+    ``mean_losses`` (index = step)."""
     mean = var = 0.0
     for step, loss in enumerate(mean_losses):
+        watched = step >= watch_from and step not in ignore
         if not math.isfinite(loss):
-            if step >= watch_from:
+            if watched:
                 return Firing(step, [])
             continue
-        if step >= LOSS_SPIKE_WARMUP and step >= watch_from and loss - mean > LOSS_SPIKE_SIGMAS * math.sqrt(var):
+        if step >= LOSS_SPIKE_WARMUP and watched and loss - mean > LOSS_SPIKE_SIGMAS * math.sqrt(var):
             return Firing(step, [])
         if step == 0:
             mean = loss
@@ -62,25 +68,31 @@ def mad_outliers(norms: list[float], k: float = MAD_K) -> list[int]:
     return [r for r, x in enumerate(norms) if abs(x - median) / mad > k]
 
 
-def mad(norms_by_step: list[list[float]], watch_from: int = 0, k: float = MAD_K) -> Firing | None:
-    """The first step ``>= watch_from`` at which the MAD test names a rank (``norms_by_step[step][rank]``)."""
+def mad(norms_by_step: list[list[float]], watch_from: int = 0, k: float = MAD_K,
+        ignore: frozenset[int] = frozenset()) -> Firing | None:
+    """The first step ``>= watch_from`` and not in ``ignore`` at which the MAD test names a rank
+    (``norms_by_step[step][rank]``)."""
     for step in range(watch_from, len(norms_by_step)):
+        if step in ignore:
+            continue
         suspects = mad_outliers(norms_by_step[step], k)
         if suspects:
             return Firing(step, suspects)
     return None
 
 
+def firing_steps(mean_losses: list[float], norms_by_step: list[list[float]]) -> dict[str, frozenset[int]]:
+    """The steps each baseline fires on (for a clean run: its false alarms); the loss spike re-arms after each."""
+    spikes: set[int] = set()
+    while (fired := loss_spike(mean_losses, 0, frozenset(spikes))) is not None:
+        spikes.add(fired.step)
+    return {"loss_spike": frozenset(spikes),
+            "mad": frozenset(step for step, row in enumerate(norms_by_step) if mad_outliers(row))}
+
+
 def count_firings(mean_losses: list[float], norms_by_step: list[list[float]]) -> dict[str, int]:
-    """How many steps each baseline fires on (for a clean run: its false alarms); the loss spike re-arms after each."""
-    spikes, start = 0, 0
-    while True:
-        fired = loss_spike(mean_losses, start)
-        if fired is None:
-            break
-        spikes += 1
-        start = fired.step + 1
-    return {"loss_spike": spikes, "mad": sum(1 for row in norms_by_step if mad_outliers(row))}
+    """How many steps each baseline fires on (for a clean run: its false alarms)."""
+    return {name: len(steps) for name, steps in firing_steps(mean_losses, norms_by_step).items()}
 
 
 def _median(ordered: list[float]) -> float:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ from campaign.faults import (
     parse_row_id,
     row_id,
 )
-from campaign.outcome import Detection, FaultOutcome, judge, table
+from campaign.job import REFERENCE_JOB, JobProblem, module_and_function, resolve
+from campaign.outcome import Detection, FaultOutcome, clean_firings, judge, table
 from campaign.worker import rank_main
 
 
@@ -69,8 +71,11 @@ class Settings:
     seed: int = 0
     device: str = "cpu"
     """``cpu`` (gloo), or ``cuda``: one GPU per rank (``world`` GPUs), NCCL."""
-    job: dict[str, Any] = field(default_factory=dict)
-    """JobShape overrides of the reference job's model."""
+    job: str = REFERENCE_JOB
+    """The job to train: a factory ``package.module:function``, called as ``function(job_seed)`` and returning
+    a ``campaign.job.CampaignJob`` (``--job``; default: the reference TinyGPT job)."""
+    job_seed: int = 0
+    """The seed handed to the job's factory and to the guard's replays."""
     timeout_s: float = 4 * 3600.0
 
     def __post_init__(self) -> None:
@@ -78,7 +83,7 @@ class Settings:
                      "world", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("lead", "trigger_lead", "audit_every", "fingerprint_every", "soak_steps", "seed"):
+        for name in ("lead", "trigger_lead", "audit_every", "fingerprint_every", "soak_steps", "seed", "job_seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.device not in ("cpu", "cuda"):
@@ -90,7 +95,7 @@ class Settings:
             raise ValueError(f"world: the ring audit localises only with 3 or more nodes, got {self.world}")
         if self.first_step <= max(self.checkpoint_gap, self.lead, self.trigger_lead):
             raise ValueError(f"first_step: must exceed checkpoint_gap, lead and trigger_lead, got {self.first_step}")
-        JobShape(**self.job)
+        module_and_function(self.job)
 
     @property
     def last_step(self) -> int:
@@ -122,10 +127,13 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
                  soak: bool = True, echo: bool = True) -> dict[str, Any]:
     """Run the campaign into ``out_dir`` (coverage.json, coverage.txt, coverage.png); returns the JSON's content.
 
-    ``replay`` runs the one row with that id (no soak). Raises CampaignFailed
+    ``replay`` runs the one row with that id (no clean checks, no soak). Raises CampaignFailed
     when a rank fails or times out, or when the clean run does not reproduce
-    (then every outcome would be wrong); ValueError for bad settings.
+    (then every outcome would be wrong); ValueError for bad settings, among
+    them ``campaign.job.JobProblem`` for a job that cannot be resolved (before
+    any rank starts) or lacks what the fault models corrupt (found by the ranks).
     """
+    resolve(settings.job, settings.job_seed)  # the ranks resolve it again; a bad one fails here, before them
     if settings.device == "cuda" and torch.cuda.device_count() < settings.world:
         raise ValueError(f"device: cuda needs {settings.world} GPUs (one per rank), "
                          f"{torch.cuda.device_count()} visible")
@@ -134,7 +142,9 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
     faults = plan(settings, replay)
     configs = detectors.configs(settings.audit_every, settings.fingerprint_every)
     fault_configs = [n for n in configs if n not in ("none", "defaults")]
-    phases = ["clean", "faults"] + (["soak"] if soak and replay is None and settings.soak_steps else [])
+    # A replay re-runs one row of a campaign whose clean checks have passed: the reference run, then the row.
+    phases = (["clean"] if replay is None else []) + ["faults"] + (
+        ["soak"] if soak and replay is None and settings.soak_steps else [])
     work = Path(tempfile.mkdtemp(prefix="sdcguard-coverage-"))
     try:
         runs = work / "runs.jsonl"
@@ -145,12 +155,15 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
         started = time.perf_counter()
         codes = launch(settings.world, rank_main, (str(work / "plan.json"),), timeout=settings.timeout_s)
         seconds = time.perf_counter() - started
+        problems = sorted({p.read_text() for p in work.glob("job_problem.*")})
         records = [json.loads(line) for line in runs.read_text().splitlines()] if runs.exists() else []
         shutil.copy(work / "plan.json", out / "plan.json")
         if runs.exists():
             shutil.copy(runs, out / "runs.jsonl")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if problems:
+        raise JobProblem("; ".join(problems))
     if any(c != 0 for c in codes):
         raise CampaignFailed(f"ranks exited with {codes} after {seconds:.0f} s "
                              f"({sum(r['kind'] in ('fault', 'checkpoint_fault') for r in records)} of "
@@ -187,25 +200,23 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
             problems.append(f"{name}: the clean run's final state differs from the reference's")
     if clean["restart"] is not None and not clean["restart"]["identical"]:
         problems.append("a run restarted from a snapshot does not reproduce the clean run")
-    mean_losses = [sum(row) / len(row) for row in reference["losses"]]
-    reference_baselines = baselines.count_firings(mean_losses, reference["norms"])
-    for name, count in reference_baselines.items():
-        if count:
-            problems.append(f"baseline {name} fired {count} time(s) on the clean reference run")
+    # A baseline's firings on the clean run are its false alarms, not a broken campaign: reported, and those
+    # steps are no catch in a faulted run (outcome.clean_firings).
+    reference_baselines = {name: len(steps) for name, steps in clean_firings(reference).items()}
     soak = next((r for r in records if r["kind"] == "soak"), None)
     soak_summary = None
     if soak is not None:
         soak_summary = {k: v for k, v in soak.items() if k not in ("mean_losses", "norms")}
         soak_summary["world"] = settings.world
-        soak_summary["dropout"] = JobShape(**settings.job).dropout
+        soak_summary["dropout"] = JobShape().dropout if settings.job == REFERENCE_JOB else None
         soak_summary["baselines"] = baselines.count_firings(soak["mean_losses"], soak["norms"])
         soak_summary["false_alarms"] = len(soak["alarms"])
     models = list(dict.fromkeys(o.model for o in outcomes))
     tables = {m: table([o for o in outcomes if o.model == m], rows) for m in models}
     text_parts = [
         f"sdcguard coverage campaign: {len(outcomes)} faults in {seconds:.0f} s; {settings.world} nodes x 1 rank "
-        f"({'nccl, cuda' if settings.device == 'cuda' else 'gloo, cpu'}), the "
-        f"reference job (TinyGPT); faults from step {settings.first_step} to "
+        f"({'nccl, cuda' if settings.device == 'cuda' else 'gloo, cpu'}), {job_line(settings, reference)}; "
+        f"faults from step {settings.first_step} to "
         f"{settings.first_step + settings.span - 1}, each run {settings.horizon} steps past its fault; "
         f"ring audit every {settings.audit_every}, weights every {settings.fingerprint_every}, "
         f"checkpoints every {settings.checkpoint_every}; seed {settings.seed}",
@@ -218,11 +229,16 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
     for model in models:
         text_parts.append(report.model_table(model, [o for o in outcomes if o.model == model], rows))
     text_parts.append("silent corruptions caught, by persistence:\n" + report.persistence_table(outcomes, rows))
+    if any(reference_baselines.values()):
+        text_parts.append("baselines on the clean reference run (false alarms; a faulted run's firing at those "
+                          "steps is no catch): " + ", ".join(f"{n} {c}" for n, c in reference_baselines.items()))
     if soak_summary is not None:
         text_parts.append(report.soak_lines(soak_summary))
     replays = {o.row_id: f"--replay {o.row_id}" for o in outcomes}
     return {
         "settings": dataclasses.asdict(settings),
+        "job": {"spec": settings.job, "seed": settings.job_seed, "model": reference.get("model"),
+                "trainable": reference.get("trainable")},
         "seconds": seconds,
         "replay": replay,
         "rows": rows,
@@ -237,6 +253,15 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
         "replays": replays,
         "text": "\n\n".join(text_parts),
     }
+
+
+def job_line(settings: Settings, reference: dict[str, Any]) -> str:
+    """The job as the report's header names it: its factory, and the model that trained."""
+    model = str(reference.get("model") or "?").rsplit(".", 1)[-1]
+    trainable = reference.get("trainable")
+    size = f", {trainable:,} trainable parameters" if trainable is not None else ""
+    which = "the reference job" if settings.job == REFERENCE_JOB else "the job"
+    return f"{which} {settings.job} (model {model}{size}, job seed {settings.job_seed})"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -256,6 +281,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "timeout_s": args.timeout}.items() if v is not None}
     if args.models:
         overrides["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    if args.job:
+        overrides["job"] = args.job
     return dataclasses.replace(base, **overrides)
 
 
@@ -265,7 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_from_args(args: argparse.Namespace, prog: str = "coverage") -> int:
-    """Run the campaign the parsed options describe; the exit code (0 ran and clean, 1 failed, 2 bad options)."""
+    """Run the campaign the parsed options describe; the exit code (0 ran and clean, 1 failed, 2 bad options).
+
+    ``--job``'s module is looked for, after the installed packages, in the current directory (as
+    ``python -m`` would); the ranks inherit the path."""
+    if args.job and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         settings = settings_from(args)
         if args.replay:

@@ -31,7 +31,7 @@ MODELS: dict[str, str] = {
     "weight": "a bit flip in one weight after the optimizer update (memory)",
     "gradient": "a bit flip in one element of the rank's local gradient, before the all-reduce",
     "allreduce": "a bit flip in one element of the all-reduce result one rank receives",
-    "optimizer": "a wrong element after optimizer.step(): a bit flip in one element's update of a weight or an Adam moment",
+    "optimizer": "a wrong element after optimizer.step(): a bit flip in one element's update of a weight or of its optimizer state (Adam's moments, SGD's momentum)",
     "checkpoint": "a bit flip in one byte of a checkpoint object the rank writes",
     "null": "a control: an activation scaled by 1.0 (fires, changes nothing); must be counted benign",
 }

@@ -257,18 +257,27 @@ def _update(inst: Installed, module: torch.nn.Module, optimizer: torch.optim.Opt
     fault = inst.fault
     which, element = _weighted(shape.params, fault.element)
     param = dict(module.named_parameters())[shape.params[which][0]]
-    slot = ("param", "exp_avg", "exp_avg_sq")[fault.target % 3]
     before: dict[str, torch.Tensor] = {}
+    slots: list[str] = []
 
     def tensor() -> torch.Tensor | None:
+        if not slots:
+            # The weight itself, or one of the optimizer's tensors shaped like it (Adam: exp_avg, exp_avg_sq;
+            # SGD: momentum_buffer), known once the optimizer has stepped.
+            state = optimizer.state.get(param, {})
+            slots.extend(["param", *sorted(k for k, v in state.items()
+                                           if isinstance(v, torch.Tensor) and v.shape == param.shape)])
+        slot = slots[fault.target % len(slots)]
         if slot == "param":
             return param
         value = optimizer.state.get(param, {}).get(slot)
         return value if isinstance(value, torch.Tensor) else None
 
     def pre(*_: Any) -> None:
+        if not (inst.mine and fault.fires(inst.step)):
+            return
         t = tensor()
-        if inst.mine and fault.fires(inst.step) and t is not None:
+        if t is not None:
             before["old"] = t.detach().view(-1)[element].clone()
 
     def post(*_: Any) -> None:

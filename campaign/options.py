@@ -16,7 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="about a minute: one fault per model and a short soak")
     p.add_argument("--out", default="build/coverage", help="output folder (default: build/coverage)")
     p.add_argument("--replay", metavar="ROW-ID", help="run only this row (e.g. matmul_fwd/transient/007), with "
-                                                      "the same size options as the run that listed it")
+                                                      "the same --job and size options as the run that listed it (the reference run and that "
+                                                      "row: no clean checks, no soak)")
+    p.add_argument("--job", metavar="MODULE:FUNCTION",
+                   help="train your own model: a factory function(seed) -> campaign.job.CampaignJob (its build, "
+                        "batch_for and loss_fn), importable or in the current directory (default: the reference "
+                        "TinyGPT job)")
     p.add_argument("--faults-per-model", type=int, help="faults drawn per fault model (default 51)")
     p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)}")
     p.add_argument("--horizon", type=int, help="steps a faulted run trains from its fault (default 12)")

@@ -117,13 +117,15 @@ def _size(exact: bool, finite: bool, losses: list[list[float]], clean: list[list
 
 def _baselines(fault_step: int, start: int, losses: list[list[float]], norms: list[list[float]],
                reference: dict[str, Any], rank: int, checkpoint_every: int) -> dict[str, Detection]:
-    """The loss-spike and MAD baselines on the clean history before ``start`` followed by the run's series."""
+    """The loss-spike and MAD baselines on the clean history before ``start`` followed by the run's series;
+    a step at which a baseline fires on the clean reference too is no catch."""
     series_losses = reference["losses"][:start] + losses
     series_norms = reference["norms"][:start] + norms
     mean = [sum(row) / len(row) for row in series_losses]
+    quiet = clean_firings(reference)
     out: dict[str, Detection] = {}
-    for name, firing in (("loss_spike", baselines.loss_spike(mean, fault_step)),
-                         ("mad", baselines.mad(series_norms, fault_step))):
+    for name, firing in (("loss_spike", baselines.loss_spike(mean, fault_step, quiet["loss_spike"])),
+                         ("mad", baselines.mad(series_norms, fault_step, ignore=quiet["mad"]))):
         if firing is None:
             out[name] = Detection(caught=False)
             continue
@@ -133,6 +135,12 @@ def _baselines(fault_step: int, start: int, losses: list[list[float]], norms: li
                               suspects=firing.suspects, localized=firing.suspects == [rank],
                               rollback_ok=rollback <= fault_step)
     return out
+
+
+def clean_firings(reference: dict[str, Any]) -> dict[str, frozenset[int]]:
+    """The steps at which each baseline fires on the clean reference run (its false alarms there)."""
+    mean = [sum(row) / len(row) for row in reference["losses"]]
+    return baselines.firing_steps(mean, reference["norms"])
 
 
 def judge_fault(record: dict[str, Any], reference: dict[str, Any], checkpoint_every: int) -> FaultOutcome:

@@ -129,8 +129,9 @@ def plot(outcomes: list[FaultOutcome], rows: list[str], horizon: int, path: Path
 def soak_lines(soak: dict[str, Any]) -> str:
     """The clean soak, in two lines."""
     flags = ", ".join(f"{k} {v}" for k, v in sorted(soak["flags"].items()))
+    dropout = f"dropout {soak['dropout']}, " if soak.get("dropout") is not None else ""
     return (f"clean soak: {soak['rank_steps']:,} rank-steps ({soak['steps']:,} steps x {soak['world']} ranks, "
-            f"dropout {soak['dropout']}, GuardConfig defaults) in {soak['seconds']:.0f} s\n"
+            f"{dropout}GuardConfig defaults) in {soak['seconds']:.0f} s\n"
             f"  sdcguard false alarms: {len(soak['alarms'])}; step flags: {flags or '-'}\n"
             f"  baselines on the same steps: loss spike fired {soak['baselines']['loss_spike']} times, "
             f"MAD k=336 named a rank on {soak['baselines']['mad']} steps")

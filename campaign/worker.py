@@ -32,15 +32,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from agent.checkpoint import MODEL, OPTIMIZER, TRAINER, CheckpointWriter, rng_name
 from agent.config import GuardConfig
 from agent.guard import SDCGuard, StepResult
 from agent.publisher import Publisher, PublishOutcome
-from agent.train import JobShape, SyntheticData, build, loss_fn, shutdown
+from agent.train import shutdown
 from campaign import detectors
 from campaign.faults import FaultSpec
 from campaign.injectors import ModelShape, ProductMode, checkpoint_corrupter, install
+from campaign.job import CampaignJob, JobProblem, built, measured_problems, resolve
 from contract import Alarm, LastClean
 from contract.checkpoint import checkpoint_dir
 from lineage.errors import CheckpointCorrupt, NoSafeCheckpoint
@@ -58,10 +60,11 @@ class _Quiet(Publisher):
 
 
 class _Data:
-    """The reference job's micro-batches, cached (every run of the campaign trains on the same ones)."""
+    """The job's micro-batches on the rank's device, cached (every run of the campaign trains on the same ones)."""
 
-    def __init__(self, shape: JobShape, device: torch.device) -> None:
-        self.source = SyntheticData(shape, device)
+    def __init__(self, job: CampaignJob, device: torch.device) -> None:
+        self.source = job.batch_for
+        self.device = device
         self.cache: dict[tuple[int, int], Any] = {}
 
     def __call__(self, step: int, rank: int) -> Any:
@@ -69,7 +72,7 @@ class _Data:
         if key not in self.cache:
             if len(self.cache) > 8192:
                 self.cache.clear()
-            self.cache[key] = self.source(step, rank)
+            self.cache[key] = tree_map_only(torch.Tensor, lambda t: t.to(self.device), self.source(step, rank))
         return self.cache[key]
 
 
@@ -106,9 +109,9 @@ class _Probe:
 
 
 def _flat_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(all weights, all weights and optimizer state) as flat fp32 copies, in a fixed order."""
+    """(all weights, all weights, buffers and optimizer state) as flat fp32 copies, in a fixed order."""
     params = [p.detach().reshape(-1) for p in module.parameters()]
-    state: list[torch.Tensor] = []
+    state: list[torch.Tensor] = [b.detach().reshape(-1).float() for b in module.buffers()]
     for p in module.parameters():
         for key in sorted(optimizer.state.get(p, {})):
             value = optimizer.state[p][key]
@@ -121,7 +124,21 @@ def _flat_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
 @dataclasses.dataclass
 class _Snapshot:
     params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
     optimizer: dict[str, Any]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> _Snapshot:
+        return cls([p.detach().clone() for p in module.parameters()],
+                   [b.detach().clone() for b in module.buffers()], copy.deepcopy(optimizer.state_dict()))
+
+    def restore(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            for t, saved in zip([*module.parameters(), *module.buffers()], [*self.params, *self.buffers],
+                                strict=True):
+                t.copy_(saved)
+        # load_state_dict keeps same-device tensors as they are: hand it copies.
+        optimizer.load_state_dict(copy.deepcopy(self.optimizer))
 
 
 class Rank:
@@ -133,7 +150,8 @@ class Rank:
         self.out = out
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.job = JobShape(**self.settings["job"])
+        self.spec: str = self.settings["job"]
+        self.job = resolve(self.spec, self.settings["job_seed"])
         self.device = device_for(self.settings["device"])
         self.data = _Data(self.job, self.device)
         self.configs: dict[str, dict[str, Any]] = plan["configs"]
@@ -146,25 +164,25 @@ class Rank:
     # -- building one run -----------------------------------------------------------------------------
 
     def config(self, name: str) -> GuardConfig:
-        return GuardConfig(on_alarm="continue", ranks_per_node=1, seed=self.job.seed,
+        return GuardConfig(on_alarm="continue", ranks_per_node=1, seed=self.settings["job_seed"],
                            spool_dir=str(self.scratch / "spool"), checkpoint_prefix=str(self.scratch / "unused"),
                            **self.configs[name])
 
-    def guard(self, name: str, start: int, checkpoints: CheckpointWriter | None = None,
+    def guard(self, name: str, start: int | None, checkpoints: CheckpointWriter | None = None,
               ) -> tuple[SDCGuard, torch.nn.Module, torch.optim.Optimizer]:
-        """A fresh model at the reference's state at ``start``, under a guard configured as ``name``."""
-        ddp, optimizer = build(self.job, self.device)
-        if start:
-            snap = self.snapshots[start]
-            with torch.no_grad():
-                for p, saved in zip(ddp.module.parameters(), snap.params, strict=True):
-                    p.copy_(saved)
-            # load_state_dict keeps same-device tensors as they are: hand it copies.
-            optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        """A model at the reference's state at ``start`` (None: as built, for the reference itself), in DDP,
+        under a guard configured as ``name``. Raises JobProblem when the job builds something unusable."""
+        model, optimizer = built(self.spec, self.job.build(self.device), self.device)
+        # DDP hands rank 0's weights to the others here; the snapshot then sets every rank's alike, so a
+        # build that differs from call to call (an unseeded init) changes nothing.
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if start is not None:
+            self.snapshots[start].restore(model, optimizer)
         config = self.config(name)
-        guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=self.data, config=config,
+        guard = SDCGuard(ddp, optimizer, loss_fn=self.job.loss_fn, batch_for=self.data, config=config,
                          publisher=_Quiet(config), checkpoints=checkpoints)
-        return guard, ddp.module, optimizer
+        return guard, model, optimizer
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
@@ -185,17 +203,18 @@ class Rank:
     # -- (1) the clean reference ----------------------------------------------------------------------
 
     def reference(self) -> None:
-        """Train the clean run from step 0, keeping the state at the start of every step and the series."""
+        """Train the clean run from step 0, keeping the state at the start of every step and the series.
+
+        Raises JobProblem (on every rank alike) when the model lacks what the planned fault models corrupt."""
         end = self.settings["last_step"]
-        guard, module, optimizer = self.guard("none", 0)
+        guard, module, optimizer = self.guard("none", None)
         probe = _Probe(module)
         counts = {"fwd": 0, "bwd": 0}
         allreduces = [0]
         losses, norms = [], []
         started = time.perf_counter()
         for step in range(end + 1):
-            self.snapshots[step] = _Snapshot([p.detach().clone() for p in module.parameters()],
-                                             copy.deepcopy(optimizer.state_dict()))
+            self.snapshots[step] = _Snapshot.of(module, optimizer)
             self.clean_weights[step], self.clean_state[step] = _flat_state(module, optimizer)
             if step == end:
                 break
@@ -213,9 +232,15 @@ class Rank:
             params=[(n, p.numel()) for n, p in module.named_parameters() if p.requires_grad])
         seconds = time.perf_counter() - started
         del guard
+        problems = measured_problems(self.spec, {f["model"] for f in self.plan["faults"]}, self.shape.products,
+                                     self.shape.linears, {p.dtype for p in module.parameters() if p.requires_grad})
+        if problems:
+            raise JobProblem("; ".join(problems))
         series = self._gather(losses + norms)
+        model = type(module)
         self._write({"kind": "reference", "steps": end, "seconds": seconds,
-                     "shape": dataclasses.asdict(self.shape),
+                     "shape": dataclasses.asdict(self.shape), "model": f"{model.__module__}.{model.__qualname__}",
+                     "trainable": sum(n for _, n in self.shape.params),
                      "losses": [[series[r][s] for r in range(self.world)] for s in range(end)],
                      "norms": [[series[r][end + s] for r in range(self.world)] for s in range(end)]})
 
@@ -506,8 +531,15 @@ def device_for(name: str) -> torch.device:
     return torch.device(name)
 
 
+PROBLEM_EXIT_CODE = 3
+"""A rank's exit status when the job cannot be measured; it leaves the reason in ``job_problem.<rank>``."""
+
+
 def rank_main(plan_path: str) -> None:
-    """The entry of every spawned rank: read the plan, run it, leave the process group."""
+    """The entry of every spawned rank: read the plan, run it, leave the process group.
+
+    When the job cannot be measured (JobProblem), the rank writes why to ``job_problem.<rank>`` in the
+    plan's folder and exits with PROBLEM_EXIT_CODE, without the teardown's collectives."""
     logging.basicConfig(level=logging.CRITICAL)
     for name in ("agent", "lineage", "campaign"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -520,10 +552,14 @@ def rank_main(plan_path: str) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     # Every configuration must run the same kernels, the audit's or not.
     torch.use_deterministic_algorithms(True)
-    worker = Rank(plan, out)
-    phases = plan["phases"]
-    if "faults" in phases or "clean" in phases:
-        worker.reference()
+    try:
+        worker = Rank(plan, out)
+        phases = plan["phases"]
+        if "faults" in phases or "clean" in phases:
+            worker.reference()
+    except JobProblem as exc:
+        (out / f"job_problem.{dist.get_rank()}").write_text(str(exc))
+        raise SystemExit(PROBLEM_EXIT_CODE) from None
     if "clean" in phases:
         worker.clean_checks()
     if "faults" in phases:

@@ -57,6 +57,9 @@ def test_incidents_without_credentials_says_so(
     (["--faults-per-model", "0"], "faults_per_model: must be > 0"),
     (["--models", "matmul_fwd,cosmic_ray"], "unknown fault model(s) ['cosmic_ray']"),
     (["--replay", "matmul_fwd/sometimes/001"], "unknown persistence 'sometimes'"),
+    (["--job", "mypkg.sdc.campaign_job"], "--job 'mypkg.sdc.campaign_job': expected MODULE:FUNCTION"),
+    (["--job", "sdcguard_no_such_pkg.sdc:campaign_job"], "module 'sdcguard_no_such_pkg.sdc' cannot be imported"),
+    (["--job", "campaign.job:no_such_factory"], "module 'campaign.job' has no attribute 'no_such_factory'"),
 ])
 def test_campaign_refuses_bad_options_before_running_anything(
         args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
