@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from agent import fingerprint as fp
-from agent.nonfinite import MASK_BUCKETS, GradientHook, nonfinite_flag
+from agent.nonfinite import MASK_BUCKETS, GradientHook, measure
 from agent.ring_audit import Recomputation, bits_to_hex, layout_order, loss_bits
 from contract.alarm import FaultPersistence
 
@@ -68,10 +68,11 @@ def claim_from_recomputation(recomputation: Recomputation, layout: dict[int, lis
     for index in sorted(layout):
         grads = [recomputation.grads[n].reshape(-1) for n in layout[index]]
         flat = torch.cat(grads) if grads else torch.zeros(0)
-        if nonfinite and index < MASK_BUCKETS and bool(nonfinite_flag(flat)):
+        # The owner's hook measured the bucket buffer, which is these gradients laid end to end.
+        seen = measure(flat, flag=nonfinite and index < MASK_BUCKETS, norm=norms)
+        if seen.nonfinite is not None and bool(seen.nonfinite):
             mask |= 1 << index
-        # The owner's hook took the norm of the bucket buffer, which is these gradients laid end to end.
-        norm_values.append(torch.linalg.vector_norm(flat).to(torch.float64) if norms
+        norm_values.append(seen.norm.to(torch.float64) if seen.norm is not None
                            else torch.zeros((), dtype=torch.float64))
     parts = [loss_bits(recomputation.loss).reshape(1).to(device), torch.tensor([mask], dtype=torch.int64, device=device)]
     if norm_values:

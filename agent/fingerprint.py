@@ -459,6 +459,12 @@ def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | N
     return out.add_(_descriptor_lanes(t.dtype, tuple(t.shape), t.device))
 
 
+def descriptor_lanes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s per-(dtype, shape) constants as int64 [3] on its device: what a kernel's data lanes need added to
+    be ``fingerprint(t)``. Shared and read-only: add it into your own tensor, never write to it."""
+    return _descriptor_lanes(t.dtype, tuple(t.shape), t.device)
+
+
 def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = None) -> torch.Tensor:
     """Fingerprints of several tensors: int64 [n, 3], row k for the k-th tensor.
 

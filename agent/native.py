@@ -5,7 +5,10 @@ pure-torch fingerprint ran at about a tenth of memory bandwidth. The C kernel
 does the same arithmetic in one vectorised pass (AVX-512 or AVX2 picked at run
 time on x86-64, plain C elsewhere) and gives the same bits. The same library
 has detector 1's test for NaN/Inf, one pass over the raw bits where torch
-needed five ops per bucket.
+needed five ops per bucket, and the communication hook's fused bucket passes:
+a sum of squares (whose order is part of its definition, ``agent.grad_norm``)
+together with the division by the world size before the all-reduce, or
+together with the fingerprint after it.
 
 The kernel is plain C11 with no Python or torch headers, so building it needs
 only a C compiler (``$CC``, else ``cc`` or ``gcc``) and takes well under a
@@ -35,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import random
@@ -55,7 +59,7 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 5
+ABI = 6
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
@@ -75,6 +79,14 @@ KNOWN_ANSWERS = (
 """The data lanes (no descriptor) of the torch implementation on ``known_answer_inputs()``, as unsigned 64-bit."""
 FLOAT_FORMATS = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 4}
 """The non-finite scan's float formats, by torch dtype name."""
+SUM_FORMATS = {"float16": 1, "bfloat16": 2, "float32": 3}
+"""The sum of squares' float formats (those whose squares are exact in fp64), by torch dtype name."""
+DIVIDE_FORMATS = frozenset({"float32"})
+"""The formats the sum of squares can divide in the same pass (IEEE division as torch's; halves round through
+fp32 in torch, so torch divides those)."""
+SQ_ROW = 16
+SQ_CHUNK = 4096
+"""The sum of squares' rows (lanes) and chunk (256 rows), part of its definition (``agent.grad_norm``)."""
 
 
 class NativeKernelError(RuntimeError):
@@ -122,6 +134,29 @@ class Kernel:
         if found < 0:
             raise NativeKernelError(f"nonfinite kernel: unknown float format {float_format}")
         return bool(found)
+
+    def sum_of_squares(self, data: int, n: int, float_format: int) -> float:
+        """The sum of squares (``agent.grad_norm``'s definition) of ``n`` floats of ``float_format`` (see
+        ``SUM_FORMATS``) at ``data``; not finite exactly when one of them is not."""
+        total = ctypes.c_double()
+        if self.lib.sdc_sumsq(data, n, float_format, self.isa, ctypes.byref(total)) != 0:
+            raise NativeKernelError(f"sum of squares: unknown float format {float_format}")
+        return total.value
+
+    def sum_of_squares_divide(self, data: int, n: int, float_format: int, divisor: int) -> float:
+        """``sum_of_squares``, then each float divided by ``divisor`` in place, in one pass (``DIVIDE_FORMATS``)."""
+        total = ctypes.c_double()
+        if self.lib.sdc_sumsq_divide(data, n, float_format, divisor, self.isa, ctypes.byref(total)) != 0:
+            raise NativeKernelError(f"sum of squares with division: float format {float_format} not supported")
+        return total.value
+
+    def fingerprint_sum_of_squares(self, data: int, n: int, float_format: int, out: int) -> float:
+        """``segment`` of the floats' bits (start 0) into the three uint64 words at ``out``, and their
+        ``sum_of_squares``, in one pass."""
+        total = ctypes.c_double()
+        if self.lib.sdc_fp_sumsq(data, n, float_format, self.isa, out, ctypes.byref(total)) != 0:
+            raise NativeKernelError(f"fingerprint with sum of squares: unknown float format {float_format}")
+        return total.value
 
     def with_isa(self, isa: int) -> Kernel:
         """This kernel limited to instruction set ``isa`` (at most the machine's best)."""
@@ -282,6 +317,16 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     ]
     lib.sdc_nonfinite.restype = ctypes.c_int
     lib.sdc_nonfinite.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.sdc_sumsq.restype = ctypes.c_int
+    lib.sdc_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.sdc_sumsq_divide.restype = ctypes.c_int
+    lib.sdc_sumsq_divide.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+    ]
+    lib.sdc_fp_sumsq.restype = ctypes.c_int
+    lib.sdc_fp_sumsq.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+    ]
     best = lib.sdc_fp_best_isa()
     return Kernel(lib, best if isa is None else min(isa, best), path, kinds)
 
@@ -331,8 +376,71 @@ def _finite_bits(name: str, rng: random.Random, n: int) -> list[int]:
     return list(struct.unpack(f"<{n}Q", struct.pack(f"<{n}d", *values)))
 
 
+def sum_of_squares_reference(values: list[float]) -> float:
+    """The sum of squares by its definition (``agent.grad_norm``), in plain Python floats (IEEE doubles):
+    the reference the kernel's self-check and the tests hold both implementations to.
+
+    Chunks of ``SQ_CHUNK`` elements, 256 rows of ``SQ_ROW``, the last padded with zeros; squares in fp64; rows
+    added pairwise (2i + 2i+1) level by level to one row; its lanes folded (l + l+8, l+4, l+2, l+1); the chunks'
+    values added in order from 0."""
+    total = 0.0
+    for start in range(0, len(values), SQ_CHUNK):
+        piece = [v * v for v in values[start:start + SQ_CHUNK]]
+        piece += [0.0] * (SQ_CHUNK - len(piece))
+        rows = [piece[r:r + SQ_ROW] for r in range(0, SQ_CHUNK, SQ_ROW)]
+        while len(rows) > 1:
+            rows = [[a + b for a, b in zip(rows[i], rows[i + 1], strict=True)] for i in range(0, len(rows), 2)]
+        row = rows[0]
+        width = SQ_ROW // 2
+        while width:
+            row = [row[lane] + row[lane + width] for lane in range(width)]
+            width //= 2
+        total += row[0]
+    return total
+
+
+def _values(name: str, bits: list[int]) -> list[float]:
+    """The floats of ``name`` whose bit patterns are ``bits``, as Python floats (exact)."""
+    n = len(bits)
+    if name == "float16":
+        return list(struct.unpack(f"<{n}e", struct.pack(f"<{n}H", *bits)))
+    if name == "bfloat16":
+        return list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *(b << 16 for b in bits))))
+    return list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *bits)))
+
+
+def _check_sums(kernel: Kernel, rng: random.Random) -> str | None:
+    """The bucket passes against ``sum_of_squares_reference`` and the fingerprint lanes, on a whole chunk and a
+    partial one; the fp32 division against Python's (exactly rounded to fp32: a double's quotient rounds to the
+    nearest float correctly, as 53 >= 2 * 24 + 2 bits)."""
+    n = SQ_CHUNK + 1037
+    for name, code in SUM_FORMATS.items():
+        form = _NONFINITE_BITS[name][0]
+        bits = _finite_bits(name, rng, n)
+        want = sum_of_squares_reference(_values(name, bits))
+        data = struct.pack(f"<{n}{form}", *bits)
+        buffer = ctypes.create_string_buffer(data, len(data))
+        got = kernel.sum_of_squares(ctypes.addressof(buffer), n, code)
+        if got != want:
+            return f"the sum of squares of {n} {name}: {got!r} instead of {want!r}"
+        lanes = (ctypes.c_uint64 * 3)()
+        got = kernel.fingerprint_sum_of_squares(ctypes.addressof(buffer), n, code, ctypes.addressof(lanes))
+        if got != want or tuple(lanes) != kernel_lanes(kernel, data, struct.calcsize(form), False):
+            return f"the fingerprint with the sum of squares of {n} {name} disagrees with the parts"
+        # A world of 3 divides; one of 4 multiplies by the exact reciprocal, which must give the same bits.
+        for divisor in (3, 4) if name in DIVIDE_FORMATS else ():
+            buffer = ctypes.create_string_buffer(data, len(data))
+            got = kernel.sum_of_squares_divide(ctypes.addressof(buffer), n, code, divisor)
+            divided = struct.unpack(f"<{n}f", buffer.raw[:len(data)])
+            expected = struct.unpack(f"<{n}f", struct.pack(f"<{n}f", *(v / divisor for v in _values(name, bits))))
+            if got != want or divided != expected:
+                return f"the sum of squares with division by {divisor} of {n} {name} disagrees with Python's"
+    return None
+
+
 def self_check(kernel: Kernel) -> str | None:
-    """Compare the kernel with the torch implementation's known answers on each element width; None when they agree."""
+    """Compare the kernel with the torch implementation's known answers on each element width, and the bucket
+    passes with their definition; None when they agree."""
     for (size, unsigned, n), data, want in zip(KNOWN_ANSWER_CASES, known_answer_inputs(), KNOWN_ANSWERS, strict=True):
         got = kernel_lanes(kernel, data, size, unsigned)
         if got != want:
@@ -349,7 +457,10 @@ def self_check(kernel: Kernel) -> str | None:
             buffer = ctypes.create_string_buffer(struct.pack(f"<{len(probe)}{form}", *probe))
             if kernel.nonfinite(ctypes.addressof(buffer), len(probe), code) != expected:
                 return f"the non-finite scan of {name} with {bad} at one element did not say {expected}"
-    return None
+            if name in SUM_FORMATS and math.isfinite(
+                    kernel.sum_of_squares(ctypes.addressof(buffer), len(probe), code)) == expected:
+                return f"the sum of squares of {name} with {bad} at one element was not {'in' * expected}finite"
+    return _check_sums(kernel, rng)
 
 
 def reset_for_tests() -> None:

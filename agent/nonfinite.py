@@ -2,13 +2,20 @@
 
 The hook wraps each bucket's all-reduce. Before it, the local (this rank's
 own) gradients are tested for NaN/Inf, which names the rank that made them,
-and their norm is taken (the magnitude trigger's statistic and part of the
-rank's claim that a confirmation checks); on audit steps the per-parameter
-fingerprints of the local gradients are recorded for the ring audit (digests,
-never copies). After it, the reduced gradients are tested again and
-fingerprinted: every rank must have received the same bits. The results stay
-on the device as small tensors; :meth:`GradientHook.summary` packs them into
-one int64 vector.
+their norm is taken (the magnitude trigger's statistic and part of the
+rank's claim that a confirmation checks), and they are divided by the world
+size; on audit steps the per-parameter fingerprints of the local gradients
+are recorded for the ring audit (digests, never copies). After it, the
+reduced gradients are tested again and fingerprinted: every rank must have
+received the same bits. The results stay on the device as small tensors;
+:meth:`GradientHook.summary` packs them into one int64 vector.
+
+Done one by one, those checks are five passes over every gradient besides
+the division, each about as long as a memory copy. On the CPU the C kernel
+does each side in one (:func:`local_pass`, :func:`reduced_pass`): the sum of
+squares and the division before, the fingerprint and the sum of squares
+after; the non-finite flag comes with the sum (``agent.grad_norm``). The
+results are the bits the separate passes give.
 
 Two facts shape the code. DDP rebuilds its buckets after the first step, so
 nothing is cached by bucket index across steps. The ``.then`` callbacks run on
@@ -19,6 +26,7 @@ its own dictionary entry and no scratch buffer is shared.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from agent import fingerprint as fp
-from agent import native
+from agent import grad_norm, native
 
 # Bucket masks are one int64 word each; buckets beyond this still count in the
 # any-flags, they are only left out of the per-bucket evidence.
@@ -63,6 +71,75 @@ def nonfinite_flag(t: torch.Tensor) -> torch.Tensor:
             return _CPU_FLAGS[kernel.nonfinite(t.data_ptr(), t.numel(), float_format)]
     lo, hi = torch.aminmax(t.detach().reshape(-1))
     return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+@dataclass(frozen=True)
+class BucketPass:
+    """What one pass over a bucket found; None where it was not asked for."""
+
+    nonfinite: torch.Tensor | None = None
+    """0-dim bool on the bucket's device: does it hold a NaN or an infinity?"""
+    norm: torch.Tensor | None = None
+    """0-dim, ``grad_norm.bucket_norm`` (fp64 on the CPU)."""
+    fingerprint: torch.Tensor | None = None
+    """int64 [3], ``fingerprint.fingerprint``."""
+
+
+def measure(t: torch.Tensor, *, flag: bool, norm: bool) -> BucketPass:
+    """``nonfinite_flag(t)`` and ``grad_norm.bucket_norm(t)``, as asked; one pass where the C kernel reads ``t``."""
+    return _local(t, None, flag=flag, norm=norm)
+
+
+def local_pass(buffer: torch.Tensor, divisor: int, *, flag: bool, norm: bool) -> BucketPass:
+    """Before the all-reduce: ``measure(buffer)``, then ``buffer.div_(divisor)`` (the all-reduce sums, the hook
+    wants the mean), with the same bits; one pass on the CPU for fp32 (halves: the kernel's pass, then torch's
+    division, which rounds through fp32)."""
+    return _local(buffer, divisor, flag=flag, norm=norm)
+
+
+def _local(t: torch.Tensor, divisor: int | None, *, flag: bool, norm: bool) -> BucketPass:
+    readable = grad_norm.kernel_for(t) if flag or norm else None
+    if readable is None:
+        found = BucketPass(nonfinite_flag(t) if flag else None, grad_norm.bucket_norm(t) if norm else None)
+        if divisor is not None:
+            t.div_(divisor)
+        return found
+    kernel, float_format = readable
+    if divisor is not None and str(t.dtype).removeprefix("torch.") in native.DIVIDE_FORMATS:
+        total = kernel.sum_of_squares_divide(t.data_ptr(), t.numel(), float_format, divisor)
+    else:
+        total = kernel.sum_of_squares(t.data_ptr(), t.numel(), float_format)
+        if divisor is not None:
+            t.div_(divisor)
+    return _from_sum(total, flag=flag, norm=norm)
+
+
+def reduced_pass(reduced: torch.Tensor, *, flag: bool, fingerprint: bool, norm: bool) -> BucketPass:
+    """After the all-reduce: ``nonfinite_flag``, ``fingerprint.fingerprint`` and ``grad_norm.bucket_norm`` of
+    ``reduced``, as asked; one pass where the C kernel reads it, with the bits of the separate ones."""
+    readable = grad_norm.kernel_for(reduced) if flag or norm else None
+    if readable is None:
+        return BucketPass(nonfinite_flag(reduced) if flag else None,
+                          grad_norm.bucket_norm(reduced) if norm else None,
+                          fp.fingerprint(reduced) if fingerprint else None)
+    kernel, float_format = readable
+    lanes = None
+    if fingerprint:
+        lanes = torch.zeros(fp.LANES, dtype=torch.int64)
+        total = kernel.fingerprint_sum_of_squares(reduced.data_ptr(), reduced.numel(), float_format,
+                                                  lanes.data_ptr())
+        lanes.add_(fp.descriptor_lanes(reduced))
+    else:
+        total = kernel.sum_of_squares(reduced.data_ptr(), reduced.numel(), float_format)
+    return _from_sum(total, flag=flag, norm=norm, fingerprint=lanes)
+
+
+def _from_sum(total: float, *, flag: bool, norm: bool, fingerprint: torch.Tensor | None = None) -> BucketPass:
+    """A kernel's sum of squares of halves or singles as the flag (not finite exactly when an element is not)
+    and the norm."""
+    total = grad_norm.canonical(total)
+    return BucketPass(_CPU_FLAGS[not math.isfinite(total)] if flag else None,
+                      grad_norm.norm_from_sum(total) if norm else None, fingerprint)
 
 
 class GradientHook:
@@ -117,27 +194,29 @@ class GradientHook:
         if self.record_params or index not in self.layout:
             # Listing a bucket's parameters costs per parameter: only when needed.
             self.layout[index] = [self.names.get(id(p), f"bucket{index}.{i}") for i, p in enumerate(bucket.parameters())]
-        if self.check_nonfinite:
-            self._local[index] = nonfinite_flag(buffer)
-        if self.measure_norms:
-            # The buffer is the bucket's gradients laid end to end, so a
-            # recomputation gets the same bits from their concatenation.
-            self._norms[index] = torch.linalg.vector_norm(buffer)
         if self.record_params:
             self.param_fingerprints[index] = fp.fingerprint_many(bucket.gradients())
-        buffer.div_(self.world_size)
+        # The buffer is the bucket's gradients laid end to end, so a
+        # recomputation gets the same norm from their concatenation.
+        local = local_pass(buffer, self.world_size, flag=self.check_nonfinite, norm=self.measure_norms)
+        if local.nonfinite is not None:
+            self._local[index] = local.nonfinite
+        if local.norm is not None:
+            self._norms[index] = local.norm
         future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
         def after(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = done.value()[0]
             for observer in self.after_reduce:
                 observer(index, reduced)
-            if self.check_nonfinite:
-                self._reduced[index] = nonfinite_flag(reduced)
-            if self.check_reduced:
-                self._reduced_fp[index] = fp.fingerprint(reduced)
-            if self.measure_reduced_norm:
-                self._reduced_norms[index] = torch.linalg.vector_norm(reduced)
+            seen = reduced_pass(reduced, flag=self.check_nonfinite, fingerprint=self.check_reduced,
+                                norm=self.measure_reduced_norm)
+            if seen.nonfinite is not None:
+                self._reduced[index] = seen.nonfinite
+            if seen.fingerprint is not None:
+                self._reduced_fp[index] = seen.fingerprint
+            if seen.norm is not None:
+                self._reduced_norms[index] = seen.norm
             return reduced
 
         return future.then(after)

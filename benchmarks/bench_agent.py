@@ -12,7 +12,7 @@ when the two ratios agree, the figure is not an artefact of the noise.
 the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the
 same FSDP2 loop without the guard (benchmarks/agent_sharded.py).
 
-Four more parts (``--only`` picks among verdict, overhead, loop, big, trigger):
+Five more parts (``--only`` picks among verdict, overhead, loop, big, trigger, fusion):
 
 - verdict: the Python verdict alone at simulated worlds of 8, 1,024 and
   16,384 ranks, for a step where all agree (the all-reduced flags) and for one
@@ -23,7 +23,9 @@ Four more parts (``--only`` picks among verdict, overhead, loop, big, trigger):
 - big: plain DDP, the defaults and an audit step on a model of 20 M+
   parameters, where the fixed per-step cost no longer dominates;
 - trigger: the magnitude trigger's rate on clean steps of the reference job
-  in the drill's shape (3 nodes x 2 ranks, audits every 10, weights every 5).
+  in the drill's shape (3 nodes x 2 ranks, audits every 10, weights every 5);
+- fusion (only when named): on the big model, the communication hook's fused
+  bucket passes against one pass per result (benchmarks/agent_fusion.py).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from agent.nonfinite import LOCAL_ANY, LOCAL_MASK, REDUCED_FP, SUMMARY_WIDTH, ju
 from agent.ring_audit import judge as judge_audit
 from agent.train import JobShape, SyntheticData, build, init_process_group, launch, loss_fn, shutdown
 from agent.weights import vote
+from benchmarks.agent_fusion import fusion_table
 from benchmarks.agent_loop import loop_table
 
 # name -> GuardConfig overrides (None: plain DDP without a guard).
@@ -139,7 +142,7 @@ def main(argv: list[str]) -> int:
                              "FSDP2 loop without the guard (benchmarks/agent_sharded.py)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger"}:
+    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger", "fusion"}:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}")
     if args.steps < 1 or min(args.rounds, args.big_rounds, args.loop_rounds) < 4 or args.loop_k < 1:
         parser.error("--steps and --loop-k must be at least 1, --rounds, --big-rounds and --loop-rounds at least 4 "
@@ -161,6 +164,10 @@ def main(argv: list[str]) -> int:
         shape = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch,
                          heads=8)
         status |= overhead_table(shape, 1, args.big_rounds, BIG)
+    if "fusion" in parts:
+        shape = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch,
+                         heads=8)
+        status |= fusion_table(shape, args.big_rounds)
     if "trigger" in parts and args.trigger_steps:
         status |= trigger_rate(args.trigger_steps)
     return status

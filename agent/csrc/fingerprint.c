@@ -20,6 +20,11 @@
  * vectorise the plain loop well: they emulate a full 64 x 64 multiply where
  * two 32 x 32 -> 64 multiplies do.
  *
+ * The same library holds the communication hook's bucket passes (at the end of
+ * this file): the non-finite scan, and the sum of squares fused with the
+ * division by the world size before the all-reduce or with the fingerprint
+ * after it, so that each side of the all-reduce reads a bucket once.
+ *
  * Pure C11 (plus x86 intrinsics), no Python or torch headers: the loader (agent/native.py) builds
  * it with the system C compiler and calls it through ctypes, which releases
  * the GIL for the call. Reentrant: the only shared state is the position
@@ -29,8 +34,9 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 
-#define SDC_FP_ABI 5
+#define SDC_FP_ABI 6
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -203,6 +209,9 @@ AVX512_RUN(avx512_i64, int64_t, LOAD512_I64, 1)
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 static int best_isa = ISA_SCALAR;
+#ifdef SDC_FP_X86
+static int has_f16c = 0; /* fp16 conversion instructions (the AVX2 path's fp16 sums need them) */
+#endif
 
 typedef void (*run_fn)(const void *, uint32_t, uint32_t, uint64_t *);
 
@@ -290,6 +299,7 @@ void sdc_fp_init(void)
     best_isa = ISA_SCALAR;
 #ifdef SDC_FP_X86
     __builtin_cpu_init();
+    has_f16c = __builtin_cpu_supports("f16c");
     if (__builtin_cpu_supports("avx512f"))
         best_isa = ISA_AVX512;
     else if (__builtin_cpu_supports("avx2"))
@@ -457,4 +467,328 @@ int sdc_nonfinite(const void *data, int64_t n, int format)
     case 4: return nonfinite_f64((const uint64_t *)data, n);
     default: return -1;
     }
+}
+
+/* The bucket passes of the communication hook.
+ *
+ * The sum of squares of a bucket of floats (1 fp16, 2 bf16, 3 fp32), in an
+ * order fixed by its definition so that every instruction set here and the
+ * torch version in agent/grad_norm.py give the same bits:
+ *
+ *   the elements are cut into chunks of SQ_CHUNK = 4096 = 256 rows of 16
+ *   (the last chunk padded with zeros); each element is squared in fp64; in a
+ *   chunk, rows are added pairwise (row 2i + row 2i+1, level by level) down
+ *   to one row, whose lanes are folded (lane l + lane l+8, then l+4, l+2,
+ *   l+1); the chunks' values are added in order, starting from +0.
+ *
+ * Every step is an elementwise IEEE operation, so vectorising changes
+ * nothing. The square of a half or single float is exact in fp64, so a fused
+ * multiply-add could not change it either; and finite squares cannot
+ * overflow the sum, so the sum is finite exactly when every element is: the
+ * non-finite flag comes with it. Zero padding adds exact zeros (every partial
+ * sum is +0 or more). A NaN's payload is left to the caller, which makes it
+ * canonical. */
+#define SQ_ROW 16
+#define SQ_ROWS 256
+#define SQ_CHUNK (SQ_ROW * SQ_ROWS)
+
+enum { FMT_F16 = 1, FMT_BF16 = 2, FMT_F32 = 3 };
+
+/* An fp16's value as a double, exactly (infinities and NaNs included). */
+static inline double f16_value(uint16_t h)
+{
+    uint64_t sign = (uint64_t)(h >> 15) << 63;
+    uint32_t e = (h >> 10) & 31, m = h & 1023;
+    double v;
+    uint64_t bits;
+    if (e == 0) {
+        v = (double)m * 0x1p-24; /* zero or subnormal: m 2**-24 */
+        memcpy(&bits, &v, 8);
+        bits |= sign;
+    } else {
+        bits = sign | (uint64_t)(e == 31 ? 2047 : e - 15 + 1023) << 52 | (uint64_t)m << 42;
+    }
+    memcpy(&v, &bits, 8);
+    return v;
+}
+
+static inline double bf16_value(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return (double)f;
+}
+
+static inline double f32_value(float f) { return (double)f; }
+
+/* One chunk (m <= SQ_CHUNK elements at x) by the definition above, for any m:
+ * a binary counter keeps one pending row per level of the pairwise tree, and
+ * at the end the complete subtrees are added smallest first, which is how
+ * zero padding would pair them. Used for a bucket's last, partial chunk. */
+#define SQ_PARTIAL_RUN(NAME, TYPE, VALUE)                                                      \
+    static double NAME(const void *data, int64_t m)                                            \
+    {                                                                                          \
+        const TYPE *x = (const TYPE *)data;                                                    \
+        double stack[9][SQ_ROW], cur[SQ_ROW];                                                  \
+        int64_t rows = (m + SQ_ROW - 1) / SQ_ROW;                                              \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            int64_t count = m - r * SQ_ROW;                                                    \
+            for (int l = 0; l < SQ_ROW; l++) {                                                 \
+                double v = l < count ? VALUE(x[r * SQ_ROW + l]) : 0.0;                         \
+                cur[l] = v * v;                                                                \
+            }                                                                                  \
+            int level = 0;                                                                     \
+            for (; (r >> level) & 1; level++)                                                  \
+                for (int l = 0; l < SQ_ROW; l++)                                               \
+                    cur[l] = stack[level][l] + cur[l];                                         \
+            memcpy(stack[level], cur, sizeof cur);                                             \
+        }                                                                                      \
+        int have = 0;                                                                          \
+        for (int level = 0; level <= 8; level++) {                                             \
+            if (!((rows >> level) & 1))                                                        \
+                continue;                                                                      \
+            for (int l = 0; l < SQ_ROW; l++)                                                   \
+                cur[l] = have ? stack[level][l] + cur[l] : stack[level][l];                    \
+            have = 1;                                                                          \
+        }                                                                                      \
+        if (!have)                                                                             \
+            return 0.0;                                                                        \
+        for (int w = SQ_ROW / 2; w > 0; w /= 2)                                                \
+            for (int l = 0; l < w; l++)                                                        \
+                cur[l] = cur[l] + cur[l + w];                                                  \
+        return cur[0];                                                                         \
+    }
+
+/* A whole chunk (SQ_CHUNK elements): the same tree with a fixed shape, as
+ * plain loops that the compiler vectorises, compiled once per instruction
+ * set: groups of 8 rows reduced in registers, then the 32 group rows halved. */
+#define SQ_CHUNK_RUN(NAME, TYPE, VALUE, ATTR)                                                  \
+    ATTR static double NAME(const void *data)                                                  \
+    {                                                                                          \
+        const TYPE *x = (const TYPE *)data;                                                    \
+        double group[SQ_ROWS / 8][SQ_ROW];                                                     \
+        for (int g = 0; g < SQ_ROWS / 8; g++) {                                                \
+            double t[8][SQ_ROW];                                                               \
+            for (int k = 0; k < 8; k++)                                                        \
+                for (int l = 0; l < SQ_ROW; l++) {                                             \
+                    double v = VALUE(x[(g * 8 + k) * SQ_ROW + l]);                             \
+                    t[k][l] = v * v;                                                           \
+                }                                                                              \
+            for (int w = 4; w > 0; w /= 2)                                                     \
+                for (int k = 0; k < w; k++)                                                    \
+                    for (int l = 0; l < SQ_ROW; l++)                                           \
+                        t[k][l] = t[2 * k][l] + t[2 * k + 1][l];                               \
+            memcpy(group[g], t[0], sizeof t[0]);                                               \
+        }                                                                                      \
+        for (int w = SQ_ROWS / 16; w > 0; w /= 2)                                              \
+            for (int k = 0; k < w; k++)                                                        \
+                for (int l = 0; l < SQ_ROW; l++)                                               \
+                    group[k][l] = group[2 * k][l] + group[2 * k + 1][l];                       \
+        for (int w = SQ_ROW / 2; w > 0; w /= 2)                                                \
+            for (int l = 0; l < w; l++)                                                        \
+                group[0][l] = group[0][l] + group[0][l + w];                                   \
+        return group[0][0];                                                                    \
+    }
+
+/* x[0..m) /= w in place (fp32; IEEE division, as torch's div_ by a number). When
+ * w is a power of two its reciprocal r is exact, and x r is the same real
+ * number as x / w, rounded the same way: the same bits, at a fraction of the
+ * cost of a division. */
+#define DIVIDE_RUN(NAME, ATTR)                                                                 \
+    ATTR static void NAME(float *x, int64_t m, float w, int exact_reciprocal)                  \
+    {                                                                                          \
+        if (exact_reciprocal) {                                                                \
+            const float r = 1.0f / w;                                                          \
+            for (int64_t k = 0; k < m; k++)                                                    \
+                x[k] = x[k] * r;                                                               \
+        } else {                                                                               \
+            for (int64_t k = 0; k < m; k++)                                                    \
+                x[k] = x[k] / w;                                                               \
+        }                                                                                      \
+    }
+
+#define NO_TARGET
+SQ_PARTIAL_RUN(sq_f16_partial, uint16_t, f16_value)
+SQ_PARTIAL_RUN(sq_bf16_partial, uint16_t, bf16_value)
+SQ_PARTIAL_RUN(sq_f32_partial, float, f32_value)
+SQ_CHUNK_RUN(sq_f16_scalar, uint16_t, f16_value, NO_TARGET)
+SQ_CHUNK_RUN(sq_bf16_scalar, uint16_t, bf16_value, NO_TARGET)
+SQ_CHUNK_RUN(sq_f32_scalar, float, f32_value, NO_TARGET)
+DIVIDE_RUN(divide_scalar, NO_TARGET)
+#ifdef SDC_FP_X86
+SQ_CHUNK_RUN(sq_bf16_avx2, uint16_t, bf16_value, __attribute__((target("avx2"))))
+SQ_CHUNK_RUN(sq_f32_avx2, float, f32_value, __attribute__((target("avx2"))))
+DIVIDE_RUN(divide_avx2, __attribute__((target("avx2"))))
+/* AVX-512 by hand: the compiler's version of the loops above spent a third of
+ * its shuffle port on splitting 16-float loads; here each half-row of 8 is
+ * converted straight from memory. Lanes 0-7 of a row in one register, 8-15 in
+ * another: the same tree. */
+#define SQ512_RUN(NAME, LOAD8)                                                                 \
+    __attribute__((target("avx512f"))) static double NAME(const void *data)                    \
+    {                                                                                          \
+        __m512d group[SQ_ROWS / 8][2];                                                         \
+        for (int g = 0; g < SQ_ROWS / 8; g++) {                                                \
+            __m512d r[8][2];                                                                   \
+            for (int k = 0; k < 8; k++) {                                                      \
+                __m512d lo = LOAD8(data, (g * 8 + k) * SQ_ROW);                                \
+                __m512d hi = LOAD8(data, (g * 8 + k) * SQ_ROW + 8);                            \
+                r[k][0] = _mm512_mul_pd(lo, lo);                                               \
+                r[k][1] = _mm512_mul_pd(hi, hi);                                               \
+            }                                                                                  \
+            for (int w = 4; w > 0; w /= 2)                                                     \
+                for (int k = 0; k < w; k++) {                                                  \
+                    r[k][0] = _mm512_add_pd(r[2 * k][0], r[2 * k + 1][0]);                     \
+                    r[k][1] = _mm512_add_pd(r[2 * k][1], r[2 * k + 1][1]);                     \
+                }                                                                              \
+            group[g][0] = r[0][0];                                                             \
+            group[g][1] = r[0][1];                                                             \
+        }                                                                                      \
+        for (int w = SQ_ROWS / 16; w > 0; w /= 2)                                              \
+            for (int k = 0; k < w; k++) {                                                      \
+                group[k][0] = _mm512_add_pd(group[2 * k][0], group[2 * k + 1][0]);             \
+                group[k][1] = _mm512_add_pd(group[2 * k][1], group[2 * k + 1][1]);             \
+            }                                                                                  \
+        double lanes[SQ_ROW];                                                                  \
+        _mm512_storeu_pd(lanes, group[0][0]);                                                  \
+        _mm512_storeu_pd(lanes + 8, group[0][1]);                                              \
+        for (int w = SQ_ROW / 2; w > 0; w /= 2)                                                \
+            for (int l = 0; l < w; l++)                                                        \
+                lanes[l] = lanes[l] + lanes[l + w];                                            \
+        return lanes[0];                                                                       \
+    }
+
+#define LOAD8_F32(data, i) _mm512_cvtps_pd(_mm256_loadu_ps((const float *)(data) + (i)))
+#define LOAD8_BF16(data, i)                                                                    \
+    _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(                                     \
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(data) + (i)))), 16)))
+SQ512_RUN(sq_bf16_avx512, LOAD8_BF16)
+SQ512_RUN(sq_f32_avx512, LOAD8_F32)
+DIVIDE_RUN(divide_avx512, __attribute__((target("avx512f"))))
+
+/* fp16 on a vector unit: the chunk converted to fp32 (exactly, by the CPU's
+ * conversion instruction) in cache, then summed as fp32: the same values. */
+__attribute__((target("avx2,f16c"))) static double sq_f16_avx2(const void *data)
+{
+    float f[SQ_CHUNK];
+    for (int k = 0; k < SQ_CHUNK; k += 8)
+        _mm256_storeu_ps(f + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)data + k))));
+    return sq_f32_avx2(f);
+}
+
+__attribute__((target("avx512f"))) static double sq_f16_avx512(const void *data)
+{
+    float f[SQ_CHUNK];
+    for (int k = 0; k < SQ_CHUNK; k += 16)
+        _mm512_storeu_ps(f + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)data + k))));
+    return sq_f32_avx512(f);
+}
+#endif
+
+typedef double (*sq_fn)(const void *);
+typedef void (*divide_fn)(float *, int64_t, float, int);
+
+/* Bytes per element of a float format, 0 for an unknown one. */
+static int float_size(int format)
+{
+    return format == FMT_F16 || format == FMT_BF16 ? 2 : format == FMT_F32 ? 4 : 0;
+}
+
+static sq_fn sq_whole(int format, int isa)
+{
+    if (isa > best_isa)
+        isa = best_isa;
+#ifdef SDC_FP_X86
+    if (isa == ISA_AVX512)
+        return format == FMT_F16 ? sq_f16_avx512 : format == FMT_BF16 ? sq_bf16_avx512 : sq_f32_avx512;
+    if (isa == ISA_AVX2 && (format != FMT_F16 || has_f16c))
+        return format == FMT_F16 ? sq_f16_avx2 : format == FMT_BF16 ? sq_bf16_avx2 : sq_f32_avx2;
+#endif
+    return format == FMT_F16 ? sq_f16_scalar : format == FMT_BF16 ? sq_bf16_scalar : sq_f32_scalar;
+}
+
+/* One chunk of m <= SQ_CHUNK elements: the fast whole-chunk run, or the partial one. */
+static double sq_chunk(sq_fn whole, int format, const void *data, int64_t m)
+{
+    if (m == SQ_CHUNK)
+        return whole(data);
+    return format == FMT_F16 ? sq_f16_partial(data, m) : format == FMT_BF16 ? sq_bf16_partial(data, m)
+                                                                            : sq_f32_partial(data, m);
+}
+
+static divide_fn divide_run(int isa)
+{
+    if (isa > best_isa)
+        isa = best_isa;
+#ifdef SDC_FP_X86
+    if (isa == ISA_AVX512)
+        return divide_avx512;
+    if (isa == ISA_AVX2)
+        return divide_avx2;
+#endif
+    return divide_scalar;
+}
+
+/* The sum of squares of n floats of ``format`` at data into *out. Returns 0,
+ * or -1 for an unknown format. */
+int sdc_sumsq(const void *data, int64_t n, int format, int isa, double *out)
+{
+    int size = float_size(format);
+    if (size == 0)
+        return -1;
+    sq_fn whole = sq_whole(format, isa);
+    const char *p = (const char *)data;
+    double total = 0.0;
+    for (int64_t start = 0; start < n; start += SQ_CHUNK) {
+        int64_t m = n - start < SQ_CHUNK ? n - start : SQ_CHUNK;
+        total += sq_chunk(whole, format, p + (size_t)start * size, m);
+    }
+    *out = total;
+    return 0;
+}
+
+/* Before the all-reduce: the sum of squares of n fp32 at data into *out, and
+ * each element divided by ``divisor`` (the world size, as a float) in place,
+ * chunk by chunk while it is in cache. Returns 0, or -1 for a format other
+ * than fp32 (3): halves are divided by torch, which rounds through fp32. */
+int sdc_sumsq_divide(void *data, int64_t n, int format, int64_t divisor, int isa, double *out)
+{
+    if (format != FMT_F32)
+        return -1;
+    sq_fn whole = sq_whole(format, isa);
+    divide_fn divide = divide_run(isa);
+    float w = (float)divisor;
+    int exact_reciprocal = divisor > 0 && (divisor & (divisor - 1)) == 0;
+    float *p = (float *)data;
+    double total = 0.0;
+    for (int64_t start = 0; start < n; start += SQ_CHUNK) {
+        int64_t m = n - start < SQ_CHUNK ? n - start : SQ_CHUNK;
+        total += sq_chunk(whole, format, p + start, m);
+        divide(p + start, m, w, exact_reciprocal);
+    }
+    *out = total;
+    return 0;
+}
+
+/* After the all-reduce: the fingerprint lanes of n floats of ``format`` (read
+ * as 16- or 32-bit integers, as sdc_fp_segment with start 0) added to
+ * lanes[0..3), and their sum of squares into *out, chunk by chunk while it is
+ * in cache. Returns 0, or -1 for an unknown format. */
+int sdc_fp_sumsq(const void *data, int64_t n, int format, int isa, uint64_t *lanes, double *out)
+{
+    int size = float_size(format);
+    if (size == 0)
+        return -1;
+    int kind = size == 2 ? KIND_I16 : KIND_I32;
+    sq_fn whole = sq_whole(format, isa);
+    const char *p = (const char *)data;
+    double total = 0.0;
+    for (int64_t start = 0; start < n; start += SQ_CHUNK) {
+        int64_t m = n - start < SQ_CHUNK ? n - start : SQ_CHUNK;
+        const char *at = p + (size_t)start * size;
+        sdc_fp_segment(at, m, kind, (uint64_t)start, isa, lanes);
+        total += sq_chunk(whole, format, at, m);
+    }
+    *out = total;
+    return 0;
 }
