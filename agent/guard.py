@@ -78,7 +78,7 @@ from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
 from agent.trigger import MagnitudeTrigger
 from agent.weights import checked_buffers, state_fingerprint, state_fingerprint_hex, vote
-from contract import Alarm, Detector, LastClean, RingPair
+from contract import Alarm, Detector, LastClean, NonFiniteEvidence, RingPair
 from contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,10 @@ class _Pass:
     trigger: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Confirmation:
+    """The confirmations' verdict, and the gathered claims and records it was judged from."""
+
     verdict: confirm.ConfirmationVerdict
     claims: torch.Tensor
     records: torch.Tensor
@@ -523,14 +525,8 @@ class SDCGuard:
             audit = self._judge_audit(own)
             for pair in audit.mismatched:
                 owners.setdefault(pair.audited, []).append(confirm.AUDIT)
-        if not owners:
-            return None
-        result.confirmed = sorted(owners)
-        if not (cfg.confirm and self.ring.possible):
-            return self._unconfirmed(step, owners, nonfinite, audit)
-        confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()},
-                                     digests=own.own_record is not None)
-        return self._decide(step, result, confirmation, nonfinite, audit)
+        return self._confirm_and_decide(step, result, claims, owners, nonfinite, audit,
+                                        layout_order(self.hook.layout))
 
     def _scaler_overflow(self, step: int, result: StepResult, nonfinite: Any) -> Alarm | None:
         """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
@@ -540,9 +536,7 @@ class SDCGuard:
             return None
         message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
                    f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
-        return self._alarm(step, Detector.NONFINITE_GRAD, [], False,
-                           nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
-                                              nonfinite.buckets), message)
+        return self._alarm(step, Detector.NONFINITE_GRAD, [], False, self._nonfinite_evidence(nonfinite), message)
 
     def _judge_audit(self, own: _Pass) -> AuditVerdict:
         """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
@@ -572,11 +566,31 @@ class SDCGuard:
                                                 nonfinite=self.config.nonfinite, norms=self.hook.measure_norms,
                                                 digests=digests)
 
+    def _confirm_and_decide(self, step: int, result: StepResult, claims: torch.Tensor,
+                            owners: dict[int, list[str]], nonfinite: Any, audit: AuditVerdict | None,
+                            names: list[str]) -> Alarm | None:
+        """Confirm before blame (the same on every rank): recompute each owner's micro-batch on other nodes and
+        decide, or without a confirmation (``confirm`` off, or no other node) take the detectors' own verdicts.
+
+        ``owners`` maps each rank to why it is confirmed; ``names`` label the digests of an audit step's claims
+        (parameters under DDP). Returns what :meth:`_decide` returns; None at once without an owner.
+        """
+        if not owners:
+            return None
+        result.confirmed = sorted(owners)
+        if not (self.config.confirm and self.ring.possible):
+            return self._unconfirmed(step, nonfinite, audit)
+        confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=result.audited)
+        return self._decide(step, result, confirmation, nonfinite, audit, names)
+
     def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: Any,
-                audit: AuditVerdict | None) -> Alarm | None:
-        verdict, names = c.verdict, layout_order(self.hook.layout)
+                audit: AuditVerdict | None, names: list[str]) -> Alarm | None:
+        """What the confirmations say: an alarm (the suspects' hardware, or a failed audit's auditors'), or None
+        with ``result.data_fault`` set (the NaN/Inf reproduced), or None alone (a jump the recomputations
+        reproduced). Raises DataFaultLimit past ``max_data_faults``."""
+        verdict = c.verdict
         pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
-                          mismatched_params=p[:64])
+                          mismatched_params=[self._param_label(n) for n in p[:64]])
                  for outcome in verdict.outcomes
                  for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring,
                                                            names if result.audited else None)][:4096]
@@ -585,9 +599,8 @@ class SDCGuard:
             suspects, localized = verdict.suspects, verdict.localized
             reasons = {r for o in verdict.mismatched for r in o.reasons}
             where = "localised by the recomputations on other nodes" if localized else "not localised"
-            if confirm.NONFINITE in reasons:
-                evidence: Any = nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
-                                                   nonfinite.buckets).model_copy(update={"confirmation": pairs})
+            if confirm.NONFINITE in reasons and nonfinite is not None:
+                evidence: Any = self._nonfinite_evidence(nonfinite).model_copy(update={"confirmation": pairs})
                 message = (f"non-finite gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks} that "
                            f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
                 return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
@@ -605,9 +618,8 @@ class SDCGuard:
         if audit is not None and not audit.clean:
             # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
             auditors = sorted({p.auditor for p in audit.mismatched})
-            localized = self.ring.units >= 3
             evidence = ring_evidence(self._ring_pairs(audit)).model_copy(update={"confirmation": pairs})
-            return self._alarm(step, Detector.RING_AUDIT, auditors, localized, evidence,
+            return self._alarm(step, Detector.RING_AUDIT, auditors, self.ring.units >= 3, evidence,
                                f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced "
                                f"the audited claims: the auditors' hardware", "transient")
         data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
@@ -626,7 +638,21 @@ class SDCGuard:
     def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
         return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
                          expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                         mismatched_params=p.mismatched_params[:64]) for p in audit.mismatched][:4096]
+                         mismatched_params=[self._param_label(n) for n in p.mismatched_params[:64]])
+                for p in audit.mismatched][:4096]
+
+    def _param_label(self, name: str) -> str:
+        """How an alarm names a digest that disagreed: under DDP, the parameter's name."""
+        return name
+
+    def _nonfinite_evidence(self, nonfinite: Any) -> NonFiniteEvidence:
+        """Detector 1's evidence from its reading of the gathered rows (under DDP: per bucket)."""
+        return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.buckets)
+
+    def _nonfinite_named(self, nonfinite: Any) -> list[int]:
+        """The ranks an unconfirmed non-finite alarm names: under DDP, those with non-finite local gradients,
+        else those with a non-finite loss."""
+        return list(nonfinite.local_ranks or nonfinite.loss_ranks)
 
     def _persistence(self, step: int, c: _Confirmation, *, digests: bool) -> FaultPersistence:
         """Each localised suspect replays once the micro-batch it got wrong (a collective)."""
@@ -654,17 +680,13 @@ class SDCGuard:
             raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
         return None
 
-    def _unconfirmed(self, step: int, owners: dict[int, list[str]], nonfinite: Any,
-                     audit: AuditVerdict | None) -> Alarm | None:
+    def _unconfirmed(self, step: int, nonfinite: Any, audit: AuditVerdict | None) -> Alarm | None:
         """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts."""
-        world = self.topology.world_size
         if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
-            everyone = len(nonfinite.local_ranks) == world
-            suspects = [] if everyone else nonfinite.local_ranks or nonfinite.loss_ranks
+            named = self._nonfinite_named(nonfinite)
+            suspects = [] if len(nonfinite.local_ranks) == self.topology.world_size else named
             return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                               nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
-                                                  nonfinite.buckets),
-                               f"non-finite local gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks}")
+                               self._nonfinite_evidence(nonfinite), f"non-finite local gradients on rank(s) {named}")
         if audit is not None and not audit.clean:
             where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
             return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,

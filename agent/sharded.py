@@ -68,9 +68,9 @@ from torch.distributed.tensor import DTensor
 
 from agent import confirm, native, replay
 from agent import fingerprint as fp
-from agent.alarm import fingerprint_evidence, gather_identities, nonfinite_evidence, ring_evidence
+from agent.alarm import fingerprint_evidence, gather_identities, nonfinite_evidence
 from agent.config import GuardConfig
-from agent.guard import BatchFor, LossFn, SDCGuard, StepResult
+from agent.guard import BatchFor, LossFn, SDCGuard, StepResult, _Confirmation
 from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
 from agent.inject import from_env as injection_from_env
 from agent.nonfinite import nonfinite_flag
@@ -80,7 +80,7 @@ from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology, node_of
 from agent.trigger import MagnitudeTrigger
 from agent.weights import Vote, packed_fingerprints, vote
-from contract import Alarm, Detector, RingPair
+from contract import Alarm, Detector, NonFiniteEvidence
 from contract.alarm import FaultPersistence
 
 if TYPE_CHECKING:
@@ -195,15 +195,6 @@ class _MeshNonfinite:
     loss_ranks: list[int]
     reduced_ranks: list[int]
     groups: list[tuple[int, int, str]]
-
-
-@dataclass(frozen=True)
-class _MeshConfirmation:
-    """The confirmations' verdict, and the gathered claims and records it was judged from."""
-
-    verdict: confirm.ConfirmationVerdict
-    claims: torch.Tensor
-    records: torch.Tensor
 
 
 @dataclass
@@ -587,32 +578,23 @@ class ShardedGuard(SDCGuard):
             audit = self._judge_shard_audit(own)
             for pair in audit.mismatched:
                 owners.setdefault(pair.audited, []).append(confirm.AUDIT)
-        if not owners:
-            return None
-        result.confirmed = sorted(owners)
-        if not (cfg.confirm and self.ring.possible):
-            return self._mesh_unconfirmed(step, nonfinite, audit)
-        confirmation = self._mesh_confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=digests)
-        return self._mesh_decide(step, result, confirmation, nonfinite, audit, own.seen.names)
+        return self._confirm_and_decide(step, result, claims, owners, nonfinite, audit, own.seen.names)
 
-    def _mesh_unconfirmed(self, step: int, nonfinite: _MeshNonfinite | None,
-                          audit: AuditVerdict | None) -> Alarm | None:
-        """No confirmation (``confirm`` off, or no other replica group or node): the detectors' own verdicts."""
-        world = self.topology.world_size
-        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
-            bad = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
-            suspects = [] if len(nonfinite.local_ranks) == world else bad
-            return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                               nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
-                                                  nonfinite.groups), f"non-finite local gradients on rank(s) {bad}")
-        if audit is not None and not audit.clean:
-            where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
-            return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
-                               ring_evidence(self._ring_pairs(audit)), f"rank(s) {audit.suspects} {where}")
-        return None  # the magnitude trigger alone never raises an alarm
+    def _param_label(self, name: str) -> str:
+        """How an alarm names a digest that disagreed: under a mesh, the FSDP group's."""
+        return f"FSDP group {name}"
 
-    def _mesh_confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]], *,
-                      digests: bool) -> _MeshConfirmation:
+    def _nonfinite_evidence(self, nonfinite: _MeshNonfinite) -> NonFiniteEvidence:
+        """Detector 1's evidence from its reading of the gathered rows (under a mesh: per FSDP group)."""
+        return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.groups)
+
+    def _nonfinite_named(self, nonfinite: _MeshNonfinite) -> list[int]:
+        """The ranks an unconfirmed non-finite alarm names: under a mesh, those with non-finite local gradients
+        and those with a non-finite loss."""
+        return sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
+
+    def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]], *,
+                 digests: bool) -> _Confirmation:
         """Recompute each owner's micro-batch on its confirmers, in lock step, gather, judge.
 
         Every rank runs one pass per confirmation slot (a forward through the FSDP model is a collective of
@@ -629,9 +611,9 @@ class ShardedGuard(SDCGuard):
                 mine[slot, 0] = 1
                 mine[slot, 1:] = self._claim(loss, seen, digests=digests)
         records = self._all_gather(mine.reshape(-1)).reshape(-1, 2, 1 + width)
-        return _MeshConfirmation(confirm.judge_confirmations(claims, records, owners, self.ring), claims, records)
+        return _Confirmation(confirm.judge_confirmations(claims, records, owners, self.ring), claims, records)
 
-    def _mesh_persistence(self, step: int, c: _MeshConfirmation, *, digests: bool) -> FaultPersistence:
+    def _persistence(self, step: int, c: _Confirmation, *, digests: bool) -> FaultPersistence:
         """Each localised suspect replays once the micro-batch it got wrong; every other rank its own (a pass
         in lock step, the result unused)."""
         plan = confirm.replay_plan(c.verdict)
@@ -645,63 +627,12 @@ class ShardedGuard(SDCGuard):
             mine[1:] = self._claim(loss, seen, digests=digests)
         return confirm.persistence(self._all_gather(mine), plan, c.claims, c.records, self.ring)
 
-    def _mesh_decide(self, step: int, result: StepResult, c: _MeshConfirmation, nonfinite: _MeshNonfinite | None,
-                     audit: AuditVerdict | None, names: list[str]) -> Alarm | None:
-        """What the confirmations say (as ``SDCGuard._decide`` for DDP; FSDP groups where DDP has parameters)."""
-        verdict = c.verdict
-        pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
-                          mismatched_params=[f"FSDP group {n}" for n in p][:64])
-                 for outcome in verdict.outcomes
-                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring,
-                                                           names if result.audited else None)][:4096]
-        if verdict.mismatched:
-            persistence = self._mesh_persistence(step, c, digests=result.audited)
-            suspects, localized = verdict.suspects, verdict.localized
-            reasons = {r for o in verdict.mismatched for r in o.reasons}
-            where = "localised by the recomputations on other nodes" if localized else "not localised"
-            if confirm.NONFINITE in reasons and nonfinite is not None:
-                evidence: Any = nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks),
-                                                   nonfinite.groups).model_copy(update={"confirmation": pairs})
-                message = (f"non-finite gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks} that "
-                           f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
-                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
-                                   persistence)
-            disagreed = [p for p in pairs if p.audited in {o.owner for o in verdict.mismatched}
-                         and not self._pair_agrees(p, verdict)]
-            audit_pairs = self._ring_pairs(audit) if audit is not None and not audit.clean else []
-            trigger = "audit" if confirm.AUDIT in reasons else "magnitude"
-            evidence = ring_evidence(audit_pairs or disagreed or pairs).model_copy(
-                update={"trigger": trigger, "confirmation": pairs})
-            what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
-            message = (f"rank(s) {sorted(o.owner for o in verdict.mismatched)} {what} and other nodes' "
-                       f"recomputations disagree; suspects {suspects} ({where})")
-            return self._alarm(step, Detector.RING_AUDIT, suspects, localized, evidence, message, persistence)
-        if audit is not None and not audit.clean:
-            # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
-            auditors = sorted({p.auditor for p in audit.mismatched})
-            evidence = ring_evidence(self._ring_pairs(audit)).model_copy(update={"confirmation": pairs})
-            return self._alarm(step, Detector.RING_AUDIT, auditors, self.ring.units >= 3, evidence,
-                               f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced "
-                               f"the audited claims: the auditors' hardware", "transient")
-        data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
-        if data_owners:
-            return self._data_fault(step, result, data_owners)
-        log.info("step %d: the magnitude trigger of rank(s) %s fired; the recomputations reproduced it", step,
-                 [o.owner for o in verdict.outcomes])
-        return None
-
     def _judge_shard_audit(self, own: _ShardPass) -> AuditVerdict:
         assert own.own_record is not None
         assert own.audit_record is not None
         both = self._all_gather(torch.cat([own.own_record, own.audit_record]))
         width = both.shape[1] // 2
         return judge_audit(both[:, :width], both[:, width:], self.stride, names=own.seen.names)
-
-    def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
-        return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
-                         expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                         mismatched_params=[f"FSDP group {n}" for n in p.mismatched_params][:64])
-                for p in audit.mismatched][:4096]
 
     # -- detector 3 -----------------------------------------------------------------------------------
 

@@ -15,11 +15,6 @@ weights or audit are skipped, in the defaults' cadence (every 10 and 100).
 
 from __future__ import annotations
 
-import json
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +25,8 @@ from agent import grad_norm, nonfinite
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
 from agent.nonfinite import BucketPass, nonfinite_flag
-from agent.train import JobShape, SyntheticData, build, init_process_group, launch, loss_fn, shutdown
+from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
+from benchmarks.interleave import launch_timed, plain_step, ratio_table, timed_rounds, write_timings
 
 ROWS = ("plain DDP", "defaults, one pass per result", "defaults, fused passes")
 
@@ -70,66 +66,33 @@ def _rank_main(out: str, shape: JobShape, rounds: int, spool: str) -> None:
     for name in ROWS:
         ddp, optimizer = build(shape, device)
         if name == ROWS[0]:
-            steps[name] = _plain_step(ddp, optimizer, data, rank)
+            steps[name] = plain_step(ddp, optimizer, data, rank)
             continue
         config = GuardConfig(on_alarm="raise", ranks_per_node=1, threads=1, spool_dir=spool)
         steps[name] = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config, injection=None).step
-    timings: dict[str, list[float]] = {name: [] for name in ROWS}
-    cpu: dict[str, list[float]] = {name: [] for name in ROWS}
-    step = 0
-    for round_ in range(rounds + 1):  # round 0 warms up (and DDP rebuilds its buckets)
-        shift = round_ % len(ROWS)
-        for name in ROWS[shift:] + ROWS[:shift]:
-            _Passes.one_per_result = name == ROWS[1]
-            dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            steps[name](step)
-            elapsed = torch.tensor([time.perf_counter() - started])
-            used = torch.tensor([time.process_time() - cpu_started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            dist.all_reduce(used, op=dist.ReduceOp.SUM)
-            if round_:
-                timings[name].append(float(elapsed))
-                cpu[name].append(float(used))
-        step += 1
-        while step % 10 == 0:  # no weight check (every 10) nor audit (every 100): the passes alone differ
-            step += 1
-    if rank == 0:
-        Path(out).write_text(json.dumps({"wall": timings, "cpu": cpu}))
+
+    def passes_for(name: str) -> None:
+        _Passes.one_per_result = name == ROWS[1]
+
+    write_timings(out, timed_rounds(steps, rounds, step_number=_without_checks, before=passes_for))
     steps.clear()
     shutdown()
 
 
-def _plain_step(ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                data: SyntheticData, rank: int) -> Any:
-    def step(step: int) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(ddp, data(step, rank)).backward()
-        optimizer.step()
-    return step
+def _without_checks(n: int) -> int:
+    """A row's n-th step number: 0 (the warm-up round's), then 1 to 9, 11 to 19, 21 ...: no multiple of 10, so no
+    weight check (every 10) nor audit (every 100), and the passes alone differ."""
+    return n + (n - 1) // 9 if n else 0
 
 
 def fusion_table(shape: JobShape, rounds: int) -> int:
     """One interleaved run of the three rows on 2 ranks; prints them and their ratios to plain DDP."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "timings.json")
-        codes = launch(2, _rank_main, (out, shape, rounds, str(Path(tmp) / "spool")),
-                       env={"OMP_NUM_THREADS": "1"}, timeout=3600)
-        if codes != [0, 0]:
-            print(f"bench agent: fusion ranks exited with {codes}")
-            return 1
-        measured: dict[str, dict[str, list[float]]] = json.loads(Path(out).read_text())
+    measured = launch_timed(2, _rank_main, (shape, rounds), "fusion ranks")
+    if measured is None:
+        return 1
     print(f"\nthe fused bucket passes: TinyGPT dim={shape.dim} layers={shape.layers} seq={shape.seq} "
           f"batch={shape.batch}, 2 gloo ranks on 2 simulated nodes, 1 thread each; {rounds} rounds of one step "
           "without a weight check or an audit")
     print("wall: the slower rank's time per step; cpu: both ranks' CPU time per step (work, not waiting).")
-    print(f"| {'row':<30} | {'wall ms':>8} | {'x plain':>7} | {'q1 x plain':>10} | {'cpu ms':>7} | {'x plain':>7} |")
-    print(f"|{'-' * 32}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 9}|")
-    quartiles = {kind: {name: statistics.quantiles(times, n=4)[:2] for name, times in series.items()}
-                 for kind, series in measured.items()}
-    (plain_q1, plain_median), (_, plain_cpu) = quartiles["wall"][ROWS[0]], quartiles["cpu"][ROWS[0]]
-    for name in ROWS:
-        (q1, median), (_, cpu_median) = quartiles["wall"][name], quartiles["cpu"][name]
-        print(f"| {name:<30} | {median * 1e3:8.2f} | {median / plain_median:7.3f} | {q1 / plain_q1:10.3f} | "
-              f"{cpu_median * 1e3:7.2f} | {cpu_median / plain_cpu:7.3f} |")
+    ratio_table(measured, ROWS, ROWS[0], header="row", width=30)
     return 0

@@ -12,11 +12,6 @@ optimizer, the schedule.
 from __future__ import annotations
 
 import contextlib
-import json
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +19,8 @@ import torch.distributed as dist
 
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
-from agent.train import JobShape, SyntheticData, build, init_process_group, launch, loss_fn, shutdown
+from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
+from benchmarks.interleave import launch_timed, ratio_table, timed_rounds, write_timings
 
 ROWS = ("plain loop (no guard)", "guarded, defaults (audit /100, weights /10)", "guarded, audit every step")
 MAX_GRAD_NORM = 1.0
@@ -57,24 +53,7 @@ def _rank_main(out: str, shape: JobShape, k: int, rounds: int, spool: str) -> No
         guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=config, scheduler=scheduler,
                          injection=None)
         steps[name] = guard.step
-    timings: dict[str, list[float]] = {name: [] for name in ROWS}
-    cpu: dict[str, list[float]] = {name: [] for name in ROWS}
-    order = list(ROWS)
-    for round_ in range(rounds + 1):  # round 0 warms up
-        shift = round_ % len(order)
-        for name in order[shift:] + order[:shift]:
-            dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            steps[name](round_)
-            elapsed = torch.tensor([time.perf_counter() - started])
-            used = torch.tensor([time.process_time() - cpu_started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            dist.all_reduce(used, op=dist.ReduceOp.SUM)
-            if round_:
-                timings[name].append(float(elapsed))
-                cpu[name].append(float(used))
-    if rank == 0:
-        Path(out).write_text(json.dumps({"wall": timings, "cpu": cpu}))
+    write_timings(out, timed_rounds(steps, rounds))
     steps.clear()
     shutdown()
 
@@ -96,29 +75,15 @@ def _plain_step(ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch
 
 def loop_table(shape: JobShape, k: int, rounds: int) -> int:
     """One interleaved run of the three loops on 2 ranks; prints the rows and their ratios to the plain loop."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "timings.json")
-        codes = launch(2, _rank_main, (out, shape, k, rounds, str(Path(tmp) / "spool")),
-                       env={"OMP_NUM_THREADS": "1"}, timeout=3600)
-        if codes != [0, 0]:
-            print(f"bench agent: loop ranks exited with {codes}")
-            return 1
-        measured: dict[str, dict[str, list[float]]] = json.loads(Path(out).read_text())
+    measured = launch_timed(2, _rank_main, (shape, k, rounds), "loop ranks")
+    if measured is None:
+        return 1
     print(f"\nthe loop people run: K={k} micro-batches, clip_grad_norm_ {MAX_GRAD_NORM}, bf16 autocast, an LR "
           f"schedule; TinyGPT dim={shape.dim} layers={shape.layers} seq={shape.seq} micro-batch={shape.batch}; "
           f"2 gloo ranks on 2 simulated nodes, 1 thread each; {rounds} rounds of one step")
     print("wall: the slower rank's time per step; cpu: both ranks' CPU time per step (work, not waiting).")
-    print(f"| {'loop':<44} | {'wall ms':>8} | {'x plain':>7} | {'q1 x plain':>10} | {'cpu ms':>7} | "
-          f"{'x plain':>7} |")
-    print(f"|{'-' * 46}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 9}|")
-    quartiles = {kind: {name: statistics.quantiles(times, n=4)[:2] for name, times in series.items()}
-                 for kind, series in measured.items()}
-    (plain_q1, plain_median), (_, plain_cpu) = quartiles["wall"][ROWS[0]], quartiles["cpu"][ROWS[0]]
-    for name in ROWS:
-        (q1, median), (_, cpu_median) = quartiles["wall"][name], quartiles["cpu"][name]
-        print(f"| {name:<44} | {median * 1e3:8.2f} | {median / plain_median:7.3f} | {q1 / plain_q1:10.3f} | "
-              f"{cpu_median * 1e3:7.2f} | {cpu_median / plain_cpu:7.3f} |")
-    defaults, audit = (quartiles["wall"][r][1] / plain_median for r in ROWS[1:])
+    wall = ratio_table(measured, ROWS, ROWS[0], header="loop", width=44)["wall"]
+    defaults, audit = (wall[r].median / wall[ROWS[0]].median for r in ROWS[1:])
     print(f"defaults with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x the plain loop; "
           f"an audit step (it recomputes all {k} micro-batches): {audit:.3f} x")
     return 0

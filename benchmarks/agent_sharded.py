@@ -19,11 +19,6 @@ verdict and trigger-rate parts measure the DDP code paths and are not run here.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -37,11 +32,11 @@ from agent.train import (
     TinyGPT,
     build_sharded,
     init_process_group,
-    launch,
     loss_fn,
     shutdown,
 )
-from benchmarks.bench_agent import BIG, CONFIGS, TRIGGER_ROWS
+from benchmarks.bench_agent import BIG, CONFIGS, TRIGGER_ROWS, overhead_figures
+from benchmarks.interleave import Timings, launch_timed, plain_step, ratio_table, timed_rounds, write_timings
 
 WORLD, REPLICAS, RANKS_PER_NODE = 4, 2, 2
 PLAIN = "plain FSDP2 (no guard)"
@@ -52,31 +47,6 @@ MAX_GRAD_NORM = 1.0
 
 def _label(name: str) -> str:
     return PLAIN if CONFIGS.get(name, "") is None else name
-
-
-def _timed_rounds(steps: dict[str, Any], rounds: int, burst: int) -> dict[str, dict[str, list[float]]]:
-    """Every runner ``burst`` steps at a time, in turn; per round, the slowest rank's wall time and all ranks'
-    CPU time per step (round 0 warms up and is dropped)."""
-    position = dict.fromkeys(steps, 0)
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for round_ in range(rounds + 1):
-        shift = round_ % len(order)
-        for name in order[shift:] + order[:shift]:
-            dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            for _ in range(burst):
-                steps[name](position[name])
-                position[name] += 1
-            elapsed = torch.tensor([time.perf_counter() - started])
-            used = torch.tensor([time.process_time() - cpu_started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            dist.all_reduce(used, op=dist.ReduceOp.SUM)
-            if round_:
-                wall[name].append(float(elapsed) / burst)
-                cpu[name].append(float(used) / burst)
-    return {"wall": wall, "cpu": cpu}
 
 
 def _guard(shape: JobShape, spool: str, overrides: dict[str, Any], batch_for: Any = None,
@@ -100,18 +70,11 @@ def _overhead_rank(out: str, shape: JobShape, burst: int, rounds: int, names: tu
         overrides = CONFIGS[name]
         if overrides is None:
             model, optimizer, _ = build_sharded(shape, torch.device("cpu"), "hsdp", REPLICAS)
-
-            def plain(step: int, model: Any = model, optimizer: Any = optimizer) -> None:
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn(model, data(step, rank)).backward()
-                optimizer.step()
-            steps[name] = plain
+            steps[name] = plain_step(model, optimizer, data, rank)
         else:
             overrides = overrides if name in TRIGGER_ROWS else {"trigger_ratio": 0.0, **overrides}
             steps[name] = _guard(shape, spool, overrides)[0].step
-    measured = _timed_rounds(steps, rounds, burst)
-    if rank == 0:
-        Path(out).write_text(json.dumps(measured))
+    write_timings(out, timed_rounds(steps, rounds, burst=burst))
     steps.clear()
     shutdown()
 
@@ -149,42 +112,14 @@ def _loop_rank(out: str, shape: JobShape, k: int, rounds: int, spool: str) -> No
                                          "autocast_dtype": "bfloat16", "audit_every": audit_every},
                           batch_for=batch_for, scheduler_of=schedule)
         steps[name] = guard.step
-    measured = _timed_rounds(steps, rounds, 1)
-    if rank == 0:
-        Path(out).write_text(json.dumps(measured))
+    write_timings(out, timed_rounds(steps, rounds))
     steps.clear()
     shutdown()
 
 
-def _run(fn: Any, args: tuple[Any, ...]) -> dict[str, dict[str, list[float]]] | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "timings.json")
-        codes = launch(WORLD, fn, (out, *args, str(Path(tmp) / "spool")), env={"OMP_NUM_THREADS": "1"},
-                       timeout=3600)
-        if codes != [0] * WORLD:
-            print(f"bench agent: sharded ranks exited with {codes}")
-            return None
-        measured: dict[str, dict[str, list[float]]] = json.loads(Path(out).read_text())
-        return measured
-
-
-def _medians(measured: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, tuple[float, float]]]:
-    """(lower quartile, median) per kind (wall, cpu) and row."""
-    return {kind: {name: tuple(statistics.quantiles(times, n=4)[:2]) for name, times in series.items()}  # type: ignore[misc]
-            for kind, series in measured.items()}
-
-
-def _table(stats: dict[str, dict[str, tuple[float, float]]], rows: list[str], plain: str, width: int,
-           header: str = "configuration") -> None:
-    print(f"| {header:<{width}} | {'wall ms':>8} | {'x plain':>7} | {'q1 x plain':>10} | "
-          f"{'cpu ms':>7} | {'x plain':>7} |")
-    print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 9}|")
-    plain_wall, plain_cpu = stats["wall"][plain], stats["cpu"][plain]
-    for name in rows:
-        label = _label(name)
-        (q1, median), (_, cpu_median) = stats["wall"][name], stats["cpu"][name]
-        print(f"| {label:<{width}} | {median * 1e3:8.2f} | {median / plain_wall[1]:7.3f} | "
-              f"{q1 / plain_wall[0]:10.3f} | {cpu_median * 1e3:7.2f} | {cpu_median / plain_cpu[1]:7.3f} |")
+def _run(fn: Any, args: tuple[Any, ...]) -> Timings | None:
+    # One seam for the tests, which hand the tables recorded timings instead of minutes of ranks.
+    return launch_timed(WORLD, fn, args, "sharded ranks")
 
 
 def _shape_line(shape: JobShape, rounds: int, burst: int) -> str:
@@ -204,24 +139,10 @@ def overhead_table(shape: JobShape, burst: int, rounds: int, names: tuple[str, .
     print(f"\nreference job, {_shape_line(shape, rounds, burst)}")
     print("wall: the slowest rank's time per step; cpu: all ranks' CPU time per step (work, not waiting).")
     print(f"x plain: median / {PLAIN}'s median; q1: the same for the lower quartiles.")
-    stats = _medians(measured)
     plain = next(n for n in names if CONFIGS[n] is None)
-    _table(stats, list(names), plain, 36)
-    ratio = {name: median / stats["wall"][plain][1] for name, (_, median) in stats["wall"].items()}
-    audit = ratio["detector 2 (audit every step)"]
-    defaults = ratio["defaults (audit /100, weights /10)"]
-    if "detector 3 (weights every step)" in ratio:
-        amortized = (ratio["detectors 1 + reduced (every step)"] + (ratio["magnitude trigger alone"] - 1)
-                     + (audit - 1) / 100 + (ratio["detector 3 (weights every step)"] - 1) / 10)
-        print(f"defaults amortized from the parts: {amortized:.3f} x {PLAIN}; measured directly: {defaults:.3f} x")
-        print(f"detector 1 alone: {ratio['detector 1 (non-finite)']:.3f} x (target <= 1.05)")
-        confirmation = ratio["a confirmation every step (forced)"] - ratio["magnitude trigger alone"]
-        print(f"a confirmation (one lock-step pass per rank with 2 replica groups, 2 with 3 or more): "
-              f"+{confirmation:.3f} x a plain step")
-    else:
-        print(f"defaults, measured (steps without an audit or weight check): {defaults:.3f} x {PLAIN}; "
-              f"with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x")
-    print(f"an audit step vs a plain step: {audit:.3f} x (target <= 2.05)")
+    stats = ratio_table(measured, names, plain, header="configuration", width=36, label=_label)
+    overhead_figures(stats["wall"], plain, baseline=PLAIN,
+                     confirmation="one lock-step pass per rank with 2 replica groups, 2 with 3 or more")
     return 0
 
 
@@ -233,10 +154,8 @@ def loop_table(shape: JobShape, k: int, rounds: int) -> int:
     print(f"\nthe loop people run: K={k} micro-batches, clip_grad_norm_ {MAX_GRAD_NORM}, bf16 autocast, an LR "
           f"schedule; {_shape_line(shape, rounds, 1)}")
     print("wall: the slowest rank's time per step; cpu: all ranks' CPU time per step (work, not waiting).")
-    stats = _medians(measured)
-    _table(stats, list(LOOP_ROWS), LOOP_ROWS[0], 44, header="loop")
-    plain = stats["wall"][LOOP_ROWS[0]][1]
-    defaults, audit = (stats["wall"][r][1] / plain for r in LOOP_ROWS[1:])
+    wall = ratio_table(measured, LOOP_ROWS, LOOP_ROWS[0], header="loop", width=44)["wall"]
+    defaults, audit = (wall[r].median / wall[LOOP_ROWS[0]].median for r in LOOP_ROWS[1:])
     print(f"defaults with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x the plain loop; "
           f"an audit step (it recomputes all {k} micro-batches): {audit:.3f} x")
     return 0

@@ -35,6 +35,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,14 @@ from agent.train import JobShape, SyntheticData, build, init_process_group, laun
 from agent.weights import vote
 from benchmarks.agent_fusion import fusion_table
 from benchmarks.agent_loop import loop_table
+from benchmarks.interleave import (
+    Quartiles,
+    launch_timed,
+    plain_step,
+    ratio_table,
+    timed_rounds,
+    write_timings,
+)
 
 # name -> GuardConfig overrides (None: plain DDP without a guard).
 CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -78,45 +87,18 @@ def _rank_main(out: str, shape: JobShape, steps: int, rounds: int, names: tuple[
     device = torch.device("cpu")
     data = SyntheticData(shape, device)
     rank = dist.get_rank()
-    runners: dict[str, Any] = {}
+    runners: dict[str, Callable[[int], object]] = {}
     for name in names:
         overrides = CONFIGS[name]
         ddp, optimizer = build(shape, device)
         if overrides is None:
-            runners[name] = (ddp, optimizer, None)
+            runners[name] = plain_step(ddp, optimizer, data, rank)
         else:
             overrides = {"trigger_ratio": 0.0, **overrides} if name not in TRIGGER_ROWS else overrides
             config = GuardConfig(on_alarm="raise", ranks_per_node=1, threads=1, spool_dir=spool, **overrides)
-            runners[name] = (ddp, optimizer, SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data,
-                                                     config=config, injection=None))
-    position = dict.fromkeys(names, 0)
-    timings: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
-    order = list(runners)
-    for round_ in range(rounds + 1):  # round 0 warms up (and DDP rebuilds its buckets)
-        shift = round_ % len(order)
-        for name in order[shift:] + order[:shift]:
-            ddp, optimizer, guard = runners[name]
-            dist.barrier()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step = position[name]
-                if guard is None:
-                    optimizer.zero_grad(set_to_none=True)
-                    loss_fn(ddp, data(step, rank)).backward()
-                    optimizer.step()
-                else:
-                    guard.step(step)
-                position[name] += 1
-            elapsed = torch.tensor([time.perf_counter() - started])
-            used = torch.tensor([time.process_time() - cpu_started])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            dist.all_reduce(used, op=dist.ReduceOp.SUM)
-            if round_:
-                timings[name].append(float(elapsed) / steps)
-                cpu[name].append(float(used) / steps)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"wall": timings, "cpu": cpu}))
+            runners[name] = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=data, config=config,
+                                     injection=None).step
+    write_timings(out, timed_rounds(runners, rounds, burst=steps))
     runners.clear()
     shutdown()
 
@@ -175,46 +157,44 @@ def main(argv: list[str]) -> int:
 
 def overhead_table(shape: JobShape, steps: int, rounds: int, names: tuple[str, ...]) -> int:
     """One interleaved run of ``names`` on 2 ranks; prints the table and the derived figures."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "timings.json")
-        codes = launch(2, _rank_main, (out, shape, steps, rounds, names, str(Path(tmp) / "spool")),
-                       env={"OMP_NUM_THREADS": "1"}, timeout=3600)
-        if codes != [0, 0]:
-            print(f"bench agent: ranks exited with {codes}")
-            return 1
-        measured: dict[str, dict[str, list[float]]] = json.loads(Path(out).read_text())
+    measured = launch_timed(2, _rank_main, (shape, steps, rounds, names), "ranks")
+    if measured is None:
+        return 1
     params = sum(p.numel() for p in build_params(shape))
     print(f"\nreference job: TinyGPT dim={shape.dim} layers={shape.layers} seq={shape.seq} batch={shape.batch} "
           f"({params / 1e6:.2f} M parameters), 2 gloo ranks on 2 simulated nodes, 1 thread each; "
           f"{rounds} rounds of {steps}-step bursts")
     print("wall: the slower rank's time per step; cpu: both ranks' CPU time per step, all threads (work, not waiting).")
     print("x plain: median / plain DDP's median; q1: the same for the lower quartiles.")
-    stats = {kind: {name: _quartiles(times) for name, times in series.items()} for kind, series in measured.items()}
-    print(f"| {'configuration':<36} | {'wall ms':>8} | {'x plain':>7} | {'q1 x plain':>10} | "
-          f"{'cpu ms':>7} | {'x plain':>7} |")
-    print(f"|{'-' * 38}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 9}|")
-    plain_wall, plain_cpu = stats["wall"]["plain DDP"], stats["cpu"]["plain DDP"]
-    for name in names:
-        (q1, median), (_, cpu_median) = stats["wall"][name], stats["cpu"][name]
-        print(f"| {name:<36} | {median * 1e3:8.2f} | {median / plain_wall[1]:7.3f} | {q1 / plain_wall[0]:10.3f} | "
-              f"{cpu_median * 1e3:7.2f} | {cpu_median / plain_cpu[1]:7.3f} |")
-    ratio = {name: median / plain_wall[1] for name, (_, median) in stats["wall"].items()}
+    stats = ratio_table(measured, names, "plain DDP", header="configuration", width=36)
+    overhead_figures(stats["wall"], "plain DDP", confirmation="1 recomputation per rank with 2 nodes, 2 with 3 or more",
+                     defaults_target=" (target <= 1.03)")
+    return 0
+
+
+def overhead_figures(wall: Mapping[str, Quartiles], plain: str, *, confirmation: str, baseline: str | None = None,
+                     defaults_target: str = "") -> None:
+    """Print what the overhead table's rows add up to, as ratios of their median wall times to ``plain``'s
+    (named ``baseline`` in the text, by default ``plain``): with every configuration, the defaults amortized from their parts against
+    measured directly, detector 1 alone and a confirmation (what one takes: ``confirmation``); with the big
+    model's rows only, the defaults measured (then ``defaults_target``) and with their audits amortized; and
+    an audit step. Raises ``KeyError`` when ``wall`` lacks plain, the defaults or the audit row."""
+    baseline = baseline or plain
+    ratio = {name: quartiles.median / wall[plain].median for name, quartiles in wall.items()}
     defaults = ratio["defaults (audit /100, weights /10)"]
     audit = ratio["detector 2 (audit every step)"]
     if "detector 3 (weights every step)" in ratio:
         amortized = (ratio["detectors 1 + reduced (every step)"] + (ratio["magnitude trigger alone"] - 1)
                      + (audit - 1) / 100 + (ratio["detector 3 (weights every step)"] - 1) / 10)
-        print(f"defaults amortized from the parts: {amortized:.3f} x plain DDP; measured directly: {defaults:.3f} x")
+        print(f"defaults amortized from the parts: {amortized:.3f} x {baseline}; measured directly: {defaults:.3f} x")
         print(f"detector 1 alone: {ratio['detector 1 (non-finite)']:.3f} x (target <= 1.05)")
-        confirmation = ratio["a confirmation every step (forced)"] - ratio["magnitude trigger alone"]
-        print(f"a confirmation (1 recomputation per rank with 2 nodes, 2 with 3 or more): "
-              f"+{confirmation:.3f} x a plain step")
+        cost = ratio["a confirmation every step (forced)"] - ratio["magnitude trigger alone"]
+        print(f"a confirmation ({confirmation}): +{cost:.3f} x a plain step")
     else:
         # Too few steps here to reach an audit or a weight check on the defaults: they are amortized.
-        print(f"defaults, measured (steps without an audit or weight check): {defaults:.3f} x plain DDP (target <= 1.03); "
-              f"with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x")
+        print(f"defaults, measured (steps without an audit or weight check): {defaults:.3f} x {baseline}"
+              f"{defaults_target}; with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x")
     print(f"an audit step vs a plain step: {audit:.3f} x (target <= 2.05)")
-    return 0
 
 
 def verdict_table(worlds: tuple[int, ...] = (8, 1024, 16384), ranks_per_node: int = 8, params: int = 64) -> None:
@@ -310,12 +290,6 @@ def trigger_rate(steps: int) -> int:
           f"steps with a confirmation: {confirmed} ({100 * confirmed / steps:.2f} %); alarms: "
           f"{counts[0]['alarms']}; data faults: {counts[0]['data_faults']}; {counts[0]['seconds']:.0f} s")
     return 0
-
-
-def _quartiles(times: list[float]) -> tuple[float, float]:
-    """(lower quartile, median) of per-step times."""
-    q1, median, _ = statistics.quantiles(times, n=4)
-    return q1, median
 
 
 def build_params(shape: JobShape) -> list[torch.nn.Parameter]:

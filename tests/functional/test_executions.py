@@ -71,6 +71,17 @@ class Pipeline:
     def read_node(self, name: str) -> Any:
         return k8s.CoreV1Api(self.kube()).read_node(name)
 
+    def unavailable_answers(self, name: str) -> int:
+        """How many requests about the object ``name`` the local API server has answered with 503."""
+        eks = self.standin.eks
+        assert eks is not None
+        return sum(1 for r in eks.requests if r.name == name and r.status == 503)
+
+    def release(self, incident_id: str, execution: str | None = None) -> None:
+        """Reject the incident as a reviewer would, so the job and the node are free for the next test."""
+        assert self.decide(incident_id, "reject", "drill")["status"] == "SUCCEEDED"
+        assert self.execution_end(execution or self.execution_of(incident_id))["status"] == "SUCCEEDED"
+
     def read_job(self, name: str | None = None) -> dict[str, Any]:
         job: dict[str, Any] = k8s.CustomObjectsApi(self.kube()).get_namespaced_custom_object(
             "kubeflow.org", "v1", self.seeded["namespace"], "pytorchjobs", name or self.seeded["job"]
@@ -359,7 +370,7 @@ def test_a_kubernetes_api_that_fails_transiently_then_recovers(pipeline: Pipelin
     p.job_running()
     # Given the API server answers the next two patches of the node with 503,
     eks.faults.fail_next("PATCH", "nodes", node["node_name"], status=503, times=2)
-    failed_before = [r for r in eks.requests if r.name == node["node_name"] and r.status == 503]
+    failed_before = p.unavailable_answers(node["node_name"])
 
     alarm = p.alarm(4, ring_clean=9000)
     p.publish(alarm)
@@ -368,13 +379,9 @@ def test_a_kubernetes_api_that_fails_transiently_then_recovers(pipeline: Pipelin
     # the cordon is retried and the incident still reaches the reviewers with the node contained.
     waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED)
     assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
-    failed = [r for r in eks.requests if r.name == node["node_name"] and r.status == 503]
-    assert len(failed) - len(failed_before) == 2
+    assert p.unavailable_answers(node["node_name"]) - failed_before == 2
     assert p.read_node(node["node_name"]).spec.unschedulable is True
-
-    # (released again, so the job is free for the next test)
-    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
-    assert p.execution_end(p.execution_of(incident.incident_id))["status"] == "SUCCEEDED"
+    p.release(incident.incident_id)
 
 
 def test_a_kubernetes_api_that_fails_while_resolving_is_retried_by_the_resolve_state(pipeline: Pipeline) -> None:
@@ -384,7 +391,7 @@ def test_a_kubernetes_api_that_fails_while_resolving_is_retried_by_the_resolve_s
     p.job_running()
     # Given the API server answers the next read of the suspect's pod with 503,
     eks.faults.fail_next("GET", "pods", node["pod"], status=503, times=1)
-    failed_before = [r for r in eks.requests if r.name == node["pod"] and r.status == 503]
+    failed_before = p.unavailable_answers(node["pod"])
 
     alarm = p.alarm(1, ring_clean=27000)
     p.publish(alarm)
@@ -394,16 +401,13 @@ def test_a_kubernetes_api_that_fails_while_resolving_is_retried_by_the_resolve_s
     waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED, S.NEEDS_ATTENTION)
     assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
     assert waiting.instance_ids == [node["instance_id"]]
-    assert len([r for r in eks.requests if r.name == node["pod"] and r.status == 503]) - len(failed_before) == 1
+    assert p.unavailable_answers(node["pod"]) - failed_before == 1
     execution = p.execution_of(incident.incident_id)
     history = p.standin.client("stepfunctions").get_execution_history(executionArn=execution)["events"]
     errors = [e["taskFailedEventDetails"]["error"] for e in history if e["type"] == "TaskFailed"]
     assert errors == ["TransientKubernetesError"]
     assert p.read_node(node["node_name"]).spec.unschedulable is True
-
-    # (released again, so the job is free for the next test)
-    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
-    assert p.execution_end(execution)["status"] == "SUCCEEDED"
+    p.release(incident.incident_id, execution)
 
 
 def test_a_replacement_that_fails_stops_safely_for_attention(pipeline: Pipeline) -> None:
@@ -473,9 +477,7 @@ def test_a_storm_of_duplicate_alarms_makes_one_incident(pipeline: Pipeline) -> N
     assert p.ledger.get(incident.incident_id).duplicate_alarms == STORM - 1
     patches = [r for r in eks.requests if r.method == "PATCH" and r.name == node["node_name"]]
     assert len(patches) - patches_before == 1  # cordoned once
-
-    assert p.decide(incident.incident_id, "reject", "drill")["status"] == "SUCCEEDED"
-    assert p.execution_end(opener)["status"] == "SUCCEEDED"
+    p.release(incident.incident_id, opener)
 
 
 def test_an_unanswered_approval_times_out_to_a_safe_stop(impatient: Pipeline) -> None:
