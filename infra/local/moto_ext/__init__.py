@@ -11,6 +11,7 @@ from __future__ import annotations
 import moto
 
 from infra.local.moto_ext import (
+    dynamodb_atomic,
     eks_endpoint,
     eventbridge_targets,
     eventbus_ref,
@@ -34,6 +35,7 @@ def install() -> None:
         return
     if moto.__version__ != MOTO_VERSION:
         raise RuntimeError(f"the stand-in's moto extensions need moto {MOTO_VERSION}, found {moto.__version__}")
-    for extension in (lambda_runner, eventbridge_targets, stepfunctions_cfn, eventbus_ref, hyperpod, eks_endpoint):
+    for extension in (lambda_runner, eventbridge_targets, stepfunctions_cfn, eventbus_ref, hyperpod, eks_endpoint,
+                      dynamodb_atomic):
         extension.install()
     _installed = True
