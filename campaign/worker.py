@@ -256,6 +256,9 @@ class Rank:
         def count(_out: torch.Tensor, direction: str) -> None:
             counts[direction] += 1
 
+        # The micro-batch is made (and cached) first: products of the job's own data pipeline are no products
+        # of the model, and the faulted runs, which read the cache, never compute them.
+        self.data(step, self.rank)
         dist.all_reduce = counting
         try:
             with ProductMode(count):
