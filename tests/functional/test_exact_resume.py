@@ -11,7 +11,6 @@ restarted processes find it through the resume pointer alone.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import uuid
@@ -21,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from agent import fingerprint as fp
@@ -31,6 +29,7 @@ from infra.local.standin import LocalStandIn
 from lineage.pointer import read_pointer
 from lineage.store import open_store
 from lineage.verify import manifest_key, read_manifest
+from tests.forked import launch_forked
 
 WORLD = 2
 N = 6
@@ -51,8 +50,9 @@ def _state_hex(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return fp.to_hex(fp.combine(fp.fingerprint_many(tensors)))
 
 
-def _worker(rank: int, mode: str, prefix: str, env: dict[str, str], out: str) -> None:
+def _worker(mode: str, prefix: str, env: dict[str, str], out: str) -> None:
     os.environ.update(env)
+    rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     # A file rendezvous: no port to pick, so no race with other servers of the suite.
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous-{mode}", rank=rank, world_size=WORLD)
@@ -97,14 +97,11 @@ def _worker(rank: int, mode: str, prefix: str, env: dict[str, str], out: str) ->
 
 
 def _run(mode: str, prefix: str, env: dict[str, str], out: Path) -> list[dict[str, Any]]:
-    # forkserver: the ranks fork from a fresh single-threaded server that
-    # imported torch (and torch._dynamo, which DDP's constructor pulls in) once,
-    # so they start in a fraction of a second without inheriting the threads
-    # and locks of this process (the stand-in's servers run here); spawn would
-    # re-import torch in every rank, ~20 s each on a busy 2-core machine.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch._dynamo", "boto3", __name__])
-    mp.start_processes(_worker, args=(mode, prefix, env, str(out)), nprocs=WORLD, start_method="forkserver")
+    # Forked by a fresh launcher (tests/forked.py): the ranks start in a fraction of a second without
+    # inheriting the threads and locks of this process (the stand-in's servers run here), and a rank
+    # that hangs is stopped at the time limit instead of holding the test until pytest's.
+    codes = launch_forked(WORLD, _worker, (mode, prefix, env, str(out)), timeout=180)
+    assert codes == [0] * WORLD, f"{mode}: ranks exited with {codes}"
     return [json.loads((out / f"{mode}-{r}.json").read_text()) for r in range(WORLD)]
 
 
