@@ -298,6 +298,38 @@ Source = Literal["pointer", "newest", "explicit"]
 _SOURCES: tuple[Source, ...] = ("pointer", "newest", "explicit")
 
 
+def _agree_on_step(store: ObjectStore, step: int | None, group: Group = None,
+                   ) -> tuple[int | None, Source, ResumePointer | None, str | None]:
+    """Rank 0 (of ``group``) chooses the checkpoint (``_choose_step``) and tells the others: every rank gets the
+    step (None: a fresh start) and its source; the pointer and its etag are rank 0's alone.
+
+    Raises on every rank when rank 0 could not read the store: its own error on rank 0, CheckpointCorrupt
+    on the others (told, so that no rank waits forever on rank 0)."""
+    rank, world = _rank_world(group)
+    chosen: int | None = None
+    source: Source = "pointer"
+    pointer: ResumePointer | None = None
+    etag: str | None = None
+    unreadable: Exception | None = None
+    if rank == 0:
+        try:
+            chosen, source, pointer, etag = _choose_step(store, step)
+        except Exception as exc:
+            unreadable = exc
+    if world > 1:
+        code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
+        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
+        dist.broadcast(box, src=_first_rank(group), group=group)
+        value, kind = box.cpu().tolist()
+        if value == -2 and unreadable is None:
+            raise CheckpointCorrupt(f"{store.uri()}: rank 0 could not read the resume pointer or the listing")
+        chosen = None if value < 0 else int(value)
+        source = _SOURCES[kind]
+    if unreadable is not None:
+        raise unreadable
+    return chosen, source, pointer, etag
+
+
 def _choose_step(store: ObjectStore, step: int | None) -> tuple[int | None, Source, ResumePointer | None, str | None]:
     if step is not None:
         return step, "explicit", None, None
@@ -332,28 +364,7 @@ def load_checkpoint(
     differs. The model may be partly loaded then; do not train from it.
     """
     rank, world = _rank_world(group)
-    chosen: int | None = None
-    source: Source = "pointer"
-    pointer: ResumePointer | None = None
-    etag: str | None = None
-    unreadable: Exception | None = None
-    if rank == 0:
-        try:
-            chosen, source, pointer, etag = _choose_step(store, step)
-        except Exception as exc:
-            # Told to the others below, so that no rank waits forever on rank 0.
-            unreadable = exc
-    if world > 1:
-        code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
-        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
-        dist.broadcast(box, src=_first_rank(group), group=group)
-        value, kind = box.cpu().tolist()
-        if value == -2 and unreadable is None:
-            raise CheckpointCorrupt(f"{store.uri()}: rank 0 could not read the resume pointer or the listing")
-        chosen = None if value < 0 else int(value)
-        source = _SOURCES[kind]
-    if unreadable is not None:
-        raise unreadable
+    chosen, source, pointer, etag = _agree_on_step(store, step, group)
     if chosen is None:
         return None
     where = store.uri(checkpoint_dir(chosen))

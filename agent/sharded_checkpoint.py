@@ -47,8 +47,7 @@ from agent.checkpoint import (
     Corrupter,
     LoadedCheckpoint,
     SaveResult,
-    Source,
-    _choose_step,
+    _agree_on_step,
     _collective_device,
     _from_bytes,
     _status_all,
@@ -57,7 +56,7 @@ from agent.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from contract.checkpoint import CheckpointManifest, ObjectDigest, ResumePointer, ShardedLayout, checkpoint_dir
+from contract.checkpoint import CheckpointManifest, ObjectDigest, ShardedLayout, checkpoint_dir
 from lineage.commit import commit, uncommit
 from lineage.errors import CheckpointCorrupt, PointerConflict
 from lineage.pointer import advance_pointer, read_pointer
@@ -74,7 +73,6 @@ PREFIX = "dcp"
 METADATA = PREFIX + ".metadata"
 MAX_OBJECTS_PER_RANK = 32
 _NAME_BYTES = 200
-_SOURCES: tuple[Source, ...] = ("pointer", "newest", "explicit")
 
 
 class CheckpointLayoutMismatch(CheckpointCorrupt):
@@ -252,7 +250,7 @@ class ShardedCheckpointWriter:
         if optimizer is None:
             raise ValueError("optimizer: a sharded checkpoint needs the optimizer (its state is sharded too)")
         store, rank = self.store, dist.get_rank()
-        chosen, source, pointer, etag = self._agree_on_step(step)
+        chosen, source, pointer, etag = _agree_on_step(self.store, step)
         if rank == 0:
             self.pointer_etag = etag if source == "pointer" else read_pointer(store)[1]
             self._pointer_known = True
@@ -298,29 +296,6 @@ class ShardedCheckpointWriter:
         return LoadedCheckpoint(step=chosen, uri=where, manifest=manifest, source=source,
                                 data_position=trainer.get("data_position"), extra=dict(trainer.get("extra") or {}),
                                 pointer=pointer, pointer_etag=etag)
-
-    def _agree_on_step(self, step: int | None) -> tuple[int | None, Source, ResumePointer | None, str | None]:
-        """Rank 0 picks the checkpoint and tells the others (or tells them it could not read the store)."""
-        rank = dist.get_rank()
-        chosen: int | None = None
-        source: Source = "pointer"
-        pointer: ResumePointer | None = None
-        etag: str | None = None
-        unreadable: Exception | None = None
-        if rank == 0:
-            try:
-                chosen, source, pointer, etag = _choose_step(self.store, step)
-            except Exception as exc:
-                unreadable = exc
-        code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
-        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
-        dist.broadcast(box, src=0)
-        value, kind = box.cpu().tolist()
-        if unreadable is not None:
-            raise unreadable
-        if value == -2:
-            raise CheckpointCorrupt(f"{self.store.uri()}: rank 0 could not read the resume pointer or the listing")
-        return (None if value < 0 else int(value)), _SOURCES[kind], pointer, etag
 
     def _check_layout(self, manifest: CheckpointManifest, where: str) -> None:
         layout, guard = manifest.sharding, self.guard
