@@ -249,9 +249,19 @@ def shutdown() -> None:
 
 def free_port() -> int:
     """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on loopback (each held until all are found, so none repeats)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 FAILED_RANK_GRACE_S = 30.0
@@ -279,11 +289,18 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="sdcguard-parent-watch", daemon=True).start()
 
 
+WORLD_INDEX_ENV = "SDCGUARD_WORLD_INDEX"
+"""Set by ``launch(..., worlds=N)`` in every rank: which of the N process groups it belongs to (0 .. N-1)."""
+
+
 def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Mapping[str, str] | None = None,
-           timeout: float | None = None, start_method: str = "spawn") -> list[int | None]:
+           timeout: float | None = None, start_method: str = "spawn", worlds: int = 1) -> list[int | None]:
     """Run ``fn(*args)`` in ``nproc`` spawned processes with torchrun's variables set; their exit codes.
 
     ``env`` adds variables (per-rank ones may be given as ``NAME@RANK``).
+    ``worlds`` > 1 starts that many independent process groups of ``nproc``
+    ranks at once, each with its own rendezvous, ``WORLD_INDEX_ENV`` telling a
+    rank its group; the exit codes are listed group after group.
     A process still running after ``timeout`` seconds, or ``FAILED_RANK_GRACE_S``
     after another rank failed, is terminated (exit code None is reported for
     it); so is every rank when the caller is interrupted, and a rank whose
@@ -296,17 +313,20 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
     """
     if start_method not in ("spawn", "fork"):
         raise ValueError(f"start_method: must be spawn or fork, got {start_method!r}")
+    if worlds < 1:
+        raise ValueError(f"worlds: must be >= 1, got {worlds}")
     ctx = multiprocessing.get_context("fork") if start_method == "fork" else multiprocessing.get_context("spawn")
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc)}
     extra = dict(env or {})
     procs = []
-    for rank in range(nproc):
-        child_env = {**base, **{k: v for k, v in extra.items() if "@" not in k}}
-        child_env.update({k.split("@")[0]: v for k, v in extra.items() if k.endswith(f"@{rank}")})
-        p = ctx.Process(target=_child, args=(fn, rank, child_env, tuple(args)), daemon=False)
-        p.start()
-        procs.append(p)
+    for index, port in enumerate(free_ports(worlds)):
+        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), WORLD_INDEX_ENV: str(index)}
+        for rank in range(nproc):
+            child_env = {**base, **{k: v for k, v in extra.items() if "@" not in k}}
+            child_env.update({k.split("@")[0]: v for k, v in extra.items() if k.endswith(f"@{rank}")})
+            p = ctx.Process(target=_child, args=(fn, rank, child_env, tuple(args)), daemon=False)
+            p.start()
+            procs.append(p)
     deadline = None if timeout is None else time.monotonic() + timeout
     failed_at: float | None = None
     try:

@@ -68,6 +68,22 @@ class MagnitudeTrigger:
         either = jump[GRAD_NORM].abs() > self.log_ratio
         return up | either
 
+    def state(self) -> tuple[torch.Tensor, int]:
+        """A copy of the history and how many steps it has seen, for ``load_state``."""
+        return self.history.clone(), self.seen
+
+    def load_state(self, state: tuple[torch.Tensor, int]) -> None:
+        """Take the history another trigger of the same window had (``state()``): a run that starts mid-way
+        (a fault-injection campaign's) watches with the history of the steps it did not train itself.
+        ValueError for a history of another shape."""
+        history, seen = state
+        if history.shape != self.history.shape:
+            raise ValueError(f"state: a history of shape {tuple(history.shape)}, this trigger keeps "
+                             f"{tuple(self.history.shape)}")
+        self.history.copy_(history)
+        self.seen = int(seen)
+        self._last = None
+
     def observe(self) -> None:
         """Add the values of the last ``fires`` call to the history (call it only for a trusted step)."""
         if self._last is None:

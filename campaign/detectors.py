@@ -56,3 +56,22 @@ def configs(audit_every: int, fingerprint_every: int) -> dict[str, dict[str, Any
     rows["all"] = {"audit_every": audit_every, "fingerprint_every": fingerprint_every}
     rows["defaults"] = {}
     return rows
+
+
+def last_alarm_step(overrides: dict[str, Any], start: int, end: int) -> int:
+    """The last step of ``start .. end - 1`` at which a configuration can raise an alarm.
+
+    ``end - 1`` when it runs a per-step check (non-finite gradients, reduced
+    gradients, the magnitude trigger) or no detector at all; for sampled
+    detectors alone, the last step of their cadence in the range (``start - 1``
+    when there is none). A faulted run may stop after it: later steps train
+    what the run without detectors trains, and nothing of that configuration
+    looks at them.
+    """
+    value = {**_FIELDS, **overrides}
+    if any(value[field] for field in PER_STEP.values()) or trigger_on(overrides):
+        return end - 1
+    cadences = [value[field] for field in SAMPLED.values() if value[field]]
+    if not cadences:
+        return end - 1
+    return max(max((end - 1) // every * every, start - 1) for every in cadences)

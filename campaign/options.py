@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--horizon", type=int, help="steps a faulted run trains from its fault (default 12)")
     p.add_argument("--audit-every", type=int, help="ring audit cadence in the campaign's runs (default 10)")
     p.add_argument("--fingerprint-every", type=int, help="weight fingerprint cadence (default 5)")
-    p.add_argument("--trigger-lead", type=int, help="clean steps before a fault for runs with the magnitude trigger")
+    p.add_argument("--worlds", type=int, help="process groups of 3 ranks that share the faults (default 2: on a "
+                                             "machine with fewer cores than ranks one computes while another "
+                                             "waits; the outcomes are the same with 1)")
     p.add_argument("--soak-steps", type=int, help="clean soak steps (x 3 ranks; default 33,334); 0 skips the soak")
     p.add_argument("--seed", type=int, help="the campaign seed every fault is drawn from (default 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="cpu (gloo, default) or cuda (a GPU per rank, NCCL)")

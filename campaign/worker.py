@@ -4,15 +4,23 @@ Starting processes and process groups dominates on a small machine, so the
 ranks start once and then, in lockstep, (1) train the clean reference run,
 keeping the state at the start of every step; (2) run every detector
 configuration on the clean run (no alarm allowed, final state bit-identical
-to the reference) and check that a run restarted from a snapshot reproduces
-it; (3) for every fault, run the faulted training with no detector (the
-outcome: benign or silent, and its size; the series the baselines read),
-then once per detector configuration (until its first alarm); (4) the clean
-soak. Every faulted run starts from the reference's state a few steps before
-its fault, since training before the fault is the clean run.
+to the reference), keeping the magnitude trigger's history at every step, and
+check that a run restarted from a snapshot reproduces the clean run; (3) the
+clean soak; (4) for every fault, run the faulted training with no detector
+(the outcome: benign or silent, and its size; the series the baselines read),
+then once per detector configuration (until its first alarm, or the last step
+at which it could raise one). Every faulted run starts from the reference's
+state, and the trigger's history, a few steps before its fault, since
+training before the fault is the clean run.
 
-Rank 0 appends one JSON line per finished unit to ``runs.jsonl``; the parent
-reads and judges them (``outcome.py``).
+Several process groups ("worlds", ``launch(worlds=N)``) may share the work:
+each trains its own reference, the first runs the clean checks, the last the
+soak, and all take the faults in plan order, each claiming the next one not
+yet claimed (a file per fault). On a machine with fewer cores than ranks, one
+group computes while another waits in a collective.
+
+Rank 0 of each world appends one JSON line per finished unit to
+``runs.<world>.jsonl``; the parent merges and judges them (``outcome.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +48,7 @@ from agent.checkpoint import MODEL, OPTIMIZER, TRAINER, CheckpointWriter, rng_na
 from agent.config import GuardConfig
 from agent.guard import SDCGuard, StepResult
 from agent.publisher import Publisher, PublishOutcome
-from agent.train import shutdown
+from agent.train import WORLD_INDEX_ENV, shutdown
 from campaign import detectors
 from campaign.faults import FaultSpec
 from campaign.injectors import ModelShape, ProductMode, checkpoint_corrupter, install
@@ -144,22 +154,26 @@ class _Snapshot:
 class Rank:
     """One rank's side of the campaign (every method is collective: all ranks call it in the same order)."""
 
-    def __init__(self, plan: dict[str, Any], out: Path) -> None:
+    def __init__(self, plan: dict[str, Any], out: Path, index: int = 0) -> None:
         self.plan = plan
         self.settings = plan["settings"]
         self.out = out
+        self.index = index
+        """Which of the plan's worlds (process groups) this rank belongs to."""
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.spec: str = self.settings["job"]
         self.job = resolve(self.spec, self.settings["job_seed"])
-        self.device = device_for(self.settings["device"])
+        self.device = device_for(self.settings["device"], index * self.world)
         self.data = _Data(self.job, self.device)
         self.configs: dict[str, dict[str, Any]] = plan["configs"]
         self.snapshots: dict[int, _Snapshot] = {}
+        self.trigger_states: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
+        """Per configuration with the magnitude trigger: its history at the start of every clean step."""
         self.clean_state: dict[int, torch.Tensor] = {}
         self.clean_weights: dict[int, torch.Tensor] = {}
         self.shape: ModelShape | None = None
-        self.scratch = out / "scratch"
+        self.scratch = out / f"scratch.{index}"
 
     # -- building one run -----------------------------------------------------------------------------
 
@@ -182,12 +196,21 @@ class Rank:
         config = self.config(name)
         guard = SDCGuard(ddp, optimizer, loss_fn=self.job.loss_fn, batch_for=self.data, config=config,
                          publisher=_Quiet(config), checkpoints=checkpoints)
+        if guard.trigger is not None and start:
+            # The trigger watches with the history the clean run gave it up to here (a job that trained from
+            # step 0 would have it), not from an empty one.
+            guard.trigger.load_state(self.trigger_states[name][start])
         return guard, model, optimizer
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
-            with (self.out / "runs.jsonl").open("a") as f:
+            with (self.out / f"runs.{self.index}.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def _say(self, line: str) -> None:
+        """A progress line on the launcher's standard error (rank 0 of each world)."""
+        if self.rank == 0:
+            print(f"coverage [group {self.index}]: {line}", file=sys.stderr, flush=True)
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -278,13 +301,25 @@ class Rank:
         record["restart"] = self._clean_run("none", restart, end)
         record["restart"]["from_step"] = restart
         self._write(record)
+        self._say(f"clean checks done ({len(record['configs'])} configurations)")
+
+    def trigger_histories(self) -> None:
+        """The magnitude trigger's clean history at every step, for each configuration that runs it (the clean
+        checks keep them as they go; a world without them, or a replay, trains those clean runs for them)."""
+        for name in self.plan["fault_configs"]:
+            if detectors.trigger_on(self.configs[name]) and name not in self.trigger_states:
+                self._clean_run(name, 0, self.settings["last_step"])
 
     def _clean_run(self, name: str, start: int, end: int) -> dict[str, Any]:
         guard, module, optimizer = self.guard(name, start)
         alarms: list[dict[str, Any]] = []
         counters: dict[str, int] = {}
+        trigger = guard.trigger if start == 0 else None
+        states = self.trigger_states.setdefault(name, {}) if trigger is not None else {}
         started = time.perf_counter()
         for step in range(start, end):
+            if trigger is not None:
+                states[step] = trigger.state()
             result = guard.step(step)
             _count_flags(result, counters)
             if result.alarm is not None:
@@ -298,15 +333,38 @@ class Rank:
 
     # -- (3) the faults -------------------------------------------------------------------------------
 
-    def fault(self, fault: FaultSpec) -> None:
-        """Every run of one fault; rank 0 writes its record."""
+    def claimed(self, faults: list[dict[str, Any]]) -> Iterator[tuple[int, FaultSpec]]:
+        """The faults this world runs, with their place in the plan: in plan order, each that no other world has
+        claimed yet (rank 0 claims it by creating its file, then tells the others: a collective)."""
+        claims = self.out / "claims"
+        index = -1
+        while True:
+            mine = torch.tensor([-1], dtype=torch.int64, device=self.device)
+            if self.rank == 0:
+                for i in range(index + 1, len(faults)):
+                    try:
+                        os.close(os.open(claims / str(i), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    except FileExistsError:
+                        continue
+                    mine[0] = i
+                    break
+            dist.broadcast(mine, src=0)
+            index = int(mine.item())
+            if index < 0:
+                return
+            yield index, FaultSpec.from_dict(faults[index])
+
+    def fault(self, fault: FaultSpec, number: int, total: int) -> None:
+        """Every run of one fault (the ``number``-th of ``total`` in the plan); rank 0 writes its record."""
         started = time.perf_counter()
         if fault.model == "checkpoint":
             record = self._checkpoint_fault(fault)
         else:
             record = self._compute_fault(fault)
         record["seconds"] = time.perf_counter() - started
+        record["world"] = self.index
         self._write(record)
+        self._say(f"fault {number} of {total} ({fault.row_id}) in {record['seconds']:.1f} s")
         gc.collect()
 
     def _compute_fault(self, fault: FaultSpec) -> dict[str, Any]:
@@ -320,13 +378,14 @@ class Rank:
         return {"kind": "fault", "fault": fault.to_dict(), "start": start, "end": end, "none": base, "runs": runs}
 
     def _start(self, fault: FaultSpec, name: str) -> int:
-        """Where a run of ``name`` starts: a few clean steps before the fault, or the trigger's full history."""
-        lead = self.settings["trigger_lead"] if detectors.trigger_on(self.configs[name]) else self.settings["lead"]
-        return max(1, fault.step - lead)
+        """Where a run of ``name`` starts: a few clean steps before the fault (the trigger brings its history)."""
+        return max(1, fault.step - self.settings["lead"])
 
     def _run(self, fault: FaultSpec, name: str, start: int, end: int, stop_after: int | None) -> dict[str, Any]:
-        """One faulted run under configuration ``name``, until its first alarm, a known-benign state, or ``end``."""
+        """One faulted run under configuration ``name``, until its first alarm, a known-benign state, ``end``,
+        or the last step at which ``name`` could raise an alarm (a sampled detector's last due step)."""
         assert self.shape is not None
+        end = min(end, detectors.last_alarm_step(self.configs[name], start, end) + 1)
         guard, module, optimizer = self.guard(name, start)
         inst = install(fault, rank=self.rank, module=module, optimizer=optimizer, shape=self.shape)
         probe = _Probe(module) if name == "none" else None
@@ -501,6 +560,8 @@ class Rank:
         losses, norms = [], []
         started = time.perf_counter()
         for step in range(steps):
+            if step and step % SOAK_PROGRESS_EVERY == 0:
+                self._say(f"soak at step {step:,} of {steps:,} ({time.perf_counter() - started:.0f} s)")
             probe.begin_step()
             result = guard.step(step)
             _count_flags(result, counters)
@@ -513,6 +574,7 @@ class Rank:
         probe.remove()
         del guard
         rows = self._gather(losses + norms)
+        self._say(f"soak done: {steps * self.world:,} rank-steps in {seconds:.0f} s")
         self._write({"kind": "soak", "steps": steps, "rank_steps": steps * self.world, "seconds": seconds,
                      "alarms": alarms, "flags": counters,
                      "mean_losses": [sum(rows[r][s] for r in range(self.world)) / self.world for s in range(steps)],
@@ -527,10 +589,15 @@ def _count_flags(result: StepResult, counters: dict[str, int]) -> None:
             counters[f.name] = counters.get(f.name, 0) + 1
 
 
-def device_for(name: str) -> torch.device:
-    """``cpu``, or for ``cuda`` this rank's GPU (``LOCAL_RANK``): one GPU per rank, NCCL between them."""
+SOAK_PROGRESS_EVERY = 5_000
+"""Soak steps between two progress lines."""
+
+
+def device_for(name: str, offset: int = 0) -> torch.device:
+    """``cpu``, or for ``cuda`` this rank's GPU (``offset + LOCAL_RANK``: one GPU per rank of every world,
+    NCCL between a world's ranks)."""
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", offset + int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
 
 
@@ -549,26 +616,30 @@ def rank_main(plan_path: str) -> None:
     os.environ.pop("SDCGUARD_INJECT", None)
     plan = json.loads(Path(plan_path).read_text())
     out = Path(plan["out"])
-    device = device_for(plan["settings"]["device"])
+    index = int(os.environ.get(WORLD_INDEX_ENV, "0"))
+    worlds = int(plan.get("worlds", 1))
+    device = device_for(plan["settings"]["device"], index * int(os.environ["WORLD_SIZE"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     # Every configuration must run the same kernels, the audit's or not.
     torch.use_deterministic_algorithms(True)
     try:
-        worker = Rank(plan, out)
+        worker = Rank(plan, out, index)
         phases = plan["phases"]
         if "faults" in phases or "clean" in phases:
             worker.reference()
     except JobProblem as exc:
-        (out / f"job_problem.{dist.get_rank()}").write_text(str(exc))
+        (out / f"job_problem.{index}.{dist.get_rank()}").write_text(str(exc))
         raise SystemExit(PROBLEM_EXIT_CODE) from None
-    if "clean" in phases:
+    if "clean" in phases and index == 0:
         worker.clean_checks()
-    if "faults" in phases:
-        for raw in plan["faults"]:
-            worker.fault(FaultSpec.from_dict(raw))
-    if "soak" in phases:
+    if "soak" in phases and index == worlds - 1:
         worker.soak()
+    if "faults" in phases:
+        worker.trigger_histories()
+        faults = plan["faults"]
+        for place, fault in worker.claimed(faults):
+            worker.fault(fault, place + 1, len(faults))
     shutdown()
 

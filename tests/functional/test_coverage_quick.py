@@ -5,7 +5,10 @@ fault of each persistence, the null control, a short soak), the outcomes must
 come from the runs: a fault that fires but changes nothing (the null control)
 is counted benign, a configuration with every detector off raises nothing,
 a detector switched on alone raises only its own alarms, the counts of every
-table add up, and a row replayed from its id gives the same outcome. The
+table add up, the two process groups shared the faults (each ran once, both
+trained the same clean run), a sampled detector's run ends after its last
+due step, and a row replayed from its id (one group, which trains the
+trigger's clean history itself) gives the same outcome. The
 judging itself is shown able to say "silent" and "caught" on doctored records.
 """
 
@@ -103,6 +106,29 @@ def test_the_rows_add_up(campaign: tuple[Path, dict[str, Any], list[dict[str, An
     silent = [o for o in outcomes if o["size"] in ("catastrophic", "visible", "tiny")]
     assert silent
     assert any(o["detections"]["all"]["caught"] for o in silent if "all" in o["detections"])
+
+
+def test_two_process_groups_shared_the_faults(campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]]) -> None:
+    _, result, records = campaign
+    faults = [r for r in records if r["kind"] in ("fault", "checkpoint_fault")]
+    assert sorted(r["fault"]["row_id"] for r in faults) == sorted(o["row_id"] for o in result["outcomes"])
+    assert len({r["fault"]["row_id"] for r in faults}) == len(faults)  # each fault ran once
+    assert {r["world"] for r in faults} == {0, 1}
+    # The second group trained its own clean reference, and it is the first group's, bit for bit.
+    assert [r["world"] for r in records if r["kind"] == "world_reference"] == [1]
+    assert "2 process groups sharing the faults" in result["text"].splitlines()[0]
+
+
+def test_a_sampled_detector_alone_stops_after_its_last_due_step(
+        campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]]) -> None:
+    _, _, records = campaign
+    silent_runs = [(r, r["runs"]["weight_fingerprint"]) for r in records if r["kind"] == "fault"
+                   and r["runs"]["weight_fingerprint"]["alarm"] is None and r["none"]["benign_at"] is None]
+    assert silent_runs
+    for record, run in silent_runs:
+        end = record["end"]
+        assert run["last_step"] == (end - 1) // QUICK.fingerprint_every * QUICK.fingerprint_every
+        assert run["last_step"] <= record["none"]["last_step"]
 
 
 def test_a_row_replays_from_its_id(campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]],

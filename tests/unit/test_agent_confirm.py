@@ -126,6 +126,26 @@ def test_the_trigger_fires_on_a_jump_against_its_own_history_only_after_warmup()
         MagnitudeTrigger(1.0, 8, 4, torch.device("cpu"))
 
 
+def test_a_trigger_given_another_ones_state_watches_with_its_history() -> None:
+    watched = MagnitudeTrigger(4.0, window=8, warmup=4, device=torch.device("cpu"))
+    for i in range(6):
+        watched.fires(torch.tensor(2.0 + 0.1 * i), torch.tensor(1.0))
+        watched.observe()
+    fresh = MagnitudeTrigger(4.0, window=8, warmup=4, device=torch.device("cpu"))
+    assert not fresh.fires(torch.tensor(9.0), torch.tensor(1.0))  # no history: it cannot fire yet
+    fresh.load_state(watched.state())
+    assert fresh.seen == 6
+    assert torch.equal(fresh.history.nan_to_num(-1.0), watched.history.nan_to_num(-1.0))
+    assert fresh.fires(torch.tensor(9.0), torch.tensor(1.0))  # now it sees the jump, as the watched one does
+    assert watched.fires(torch.tensor(9.0), torch.tensor(1.0))
+    # The copy is a copy: observing on one leaves the other's history alone.
+    fresh.fires(torch.tensor(2.0), torch.tensor(1.0))
+    fresh.observe()
+    assert watched.seen == 6
+    with pytest.raises(ValueError, match=r"^state: a history of shape \(8, 2\), this trigger keeps \(16, 2\)"):
+        MagnitudeTrigger(4.0, window=16, warmup=4, device=torch.device("cpu")).load_state(watched.state())
+
+
 class Normed(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -122,3 +122,27 @@ def test_the_last_rank_ending_between_two_checks_is_an_ordinary_end(monkeypatch:
     monkeypatch.setattr(_EndsBetweenChecks, "started", [])
     monkeypatch.setattr(train.multiprocessing, "get_context", lambda method: Context)
     assert train.launch(2, _wait_forever, ("unused",), start_method="fork") == [0, 0]
+
+
+def _sum_of_ranks(out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank()) + 1])
+    dist.all_reduce(total)
+    index = os.environ[train.WORLD_INDEX_ENV]
+    Path(out_dir, f"{index}.{dist.get_rank()}").write_text(f"{total.item()} {os.environ['MASTER_PORT']}")
+    dist.destroy_process_group()
+
+
+def test_worlds_are_independent_process_groups(tmp_path: Path) -> None:
+    codes = train.launch(2, _sum_of_ranks, (str(tmp_path),), timeout=120, worlds=2)
+    assert codes == [0, 0, 0, 0]
+    seen = {p.name: p.read_text().split() for p in tmp_path.iterdir()}
+    assert sorted(seen) == ["0.0", "0.1", "1.0", "1.1"]
+    # Each group summed its own two ranks (1 + 2), at its own rendezvous.
+    assert {v[0] for v in seen.values()} == {"3.0"}
+    assert seen["0.0"][1] == seen["0.1"][1] != seen["1.0"][1] == seen["1.1"][1]
+    with pytest.raises(ValueError, match=r"^worlds: must be >= 1, got 0"):
+        train.launch(2, _sum_of_ranks, (str(tmp_path),), worlds=0)
