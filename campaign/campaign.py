@@ -70,6 +70,10 @@ class Settings:
     """Process groups of ``world`` ranks that share the faults (the first runs the clean checks, the last the
     soak). On 2 cores 3 ranks leave a core idle whenever two wait for the third in a collective; a second
     group fills it: 1.4x the throughput, measured. The outcomes do not depend on it."""
+    derive: bool = True
+    """Skip training a detector's run where the run without detectors already proves it silent (the non-finite
+    check alone when every loss and gradient stayed finite, the reduced-gradient comparison alone when every
+    rank received the same reduced gradients); ``--no-derive`` trains them all. A replay trains them all."""
     seed: int = 0
     device: str = "cpu"
     """``cpu`` (gloo), or ``cuda``: one GPU per rank (``world`` GPUs), NCCL."""
@@ -154,6 +158,7 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
         (work / "claims").mkdir()
         plan_doc = {"settings": {**dataclasses.asdict(settings), "last_step": settings.last_step},
                     "configs": configs, "fault_configs": fault_configs, "phases": phases, "worlds": worlds,
+                    "derive": settings.derive and replay is None,
                     "faults": [f.to_dict() for f in faults], "out": str(work)}
         (work / "plan.json").write_text(json.dumps(plan_doc))
         if echo:
@@ -272,6 +277,13 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
                           "steps is no catch): " + ", ".join(f"{n} {c}" for n, c in reference_baselines.items()))
     if soak_summary is not None:
         text_parts.append(report.soak_lines(soak_summary))
+    derived = derived_runs(records)
+    if derived["trained"] or derived["derived"]:
+        text_parts.append(
+            f"detector runs: {derived['trained']} trained, {derived['derived']} derived without training (the "
+            f"non-finite check alone where every loss and gradient stayed finite: {derived['all_finite']}; the "
+            f"reduced-gradient comparison alone where every rank received the same reduced gradients: "
+            f"{derived['reduced_identical']}; --no-derive trains them)")
     replays = {o.row_id: f"--replay {o.row_id}" for o in outcomes}
     return {
         "settings": dataclasses.asdict(settings),
@@ -289,8 +301,18 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
         "tables": tables,
         "soak": soak_summary,
         "replays": replays,
+        "detector_runs": derived,
         "text": "\n\n".join(text_parts),
     }
+
+
+def derived_runs(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many detector runs of the compute faults were trained, and how many derived (by the fact that
+    proved them silent)."""
+    runs = [run for r in records if r["kind"] == "fault" for run in r["runs"].values()]
+    shown = [run.get("derived") for run in runs]
+    return {"trained": shown.count(None), "derived": len(runs) - shown.count(None),
+            "all_finite": shown.count("all_finite"), "reduced_identical": shown.count("reduced_identical")}
 
 
 def worlds_line(records: list[dict[str, Any]]) -> str:
@@ -322,6 +344,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "faults_per_model": args.faults_per_model, "horizon": args.horizon, "audit_every": args.audit_every,
         "fingerprint_every": args.fingerprint_every, "soak_steps": args.soak_steps, "seed": args.seed,
         "worlds": args.worlds, "device": args.device,
+        "derive": False if args.no_derive else None,
         "timeout_s": args.timeout}.items() if v is not None}
     if args.models:
         overrides["models"] = tuple(m.strip() for m in args.models.split(",") if m.strip())

@@ -75,3 +75,25 @@ def last_alarm_step(overrides: dict[str, Any], start: int, end: int) -> int:
     if not cadences:
         return end - 1
     return max(max((end - 1) // every * every, start - 1) for every in cadences)
+
+
+def silence_shown_by(overrides: dict[str, Any]) -> str | None:
+    """Which fact of the run without detectors proves that this configuration stays silent on a fault's steps.
+
+    ``all_finite`` for the non-finite check alone: it raises nothing while
+    every rank's loss, local and reduced gradients are finite. ``reduced_identical``
+    for the reduced-gradient comparison alone: it raises nothing while every
+    rank receives bit-identical reduced gradients. Both read what the run
+    without detectors computed (the same steps: a configuration changes no
+    arithmetic of training, as the clean checks show). None for every other
+    configuration: its run is trained.
+    """
+    value = {**_FIELDS, **overrides}
+    if any(value[field] for field in SAMPLED.values()) or trigger_on(overrides):
+        return None
+    on = [row for row, field in PER_STEP.items() if value[field]]
+    if on == ["nonfinite"]:
+        return "all_finite"
+    if on == ["reduced_grad"]:
+        return "reduced_identical"
+    return None

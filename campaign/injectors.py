@@ -351,13 +351,15 @@ def _allreduce(inst: Installed, shape: ModelShape) -> None:
     inst._undo.append(undo)
 
 
-def checkpoint_corrupter(fault: FaultSpec, rank: int, counter: list[int]) -> Callable[..., bytes]:
+def checkpoint_corrupter(fault: FaultSpec, rank: int, counter: list[int],
+                         hits: list[tuple[int, int]] | None = None) -> Callable[..., bytes]:
     """The checkpoint writer's ``corrupt`` callback for a ``checkpoint`` fault: flips one bit of one object.
 
     The writer calls it on every object a rank stores (rank 0: model,
     optimizer, trainer, its RNG; the others: their RNG), in that order; the
     fault picks one by ``target`` and flips bit ``bit % 8`` of the byte at
-    ``element % size``. ``counter[0]`` counts what it corrupted.
+    ``element % size``. ``counter[0]`` counts what it corrupted; ``hits`` gets (object size, byte offset) of
+    each corruption.
     """
     calls: dict[int, int] = {}
 
@@ -369,6 +371,8 @@ def checkpoint_corrupter(fault: FaultSpec, rank: int, counter: list[int]) -> Cal
             return data
         at = fault.element % len(data)
         counter[0] += 1
+        if hits is not None:
+            hits.append((len(data), at))
         return data[:at] + bytes([data[at] ^ (1 << (fault.bit % 8))]) + data[at + 1:]
 
     return corrupt

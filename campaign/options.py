@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                              "machine with fewer cores than ranks one computes while another "
                                              "waits; the outcomes are the same with 1)")
     p.add_argument("--soak-steps", type=int, help="clean soak steps (x 3 ranks; default 33,334); 0 skips the soak")
+    p.add_argument("--no-derive", action="store_true",
+                   help="train every detector's run, also where the run without detectors already proves it silent "
+                        "(every value finite for the non-finite check, identical reduced gradients for their "
+                        "comparison): the same outcomes, slower")
     p.add_argument("--seed", type=int, help="the campaign seed every fault is drawn from (default 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="cpu (gloo, default) or cuda (a GPU per rank, NCCL)")
     p.add_argument("--timeout", type=float, help="seconds before the ranks are stopped (default 4 hours)")

@@ -28,11 +28,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import hashlib
 import io
 import json
 import logging
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -116,6 +118,32 @@ class _Probe:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+class _ReducedWatch:
+    """What the run without detectors shows of the reduced gradients: were they finite on this rank at every
+    step, and a digest of their bits over all steps (equal digests on every rank: every rank received the same
+    reduced gradients at every step). Read where the optimizer takes them, in its step pre-hook."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.finite = True
+        self.chain = hashlib.sha256()
+        self.handle = optimizer.register_step_pre_hook(lambda *_: self._read())
+
+    def _read(self) -> None:
+        grads = [p.grad.detach().reshape(-1) for p in self.params if p.grad is not None]
+        flat = torch.cat(grads) if grads else torch.zeros(0)
+        self.finite = self.finite and bool(torch.isfinite(flat).all())
+        self.chain.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+    def words(self) -> list[float]:
+        """The digest as eight 32-bit words (exact in the float64 rows the ranks gather)."""
+        digest = self.chain.digest()
+        return [float(int.from_bytes(digest[i:i + 4], "little")) for i in range(0, 32, 4)]
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 def _flat_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,6 +401,13 @@ class Rank:
         base = self._run(fault, "none", self._start(fault, "none"), end, stop_after=None)
         runs: dict[str, Any] = {}
         for name in self.plan["fault_configs"]:
+            shown = detectors.silence_shown_by(self.configs[name])
+            if self.plan.get("derive") and shown is not None and base[shown]:
+                # The run without detectors shows this detector's input never left its clean range: trained, its
+                # run would take the same steps and pass each one (see detectors.silence_shown_by).
+                runs[name] = {"alarm": None, "last_step": base["last_step"], "fired": base["fired"], "flags": {},
+                              "derived": shown}
+                continue
             runs[name] = self._run(fault, name, self._start(fault, name), end, stop_after=base["benign_at"])
         start = base["series_start"]
         return {"kind": "fault", "fault": fault.to_dict(), "start": start, "end": end, "none": base, "runs": runs}
@@ -389,6 +424,7 @@ class Rank:
         guard, module, optimizer = self.guard(name, start)
         inst = install(fault, rank=self.rank, module=module, optimizer=optimizer, shape=self.shape)
         probe = _Probe(module) if name == "none" else None
+        watch = _ReducedWatch(module, optimizer) if name == "none" else None
         losses: list[float] = []
         norms: list[float] = []
         alarm: dict[str, Any] | None = None
@@ -421,34 +457,47 @@ class Rank:
             inst.remove()
             if probe is not None:
                 probe.remove()
+            if watch is not None:
+                watch.remove()
         fired = sum(row[0] for row in self._gather([float(inst.fired)]))
         out: dict[str, Any] = {"alarm": alarm, "last_step": step, "fired": int(fired), "flags": counters}
-        if name == "none":
-            out.update(self._outcome(module, optimizer, step + 1, losses, norms, start))
+        if watch is not None:
+            out.update(self._outcome(module, optimizer, step + 1, losses, norms, start, watch))
             out["benign_at"] = benign_at
         del guard
         return out
 
     def _outcome(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, at: int, losses: list[float],
-                 norms: list[float], start: int) -> dict[str, Any]:
-        """The faulted run's end state against the clean run's at the same step, and its series (every rank's)."""
+                 norms: list[float], start: int, watch: _ReducedWatch | None = None) -> dict[str, Any]:
+        """The faulted run's end state against the clean run's at the same step, and its series (every rank's).
+
+        With ``watch`` (the run without detectors), also whether every loss, local and reduced gradient of every
+        rank was finite at every step (``all_finite``), and whether every rank received the same reduced
+        gradients at every step (``reduced_identical``)."""
         weights, state = _flat_state(module, optimizer)
         clean_w = self.clean_weights[at]
         exact = bool(torch.equal(state, self.clean_state[at]))
         finite = bool(torch.isfinite(state).all())
         rel = float((weights.double() - clean_w.double()).norm() / clean_w.double().norm())
         rel = rel if math.isfinite(rel) else math.inf
-        rows = self._gather([float(exact), float(finite), rel, *losses, *norms])
+        seen = [float(watch.finite), *watch.words()] if watch is not None else [0.0] * 9
+        head = 3 + len(seen)
+        rows = self._gather([float(exact), float(finite), rel, *seen, *losses, *norms])
         n = len(losses)
-        return {
+        out = {
             "end_step": at,
             "exact_final": all(bool(r[0]) for r in rows),
             "finite_final": all(bool(r[1]) for r in rows),
             "weight_rel": max(r[2] for r in rows),
-            "losses": [[rows[r][3 + s] for r in range(self.world)] for s in range(n)],
-            "norms": [[rows[r][3 + n + s] for r in range(self.world)] for s in range(n)],
+            "losses": [[rows[r][head + s] for r in range(self.world)] for s in range(n)],
+            "norms": [[rows[r][head + n + s] for r in range(self.world)] for s in range(n)],
             "series_start": start,
         }
+        if watch is not None:
+            series = [v for r in rows for v in r[head:]]  # every loss and local gradient norm of every rank
+            out["all_finite"] = all(bool(r[3]) for r in rows) and all(math.isfinite(v) for v in series)
+            out["reduced_identical"] = all(r[4:head] == rows[0][4:head] for r in rows)
+        return out
 
     def _alarm(self, alarm: Alarm, name: str, start: int, fault: FaultSpec) -> dict[str, Any]:
         """The first alarm of a run, with the checkpoint the pipeline would roll back to."""
@@ -474,20 +523,28 @@ class Rank:
 
     def _checkpoint_fault(self, fault: FaultSpec) -> dict[str, Any]:
         earlier, last = fault.extra["checkpoints"]
+        # A rank's RNG object holds Python's random state (agent.checkpoint.rng_state), seeded from the OS at
+        # start: its bytes, and so where the fault's byte lands, would differ from run to run. Seed it per row.
+        random.seed(f"{self.settings['seed']}/{fault.row_id}/{self.rank}")
         prefix = self.scratch / "checkpoints" / fault.row_id.replace("/", "-")
         if self.rank == 0:
             shutil.rmtree(prefix, ignore_errors=True)
             prefix.mkdir(parents=True)
         dist.barrier()
         corrupted = [0]
-        writer = CheckpointWriter(str(prefix), corrupt=checkpoint_corrupter(fault, self.rank, corrupted))
+        hits: list[tuple[int, int]] = []
+        writer = CheckpointWriter(str(prefix), corrupt=checkpoint_corrupter(fault, self.rank, corrupted, hits))
         guard, _, _ = self.guard("none", earlier, checkpoints=writer)
         guard.save_checkpoint(earlier)
         for step in range(earlier, last):
             guard.step(step)
         guard.save_checkpoint(last)
         del guard
-        fired = int(sum(r[0] for r in self._gather([float(corrupted[0])])))
+        first = hits[0] if hits else (0, 0)
+        gathered = self._gather([float(corrupted[0]), float(first[0]), float(first[1])])
+        fired = int(sum(r[0] for r in gathered))
+        # Where the first flipped byte landed (the object's size and the offset), on the rank that flipped it.
+        landed = next(([int(r[1]), int(r[2])] for r in gathered if r[0]), None)
 
         # sdcguard: the agent's verified resume.
         verifier, _, _ = self.guard("all" if "all" in self.configs else "none", 0,
@@ -542,7 +599,8 @@ class Rank:
         del guard
         if self.rank == 0:
             shutil.rmtree(prefix, ignore_errors=True)
-        return {"kind": "checkpoint_fault", "fault": fault.to_dict(), "fired": fired, "verified": verified,
+        return {"kind": "checkpoint_fault", "fault": fault.to_dict(), "fired": fired, "landed": landed,
+                "verified": verified,
                 "unverified": unverified}
 
     def _any_wrong(self, flag: bool) -> bool:

@@ -7,8 +7,10 @@ is counted benign, a configuration with every detector off raises nothing,
 a detector switched on alone raises only its own alarms, the counts of every
 table add up, the two process groups shared the faults (each ran once, both
 trained the same clean run), a sampled detector's run ends after its last
-due step, and a row replayed from its id (one group, which trains the
-trigger's clean history itself) gives the same outcome. The
+due step, a detector's run is derived without training only where the run
+without detectors proves it silent, and a row replayed from its id (one
+group, which trains the trigger's clean history itself and every detector's
+run) gives the same outcome. The
 judging itself is shown able to say "silent" and "caught" on doctored records.
 """
 
@@ -131,16 +133,57 @@ def test_a_sampled_detector_alone_stops_after_its_last_due_step(
         assert run["last_step"] <= record["none"]["last_step"]
 
 
+def test_a_run_is_derived_only_from_the_fact_that_proves_it_silent(
+        campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]]) -> None:
+    _, result, records = campaign
+    faults = [r for r in records if r["kind"] == "fault"]
+    for r in faults:
+        for config, fact in (("nonfinite", "all_finite"), ("reduced_grad", "reduced_identical")):
+            run = r["runs"][config]
+            assert run.get("derived") in (None, fact), (r["fault"]["row_id"], config)
+            assert (run.get("derived") == fact) == r["none"][fact], (r["fault"]["row_id"], config)
+        assert all("derived" not in r["runs"][c] for c in ("ring_audit", "weight_fingerprint", "all"))
+    # The all-reduce fault is the one whose ranks received different reduced gradients: trained, and caught.
+    allreduce = next(r for r in faults if r["fault"]["model"] == "allreduce")
+    assert not allreduce["none"]["reduced_identical"]
+    assert allreduce["runs"]["reduced_grad"]["alarm"]["detector"] == "reduced_grad"
+    counts = result["detector_runs"]
+    assert counts["derived"] == counts["all_finite"] + counts["reduced_identical"] > 0
+    assert counts["trained"] + counts["derived"] == len(faults) * len(faults[0]["runs"])
+
+
 def test_a_row_replays_from_its_id(campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]],
                                   tmp_path: Path) -> None:
-    _, result, _ = campaign
+    _, result, records = campaign
     row = next(o for o in result["outcomes"]
                if o["size"] != "benign" and o["model"] != "checkpoint" and o["detections"]["all"]["caught"])
+    record = next(r for r in records if r["kind"] == "fault" and r["fault"]["row_id"] == row["row_id"])
+    assert any("derived" in run for run in record["runs"].values())  # the campaign derived some of its runs
     replayed = run_campaign(QUICK, tmp_path, replay=row["row_id"], soak=False, echo=False)["outcomes"]
     assert len(replayed) == 1
     again = replayed[0]
     for key in ("row_id", "rank", "step", "fired", "size", "weight_rel", "detections"):
         assert again[key] == row[key], key
+    # ...which the replay trained: a derived run says what training it says.
+    (trained,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "fault"]
+    assert not any("derived" in run for run in trained["runs"].values())
+
+
+def test_a_checkpoint_row_replays_from_its_id(campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]],
+                                             tmp_path: Path) -> None:
+    # Where its flipped byte lands depends on the objects' bytes, Python's random state among them: the same
+    # every run, or the row's outcome (benign, loud, silent) would change from run to run.
+    _, result, records = campaign
+    row = next(o for o in result["outcomes"] if o["model"] == "checkpoint")
+    record = next(r for r in records if r["kind"] == "checkpoint_fault")
+    again = run_campaign(QUICK, tmp_path, replay=row["row_id"], soak=False, echo=False)["outcomes"][0]
+    for key in ("row_id", "rank", "fired", "size", "detections"):
+        assert again[key] == row[key], key
+    (replayed,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()
+                   if json.loads(line)["kind"] == "checkpoint_fault"]
+    assert record["landed"] is not None
+    assert replayed["landed"] == record["landed"]  # the same object size, the same byte
 
 
 def test_judging_can_say_silent_and_caught(campaign: tuple[Path, dict[str, Any], list[dict[str, Any]]]) -> None:

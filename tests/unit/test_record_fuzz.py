@@ -40,7 +40,7 @@ from lambdas.settings import get_settings
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA: dict[str, Any] = json.loads((ROOT / "contract" / "schemas" / "alarm.schema.json").read_text())
 GUARDED = {"hyperpod_cluster": "ml-cluster", "eks_cluster": "ml-eks", "namespace": "training", "job_name": "gpt"}
-EXAMPLES = int(os.environ.get("SDCGUARD_FUZZ_EXAMPLES", "200"))  # per test (valid, invalid), in both input shapes
+EXAMPLES = int(os.environ.get("SDCGUARD_FUZZ_EXAMPLES", "1000"))  # per test (valid, invalid); either input shape
 
 FUZZ = settings(
     max_examples=EXAMPLES,
