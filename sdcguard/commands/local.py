@@ -95,8 +95,6 @@ def run_up(args: argparse.Namespace) -> int:
 
     Raises ``CommandError`` when a port is taken or the stand-in cannot start.
     """
-    from infra.local.standin import LocalStandIn, PortInUse, StandInError
-
     stop = threading.Event()
     serving = threading.Event()
 
@@ -106,9 +104,13 @@ def run_up(args: argparse.Namespace) -> int:
             # Still starting: unwind start() (it stops whatever it began) instead of finishing it first.
             raise KeyboardInterrupt
 
-    # Both explicitly: a shell starts a background job with SIGINT ignored.
+    # Both explicitly: a shell starts a background job with SIGINT ignored. Before the stand-in's imports
+    # (seconds of moto and its dependencies): a signal during them is remembered in ``stop`` even where an
+    # import swallows the KeyboardInterrupt, and the wait below then ends at once.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from infra.local.standin import LocalStandIn, PortInUse, StandInError
+
     standin = LocalStandIn(port=args.port, eks_port=args.eks_port, replace_seconds=args.replace_seconds)
     try:
         standin.start()
