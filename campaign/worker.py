@@ -480,7 +480,7 @@ class Rank:
         finite = bool(torch.isfinite(state).all())
         rel = float((weights.double() - clean_w.double()).norm() / clean_w.double().norm())
         rel = rel if math.isfinite(rel) else math.inf
-        seen = [float(watch.finite), *watch.words()] if watch is not None else [0.0] * 9
+        seen = [float(watch.finite), *watch.words()] if watch is not None else []
         head = 3 + len(seen)
         rows = self._gather([float(exact), float(finite), rel, *seen, *losses, *norms])
         n = len(losses)
