@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from agent.config import ALARM_EXIT_CODE, GuardConfig
 
 if TYPE_CHECKING:
-    from agent.guard import DataFaultLimit, GuardAlarm, SDCGuard, StepResult
+    from agent.guard import DataFaultLimit, GuardAlarm, NonReproducible, SDCGuard, StepResult
 
-_LAZY = {"DataFaultLimit", "GuardAlarm", "SDCGuard", "StepResult"}
+_LAZY = {"DataFaultLimit", "GuardAlarm", "NonReproducible", "SDCGuard", "StepResult"}
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +24,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'agent' has no attribute {name!r}")
 
 
-__all__ = ["ALARM_EXIT_CODE", "DataFaultLimit", "GuardAlarm", "GuardConfig", "SDCGuard", "StepResult"]
+__all__ = ["ALARM_EXIT_CODE", "DataFaultLimit", "GuardAlarm", "GuardConfig", "NonReproducible", "SDCGuard",
+           "StepResult"]

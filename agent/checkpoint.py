@@ -19,8 +19,9 @@ checks that the loaded state gives the manifest's fingerprint. Any failure on
 any rank makes every rank raise :class:`CheckpointCorrupt`: the job refuses to
 train from it.
 
-Every collective runs in the ``group`` given (default: the whole world), and
-"rank 0" is the group's first rank. A store that fails (an S3 outage) makes
+Every collective runs in the ``group`` given (default: the whole world), on
+the ``device`` given (the rank's; by default the GPU of ``LOCAL_RANK`` under
+NCCL, the CPU under gloo), and "rank 0" is the group's first rank. A store that fails (an S3 outage) makes
 every rank raise :class:`CheckpointSaveFailed` together, never a raw error on
 one rank while the others go on; the guard retries and then applies its
 policy (``GuardConfig.on_checkpoint_failure``).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import random
 import re
@@ -115,10 +117,19 @@ def _first_rank(group: Group) -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
 
 
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _collective_device(device: torch.device | None = None, group: Group = None) -> torch.device:
+    """Where this rank's collective tensors live: ``device`` (the guard passes the rank's), else by the
+    group's backend: for NCCL the GPU of ``LOCAL_RANK`` (the current device need not be the rank's: NCCL
+    would then run the collective on another rank's GPU), the current one only without ``LOCAL_RANK`` or
+    where that GPU is not visible; the CPU for gloo."""
+    if device is not None:
+        return device
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit() and int(local) < torch.cuda.device_count():
+        return torch.device("cuda", int(local))
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -157,16 +168,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((python[0], tuple(python[1]), python[2]))
 
 
-def _status_all(failed: bool, group: Group = None) -> bool:
+def _status_all(failed: bool, group: Group = None, device: torch.device | None = None) -> bool:
     """Whether any rank failed (a collective when distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return failed
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device())
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device(device, group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 
-def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None) -> list[ObjectDigest | None]:
+def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None,
+                    device: torch.device | None = None) -> list[ObjectDigest | None]:
     """Every rank's RNG object digest (None where that rank failed), via one all-gather of int64s."""
     row = torch.zeros(34, dtype=torch.int64)
     if digest is not None:
@@ -176,9 +188,9 @@ def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None
     if world == 1:
         rows = [row]
     else:
-        device = _collective_device()
-        rows = [torch.empty_like(row, device=device) for _ in range(world)]
-        dist.all_gather(rows, row.to(device), group=group)
+        where = _collective_device(device, group)
+        rows = [torch.empty_like(row, device=where) for _ in range(world)]
+        dist.all_gather(rows, row.to(where), group=group)
     out: list[ObjectDigest | None] = []
     for rank, r in enumerate(rows):
         values = r.cpu().tolist()
@@ -213,6 +225,7 @@ def save_checkpoint(
     written_by: str = "",
     corrupt: Corrupter | None = None,
     group: Group = None,
+    device: torch.device | None = None,
 ) -> SaveResult:
     """Save the state a resumed job needs to run ``step`` next; every rank calls it together.
 
@@ -253,7 +266,7 @@ def save_checkpoint(
         problem = exc
         log.error("rank %d could not store its part of %s: %s", rank, where, exc)
         own = None
-    digests = _gather_digests(own, world, group)
+    digests = _gather_digests(own, world, group, device)
     # Every rank sees the same gathered digests, so every rank reaches the same verdict here.
     failed_ranks = [r for r, d in enumerate(digests) if d is None]
     if failed_ranks:
@@ -275,7 +288,7 @@ def save_checkpoint(
             commit(store, manifest)
         except Exception as exc:
             problem = exc
-    if _status_all(problem is not None, group):
+    if _status_all(problem is not None, group, device):
         raise CheckpointSaveFailed(f"{where}: rank 0 could not commit the manifest: {problem}") from problem
     if rank == 0 and advance:
         try:
@@ -298,7 +311,7 @@ Source = Literal["pointer", "newest", "explicit"]
 _SOURCES: tuple[Source, ...] = ("pointer", "newest", "explicit")
 
 
-def _agree_on_step(store: ObjectStore, step: int | None, group: Group = None,
+def _agree_on_step(store: ObjectStore, step: int | None, group: Group = None, device: torch.device | None = None,
                    ) -> tuple[int | None, Source, ResumePointer | None, str | None]:
     """Rank 0 (of ``group``) chooses the checkpoint (``_choose_step``) and tells the others: every rank gets the
     step (None: a fresh start) and its source; the pointer and its etag are rank 0's alone.
@@ -318,7 +331,8 @@ def _agree_on_step(store: ObjectStore, step: int | None, group: Group = None,
             unreadable = exc
     if world > 1:
         code = -2 if unreadable is not None else (-1 if chosen is None else chosen)
-        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64, device=_collective_device())
+        box = torch.tensor([code, _SOURCES.index(source)], dtype=torch.int64,
+                           device=_collective_device(device, group))
         dist.broadcast(box, src=_first_rank(group), group=group)
         value, kind = box.cpu().tolist()
         if value == -2 and unreadable is None:
@@ -349,6 +363,7 @@ def load_checkpoint(
     restore_rng: bool = True,
     map_location: Any = "cpu",
     group: Group = None,
+    device: torch.device | None = None,
 ) -> LoadedCheckpoint | None:
     """Load the checkpoint to resume from into ``model`` and ``optimizer``; every rank calls it together.
 
@@ -364,7 +379,7 @@ def load_checkpoint(
     differs. The model may be partly loaded then; do not train from it.
     """
     rank, world = _rank_world(group)
-    chosen, source, pointer, etag = _agree_on_step(store, step, group)
+    chosen, source, pointer, etag = _agree_on_step(store, step, group, device)
     if chosen is None:
         return None
     where = store.uri(checkpoint_dir(chosen))
@@ -375,7 +390,7 @@ def load_checkpoint(
     except Exception as exc:
         # Held until every rank has reported, so that no rank waits forever on one that gave up.
         problem = exc
-    if _status_all(problem is not None, group):
+    if _status_all(problem is not None, group, device):
         raise problem or CheckpointCorrupt(f"{where}: another rank could not verify or load it; refusing to train")
     assert loaded is not None
     if fingerprint_fn is not None:
@@ -384,7 +399,7 @@ def load_checkpoint(
             check_fingerprint(loaded.manifest, actual, where=where)
         except CheckpointCorrupt as exc:
             problem = exc
-        if _status_all(problem is not None, group):
+        if _status_all(problem is not None, group, device):
             raise problem or CheckpointCorrupt(f"{where}: another rank's loaded state has the wrong fingerprint")
     log.info("resumed from %s (%s) at step %d", where, source, chosen)
     return LoadedCheckpoint(
@@ -466,8 +481,12 @@ class CheckpointWriter:
         advance_pointer: bool = True,
         corrupt: Corrupter | None = None,
         group: Group = None,
+        device: torch.device | None = None,
     ) -> None:
         self.group = group
+        self.device = device
+        """Where this rank's collective tensors live (the guard passes the rank's device); None: by the backend,
+        for NCCL the GPU of LOCAL_RANK."""
         self.store = prefix if isinstance(prefix, ObjectStore) else open_store(prefix, client=client)
         self.written_by = written_by
         self.advance_pointer = advance_pointer
@@ -487,7 +506,7 @@ class CheckpointWriter:
         """:func:`load_checkpoint` on this job's prefix; remembers the pointer it found."""
         loaded = load_checkpoint(
             self.store, model=model, optimizer=optimizer, step=step, fingerprint_fn=fingerprint_fn,
-            restore_rng=restore_rng, group=self.group,
+            restore_rng=restore_rng, group=self.group, device=self.device,
         )
         rank, _ = _rank_world(self.group)
         if rank == 0:
@@ -518,6 +537,7 @@ class CheckpointWriter:
             data_position=data_position, extra=extra, last_clean_audit_step=last_clean_audit_step,
             last_clean_fingerprint_step=last_clean_fingerprint_step, pointer_etag=self.pointer_etag,
             advance=self.advance_pointer, written_by=self.written_by, corrupt=self.corrupt, group=self.group,
+            device=self.device,
         )
         self.pointer_etag = result.pointer_etag
         return result

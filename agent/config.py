@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -13,6 +14,8 @@ from typing import Any, Literal
 OnAlarm = Literal["stop", "raise", "continue"]
 OnCheckpointFailure = Literal["continue", "raise"]
 AutocastDtype = Literal["bfloat16", "float16"]
+OnEnvironmentMismatch = Literal["refuse", "degrade"]
+OnNonreproducible = Literal["stop", "continue"]
 
 ALARM_EXIT_CODE = 87
 """The exit status of a rank stopped by an alarm under ``on_alarm="stop"``.
@@ -22,6 +25,7 @@ codes (128+N), so a job controller can tell "stopped on suspect hardware" apart.
 """
 
 ENV_PREFIX = "SDCGUARD_"
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class GuardConfig:
     """Steps of each rank's history the magnitude trigger compares against."""
     trigger_warmup: int = 10
     """Steps of history the magnitude trigger needs before it fires at all."""
+    product_checks: bool = False
+    """Check every matrix product (forward, both backward) by checksums against a rigorous rounding bound."""
     max_data_faults: int = 10
     """Consecutive steps skipped for a data fault (a NaN/Inf the recomputation reproduced) before
     DataFaultLimit is raised: the run is broken, not the hardware."""
@@ -68,7 +74,16 @@ class GuardConfig:
     threads: int = 1
     """Intra-op threads pinned on every rank (recomputation is bit-identical only with equal counts); 0 leaves torch's."""
     deterministic: bool = True
-    """With the ring audit on, turn on torch's deterministic algorithms (and CUBLAS_WORKSPACE_CONFIG on CUDA); False leaves them to the job."""
+    """With any recompute-based check on (audit, confirmation), turn on torch's deterministic algorithms (not
+    warn_only), deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG on CUDA (``agent.determinism``); False leaves
+    them to the job."""
+    on_environment_mismatch: OnEnvironmentMismatch = "refuse"
+    """When ranks differ in what bit-exact recomputation depends on (GPU model, software versions, TF32, SDPA
+    backends, deterministic mode, ...): "refuse" to start, naming what differs, or "degrade": run without the
+    recompute-based checks (audit, confirmation), with a warning."""
+    on_nonreproducible: OnNonreproducible = "stop"
+    """When recomputations of one micro-batch all disagree (non-reproducible computation, no rank blamed):
+    "stop" raises an error saying so (no alarm), "continue" warns, counts it and trains on."""
     event_bus: str = "sdcguard"
     """EventBridge bus the alarm is published to."""
     publish_budget_s: float = 10.0
@@ -77,6 +92,8 @@ class GuardConfig:
     """PutEvents attempts before the alarm is spooled."""
     spool_dir: str = "sdcguard-spool"
     """Local folder where alarms are written when EventBridge cannot be reached."""
+    spool_max_age_s: float = 7 * 24 * 3600.0
+    """Spooled alarms older than this (seconds) are not republished at start (they are left in the spool)."""
     checkpoint_prefix: str = "sdcguard-checkpoints"
     """``s3://bucket/prefix`` or a local folder under which checkpoints and RESUME.json live."""
     checkpoint_retries: int = 3
@@ -86,6 +103,12 @@ class GuardConfig:
     on_checkpoint_failure: OnCheckpointFailure = "continue"
     """After the last failed attempt: log it and train on (the resume pointer keeps the last good
     checkpoint), or raise CheckpointSaveFailed."""
+    capsule_factory: str | None = None
+    """``package.module:function`` returning ``(model, loss_fn)``, with which ``sdcguard replay`` rebuilds the
+    model in a fresh process; a localised recomputation alarm writes a replay capsule only when it is set."""
+    capsule_max_bytes: int = 1024**3
+    """The largest replay capsule (weights, buffers and the suspect's micro-batches) written beside the
+    checkpoints, in bytes; above it none is written and the alarm says so."""
     hyperpod_cluster: str = "local-hyperpod"
     """Name of the SageMaker HyperPod cluster running the job."""
     eks_cluster: str = "local-eks"
@@ -106,6 +129,12 @@ class GuardConfig:
             raise ValueError(f"grad_accum_steps: must be >= 1, got {self.grad_accum_steps}")
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < float("inf"):
             raise ValueError(f"max_grad_norm: must be None or a finite number > 0, got {self.max_grad_norm}")
+        if self.on_environment_mismatch not in ("refuse", "degrade"):
+            raise ValueError(f"on_environment_mismatch: must be refuse or degrade; got {self.on_environment_mismatch!r}")
+        if self.on_nonreproducible not in ("stop", "continue"):
+            raise ValueError(f"on_nonreproducible: must be stop or continue; got {self.on_nonreproducible!r}")
+        if not self.spool_max_age_s > 0:
+            raise ValueError(f"spool_max_age_s: must be > 0, got {self.spool_max_age_s}")
         if self.autocast_dtype not in (None, "bfloat16", "float16"):
             raise ValueError(f"autocast_dtype: must be bfloat16, float16 or None; got {self.autocast_dtype!r}")
         for name in ("audit_every", "fingerprint_every", "max_scaler_overflow_steps", "threads", "seed",
@@ -119,6 +148,11 @@ class GuardConfig:
         if not 1 <= self.trigger_warmup <= self.trigger_window:
             raise ValueError(f"trigger_warmup: must be between 1 and trigger_window ({self.trigger_window}), "
                              f"got {self.trigger_warmup}")
+        if self.capsule_max_bytes < 0:
+            raise ValueError(f"capsule_max_bytes: must be >= 0, got {self.capsule_max_bytes}")
+        if self.capsule_factory is not None and not _FACTORY.fullmatch(self.capsule_factory):
+            raise ValueError(f"capsule_factory: must be package.module:function (e.g. mypkg.sdc:replay_model), "
+                             f"got {self.capsule_factory!r}")
         if self.checkpoint_retries < 1:
             raise ValueError(f"checkpoint_retries: must be >= 1, got {self.checkpoint_retries}")
         if self.checkpoint_retry_delay_s < 0:
@@ -182,4 +216,5 @@ def _parse(raw: str, hint: Any) -> Any:
     return raw
 
 
-__all__ = ["ALARM_EXIT_CODE", "AutocastDtype", "GuardConfig", "OnAlarm", "OnCheckpointFailure"]
+__all__ = ["ALARM_EXIT_CODE", "AutocastDtype", "GuardConfig", "OnAlarm", "OnCheckpointFailure", "OnEnvironmentMismatch",
+           "OnNonreproducible"]

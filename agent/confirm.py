@@ -22,25 +22,49 @@ bits of each bucket's local-gradient norm, and on audit steps every
 parameter's local-gradient fingerprint. A recomputation produces the same
 record from its gradients, laid out as DDP's buckets.
 
+Two kinds of disagreement are not hardware's, and blame nobody:
+
+- The micro-batch itself differs. Every claim starts with the digest of the
+  micro-batches its rank trained on (``agent.batches.batch_digest``); where a
+  confirmer rebuilt a different micro-batch than the owner's, ``batch_for``
+  did not replay, and that owner is ``unreplayable``, judged no further.
+- All three results differ (the owner's and both confirmers'): two faults in
+  one step is far less likely than a computation that is not bit-reproducible
+  (a non-deterministic kernel, ``cudnn.benchmark``, different software); the
+  owner is ``nonreproducible``.
+
 After a confirmed mismatch each localised suspect replays, once, the
 computation it got wrong: if it gets the majority's result now the fault was
-``transient``, otherwise ``persistent``.
+``transient``; its own first result again, ``persistent``; a third result,
+the suspect cannot reproduce its own computation: non-reproducible, not a
+fault (``judge_replays``).
+
+Every tensor made here lives on the device of the claims (the rank's GPU):
+``torch.cat``/``torch.stack`` refuse a CPU tensor among CUDA ones. The
+judgement is computed on that device and read back once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from agent import fingerprint as fp
-from agent.nonfinite import MASK_BUCKETS, GradientHook, measure
+from agent.ddp_hook import GradientHook
+from agent.nonfinite import MASK_BUCKETS, measure
 from agent.ring_audit import Recomputation, bits_to_hex, layout_order, loss_bits
 from contract.alarm import FaultPersistence
 
-# Claim layout: loss bits, non-finite bucket mask, then one norm per bucket, then (audit steps) digests.
-CLAIM_LOSS, CLAIM_MASK = range(2)
-CLAIM_NORMS = 2
+BATCH_LANES = fp.LANES
+"""Width of the micro-batch digest at the head of every claim."""
+
+# Claim layout: the micro-batch digest, loss bits, non-finite bucket mask, then one norm per bucket, then (audit
+# steps) digests.
+CLAIM_BATCH = 0
+CLAIM_LOSS = BATCH_LANES
+CLAIM_MASK = BATCH_LANES + 1
+CLAIM_NORMS = BATCH_LANES + 2
 
 # Why a rank's micro-batch is confirmed.
 NONFINITE, AUDIT, MAGNITUDE = "nonfinite", "audit", "magnitude"
@@ -51,30 +75,50 @@ def float_bits(values: torch.Tensor) -> torch.Tensor:
     return values.detach().to(torch.float64).view(torch.int64)
 
 
-def claim_from_hook(loss: torch.Tensor, hook: GradientHook, device: torch.device, *, digests: bool) -> torch.Tensor:
-    """This rank's claim about its own pass this step (int64, on ``device``)."""
-    parts = [loss_bits(loss).reshape(1).to(device), hook.local_mask(device).reshape(1),
-             float_bits(hook.bucket_norms(device))]
+def batch_lanes(batch: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The head of a claim: ``batch`` (``agent.batches.batch_digest``) on ``device``, or zeros of its width.
+
+    Raises ValueError unless ``batch`` is None or an int64 tensor of ``BATCH_LANES`` values."""
+    if batch is None:
+        return torch.zeros(BATCH_LANES, dtype=torch.int64, device=device)
+    if batch.dtype != torch.int64 or batch.numel() != BATCH_LANES:
+        raise ValueError(f"batch: expected {BATCH_LANES} int64 lanes (agent.batches.batch_digest), got "
+                         f"{batch.dtype} with {batch.numel()} values")
+    return batch.to(device).reshape(-1)
+
+
+def claim_from_hook(loss: torch.Tensor, hook: GradientHook, device: torch.device, *, digests: bool,
+                    batch: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's claim about its own pass this step (int64, on ``device``).
+
+    ``batch`` is the digest of the micro-batches the pass trained on (None: zeros, nothing compared)."""
+    parts = [batch_lanes(batch, device), loss_bits(loss).reshape(1).to(device), hook.local_mask(device).reshape(1),
+             float_bits(hook.bucket_norms(device)).to(device)]
     if digests:
         parts += [hook.param_fingerprints[i].to(device).reshape(-1) for i in sorted(hook.param_fingerprints)]
     return torch.cat(parts)
 
 
 def claim_from_recomputation(recomputation: Recomputation, layout: dict[int, list[str]], device: torch.device, *,
-                             nonfinite: bool, norms: bool, digests: bool) -> torch.Tensor:
-    """The claim the owner should have made, from a recomputation of its micro-batch (same layout, same bits)."""
-    mask = 0
+                             nonfinite: bool, norms: bool, digests: bool,
+                             batch: torch.Tensor | None = None) -> torch.Tensor:
+    """The claim the owner should have made, from a recomputation of its micro-batch (same layout, same bits).
+
+    ``batch`` is the digest of the micro-batches this recomputation rebuilt (None: zeros). Every part is made
+    on ``device`` and nothing is read back to the host."""
+    mask = torch.zeros((), dtype=torch.int64, device=device)
     norm_values = []
     for index in sorted(layout):
         grads = [recomputation.grads[n].reshape(-1) for n in layout[index]]
-        flat = torch.cat(grads) if grads else torch.zeros(0)
+        flat = torch.cat(grads) if grads else torch.zeros(0, device=device)
         # The owner's hook measured the bucket buffer, which is these gradients laid end to end.
         seen = measure(flat, flag=nonfinite and index < MASK_BUCKETS, norm=norms)
-        if seen.nonfinite is not None and bool(seen.nonfinite):
-            mask |= 1 << index
-        norm_values.append(seen.norm.to(torch.float64) if seen.norm is not None
-                           else torch.zeros((), dtype=torch.float64))
-    parts = [loss_bits(recomputation.loss).reshape(1).to(device), torch.tensor([mask], dtype=torch.int64, device=device)]
+        if seen.nonfinite is not None:
+            # Bits of distinct buckets: the sum is the bitwise or, and it stays on the device.
+            mask = mask + seen.nonfinite.to(device, torch.int64) * (1 << index)
+        norm_values.append(seen.norm.to(device, torch.float64) if seen.norm is not None
+                           else torch.zeros((), dtype=torch.float64, device=device))
+    parts = [batch_lanes(batch, device), loss_bits(recomputation.loss).reshape(1).to(device), mask.reshape(1)]
     if norm_values:
         parts.append(float_bits(torch.stack(norm_values)).to(device))
     if digests:
@@ -139,6 +183,8 @@ class Outcome:
     localized: bool
     majority: int | None
     """The rank whose record is the majority's: the owner (its claim) or a confirmer, or None."""
+    nonreproducible: bool = False
+    """All three results differ: the computation is not bit-reproducible; ``suspects`` is empty."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +192,15 @@ class ConfirmationVerdict:
     """Every owner's outcome and what they add up to."""
 
     outcomes: list[Outcome]
+    unreplayable: list[tuple[int, int]] = field(default_factory=list)
+    """(owner, confirmer) pairs whose micro-batch digests differ: ``batch_for`` did not replay; nobody is judged."""
+    nonreproducible: list[int] = field(default_factory=list)
+    """Owners whose recomputations differ from each other and from the owner: no rank is blamed."""
 
     @property
     def mismatched(self) -> list[Outcome]:
-        """Owners whose micro-batch some recomputation did not reproduce."""
-        return [o for o in self.outcomes if not o.reproduced]
+        """Owners whose micro-batch some recomputation did not reproduce, with someone to blame."""
+        return [o for o in self.outcomes if not o.reproduced and not o.nonreproducible]
 
     @property
     def suspects(self) -> list[int]:
@@ -163,6 +213,41 @@ class ConfirmationVerdict:
         return bool(self.mismatched) and all(o.localized for o in self.mismatched)
 
 
+_FP64_EXPONENT = 0x7FF0000000000000
+
+# Columns of confirmation_flags.
+_BATCH_1, _BATCH_2, _AGREE_1, _AGREE_2, _CONFIRMERS_AGREE, _FINITE_1 = range(6)
+
+
+def confirmation_flags(claims: torch.Tensor, records: torch.Tensor, ranks: list[int], ring: Ring) -> torch.Tensor:
+    """Per owner in ``ranks``: bool [n, 6] on the claims' device, every comparison the verdict needs.
+
+    Columns: the first (then second) confirmer rebuilt the owner's micro-batch (equal digests); its record
+    equals the owner's claim; the two confirmers' records are equal; the first confirmer's record is finite
+    (finite loss, no non-finite bucket). With one confirmer the second's columns repeat the first's and the
+    confirmers never agree. Made on the device, with no host synchronisation (the caller reads it once).
+    """
+    device = claims.device
+    # narrow/select/index_select rather than Python indexing: the same ops on every device.
+    t = torch.tensor(ranks, dtype=torch.int64, device=device)
+    width = claims.shape[1]
+    o = claims.index_select(0, t)
+    x1 = records.select(1, 0).narrow(1, 1, width).index_select(0, (t - ring.stride) % ring.world)
+    b1 = (x1.narrow(1, CLAIM_BATCH, BATCH_LANES) == o.narrow(1, CLAIM_BATCH, BATCH_LANES)).all(dim=1)
+    m1 = (x1 == o).all(dim=1)
+    if ring.units >= 3:
+        x2 = records.select(1, 1).narrow(1, 1, width).index_select(0, (t + ring.stride) % ring.world)
+        b2 = (x2.narrow(1, CLAIM_BATCH, BATCH_LANES) == o.narrow(1, CLAIM_BATCH, BATCH_LANES)).all(dim=1)
+        m2 = (x2 == o).all(dim=1)
+        m12 = (x1 == x2).all(dim=1)
+    else:
+        b2, m2, m12 = b1, m1, torch.zeros_like(m1)
+    # An fp64 is finite unless its exponent bits are all ones: read from the bits, no reinterpretation.
+    exponent = x1.select(1, CLAIM_LOSS) & _FP64_EXPONENT
+    finite = (exponent != _FP64_EXPONENT) & (x1.select(1, CLAIM_MASK) == 0)
+    return torch.stack([b1, b2, m1, m2, m12, finite], dim=1)
+
+
 def judge_confirmations(claims: torch.Tensor, records: torch.Tensor, owners: dict[int, tuple[str, ...]],
                         ring: Ring) -> ConfirmationVerdict:
     """Compare each owner's claim with its confirmers' recomputations; a pure function of gathered data.
@@ -170,75 +255,74 @@ def judge_confirmations(claims: torch.Tensor, records: torch.Tensor, owners: dic
     ``claims`` is ``[world, C]`` (every rank's claim), ``records`` ``[world, 2, 1 + C]``
     (per rank, slot 0: its recomputation of the owner after it, slot 1: of the
     one before; column 0 says whether it was made). ``owners`` maps each
-    confirmed owner to why. Vectorised over the owners.
+    confirmed owner to why. The comparisons run on the claims' device
+    (``confirmation_flags``) and come back to the host in one copy.
+
+    First the micro-batch digests: an owner whose confirmer rebuilt another
+    micro-batch goes to ``unreplayable`` and is judged no further. Then the
+    results: all three different is ``nonreproducible`` (nobody blamed).
     """
     ranks = sorted(owners)
     if not ranks:
         return ConfirmationVerdict([])
-    t = torch.tensor(ranks)
-    o = claims[t]
-    back = (t - ring.stride) % ring.world
-    x1 = records[back, 0, 1:]
-    m1 = (x1 == o).all(dim=1)
-    if ring.units >= 3:
-        ahead = (t + ring.stride) % ring.world
-        x2 = records[ahead, 1, 1:]
-        m2 = (x2 == o).all(dim=1)
-        m12 = (x1 == x2).all(dim=1)
-    else:
-        m2 = m1
-        m12 = torch.zeros_like(m1)
-    outcomes = []
-    for i, owner in enumerate(ranks):
+    table = confirmation_flags(claims, records, ranks, ring).tolist()
+    outcomes: list[Outcome] = []
+    unreplayable: list[tuple[int, int]] = []
+    nonreproducible: list[int] = []
+    for owner, row in zip(ranks, table, strict=True):
         confirmers = tuple(ring.confirmers(owner))
-        a1, a2 = bool(m1[i]), bool(m2[i])
-        agrees = (a1, a2) if len(confirmers) == 2 else (a1,)
-        if all(agrees):
-            outcomes.append(Outcome(owner, owners[owner], confirmers, agrees, True, (), False, None))
+        two = len(confirmers) == 2
+        rebuilt = (row[_BATCH_1], row[_BATCH_2]) if two else (row[_BATCH_1],)
+        if not all(rebuilt):
+            unreplayable += [(owner, c) for c, same in zip(confirmers, rebuilt, strict=True) if not same]
             continue
-        if len(confirmers) == 1:
-            if NONFINITE in owners[owner] and _finite(x1[i]):
+        a1, a2 = row[_AGREE_1], row[_AGREE_2]
+        agrees = (a1, a2) if two else (a1,)
+        reasons = owners[owner]
+        if all(agrees):
+            outcomes.append(Outcome(owner, reasons, confirmers, agrees, True, (), False, None))
+            continue
+        if not two:
+            if NONFINITE in reasons and row[_FINITE_1]:
                 # Two opinions, but not symmetric ones: the owner's pass made a NaN/Inf that another GPU,
                 # computing the same thing, did not. A fault that makes a NaN is far likelier than one that
                 # makes the right finite answer out of a NaN, so the owner is named (as detector 1 always did).
-                outcomes.append(Outcome(owner, owners[owner], confirmers, agrees, False, (owner,), True,
-                                        confirmers[0]))
+                outcomes.append(Outcome(owner, reasons, confirmers, agrees, False, (owner,), True, confirmers[0]))
             else:
-                outcomes.append(Outcome(owner, owners[owner], confirmers, agrees, False,
+                outcomes.append(Outcome(owner, reasons, confirmers, agrees, False,
                                         tuple(sorted({owner, confirmers[0]})), False, None))
             continue
         c1, c2 = confirmers
-        if not a1 and not a2 and bool(m12[i]):
-            outcome = Outcome(owner, owners[owner], confirmers, agrees, False, (owner,), True, c1)
+        if not a1 and not a2 and row[_CONFIRMERS_AGREE]:
+            outcome = Outcome(owner, reasons, confirmers, agrees, False, (owner,), True, c1)
         elif a1 and not a2:
-            outcome = Outcome(owner, owners[owner], confirmers, agrees, False, (c2,), True, owner)
+            outcome = Outcome(owner, reasons, confirmers, agrees, False, (c2,), True, owner)
         elif a2 and not a1:
-            outcome = Outcome(owner, owners[owner], confirmers, agrees, False, (c1,), True, owner)
+            outcome = Outcome(owner, reasons, confirmers, agrees, False, (c1,), True, owner)
         else:
-            outcome = Outcome(owner, owners[owner], confirmers, agrees, False,
-                              tuple(sorted({owner, c1, c2})), False, None)
+            # Three different results of one computation: not reproducible, whoever runs it.
+            outcome = Outcome(owner, reasons, confirmers, agrees, False, (), False, None, nonreproducible=True)
+            nonreproducible.append(owner)
         outcomes.append(outcome)
-    return ConfirmationVerdict(outcomes)
-
-
-def _finite(record: torch.Tensor) -> bool:
-    """Whether a claim record says: finite loss, no non-finite bucket."""
-    loss = record[CLAIM_LOSS].reshape(1).view(torch.float64)
-    return bool(torch.isfinite(loss).all()) and int(record[CLAIM_MASK]) == 0
+    return ConfirmationVerdict(outcomes, unreplayable, nonreproducible)
 
 
 def record_of(rank: int, owner: int, claims: torch.Tensor, records: torch.Tensor, ring: Ring) -> torch.Tensor:
     """What ``rank`` computed for ``owner``'s micro-batch this step: its claim, or its confirmation record."""
     if rank == owner:
-        return claims[owner]
+        return claims.select(0, owner)
     slot = 0 if (rank + ring.stride) % ring.world == owner else 1
-    return records[rank, slot, 1:]
+    return records.select(0, rank).select(0, slot).narrow(0, 1, claims.shape[1])
 
 
 def pair_rows(outcome: Outcome, claims: torch.Tensor, records: torch.Tensor, ring: Ring,
               names: list[str] | None) -> list[tuple[int, int, bool, str, str, list[str]]]:
-    """(confirmer, owner, loss_match, expected hex, observed hex, differing parameters) per confirmation."""
+    """(confirmer, owner, loss_match, expected hex, observed hex, differing parameters) per confirmation.
+
+    For an alarm's evidence: the owner's and its confirmers' rows come back to the host in one copy."""
     rows = []
+    involved = [outcome.owner, *outcome.confirmers]
+    claims, records = _rows_on_host(claims, records, involved)
     expected = claims[outcome.owner]
     for c in outcome.confirmers:
         observed = record_of(c, outcome.owner, claims, records, ring)
@@ -254,6 +338,18 @@ def pair_rows(outcome: Outcome, claims: torch.Tensor, records: torch.Tensor, rin
     return rows
 
 
+def _rows_on_host(claims: torch.Tensor, records: torch.Tensor, ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``claims`` and ``records`` on the CPU, only ``ranks``' rows filled (the rest zeros): one copy back."""
+    index = torch.tensor(ranks, dtype=torch.int64, device=claims.device)
+    picked = torch.cat([claims.index_select(0, index), records.index_select(0, index).reshape(len(ranks), -1)],
+                       dim=1).cpu()
+    host_claims = torch.zeros(claims.shape, dtype=claims.dtype)
+    host_records = torch.zeros(records.shape, dtype=records.dtype)
+    host_claims[ranks] = picked[:, :claims.shape[1]]
+    host_records[ranks] = picked[:, claims.shape[1]:].reshape(len(ranks), *records.shape[1:])
+    return host_claims, host_records
+
+
 def replay_plan(verdict: ConfirmationVerdict) -> dict[int, Outcome]:
     """Which micro-batch each suspect replays: the owner's of the first localised mismatch naming it.
 
@@ -267,19 +363,49 @@ def replay_plan(verdict: ConfirmationVerdict) -> dict[int, Outcome]:
     return plan
 
 
-def persistence(replays: torch.Tensor, plan: dict[int, Outcome], claims: torch.Tensor, records: torch.Tensor,
-                ring: Ring) -> FaultPersistence:
-    """``persistent``, ``transient`` or ``unknown`` from the localised suspects' replays.
+@dataclass(frozen=True)
+class ReplayVerdict:
+    """What the localised suspects' replays say."""
+
+    persistence: FaultPersistence
+    """``transient``, ``persistent`` or ``unknown`` over the suspects that reproduced something."""
+    nonreproducible: list[int] = field(default_factory=list)
+    """Suspects whose replay matched neither the majority's result nor their own first one: they cannot
+    reproduce their own computation, which is non-reproducible work, not a hardware fault."""
+
+
+def judge_replays(replays: torch.Tensor, plan: dict[int, Outcome], claims: torch.Tensor, records: torch.Tensor,
+                  ring: Ring) -> ReplayVerdict:
+    """The localised suspects' replays, judged.
 
     ``replays`` is ``[world, 1 + C]``: column 0 says whether the rank replayed.
     A suspect that gets the majority's result now was hit by a transient
-    fault; one that does not, by a persistent one (any persistent wins)."""
+    fault; one that gets its own first result again, by a persistent one (any
+    persistent wins); one that gets a third result is non-reproducible (not
+    counted as either). ``unknown`` when a suspect did not replay, there is no
+    plan, or every suspect was non-reproducible. Reads the rows back once."""
     if not plan:
-        return "unknown"
-    agreed = []
-    for suspect, outcome in plan.items():
-        if outcome.majority is None or not bool(replays[suspect, 0]):
-            return "unknown"
-        right = record_of(outcome.majority, outcome.owner, claims, records, ring)
-        agreed.append(bool((replays[suspect, 1:] == right).all()))
-    return "transient" if all(agreed) else "persistent"
+        return ReplayVerdict("unknown")
+    if any(outcome.majority is None for outcome in plan.values()):
+        return ReplayVerdict("unknown")
+    suspects = sorted(plan)
+    rows = torch.stack([torch.stack([
+        replays.select(0, s).select(0, 0) != 0,
+        (replays.select(0, s).narrow(0, 1, claims.shape[1]) ==
+         record_of(plan[s].majority, plan[s].owner, claims, records, ring)).all(),  # type: ignore[arg-type]
+        (replays.select(0, s).narrow(0, 1, claims.shape[1]) ==
+         record_of(s, plan[s].owner, claims, records, ring)).all(),
+    ]) for s in suspects]).tolist()
+    if not all(replayed for replayed, _, _ in rows):
+        return ReplayVerdict("unknown")
+    nonreproducible = [s for s, (_, right, again) in zip(suspects, rows, strict=True) if not right and not again]
+    judged = [right for s, (_, right, _) in zip(suspects, rows, strict=True) if s not in nonreproducible]
+    if not judged:
+        return ReplayVerdict("unknown", nonreproducible)
+    return ReplayVerdict("transient" if all(judged) else "persistent", nonreproducible)
+
+
+def persistence(replays: torch.Tensor, plan: dict[int, Outcome], claims: torch.Tensor, records: torch.Tensor,
+                ring: Ring) -> FaultPersistence:
+    """``judge_replays(...).persistence``: ``persistent``, ``transient`` or ``unknown``."""
+    return judge_replays(replays, plan, claims, records, ring).persistence

@@ -35,10 +35,12 @@ different fingerprint, and an empty tensor has a defined one.
 Integer sums are exact and independent of order, so the result does not
 depend on the thread count, the chunk size, the kernel or the device.
 
-Two implementations compute it. On the CPU a C kernel (``agent/csrc``, built
+Three implementations compute it. With ``SDCGUARD_FINGERPRINT_KERNEL=triton``
+a fused Triton kernel (``agent.kernels.triton_fingerprint``) reads a GPU tensor
+once, in place, whatever its strides. On the CPU a C kernel (``agent/csrc``, built
 and loaded by ``agent.native``) reads the tensor in place in one vectorised
 pass; it runs at a good fraction of memory bandwidth, where torch's CPU int64
-multiply is not vectorised. Everywhere else (GPUs, or a CPU without a C
+multiply is not vectorised. Everywhere else (GPUs by default, or a CPU without a C
 compiler) the torch implementation makes one pass over the tensor in chunks
 (a multiple of ``P`` elements) that stay in cache: each chunk is widened into
 a per-call int64 scratch buffer (the only copy; a non-contiguous tensor is
@@ -57,8 +59,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
+import os
 import threading
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 
 import torch
 
@@ -367,10 +372,27 @@ def _kernel_for(device: torch.device) -> native.Kernel | None:
     return native.kernel() if device.type == "cpu" else None
 
 
+def triton_kernels_for(device: torch.device) -> ModuleType | None:
+    """``agent.kernels.triton_fingerprint`` when its kernels do the work for tensors on ``device``, else None.
+
+    The one place the Triton kernels are chosen: ``SDCGUARD_FINGERPRINT_KERNEL=triton``
+    and a device other than the CPU (there its calls raise ``TritonKernelError`` with
+    the reason when Triton cannot run: no silent fallback), or the CPU under
+    ``TRITON_INTERPRET=1`` (its interpreter: tests). Imported only then."""
+    if native.mode() != "triton":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").strip() in ("", "0"):
+        return None
+    return importlib.import_module("agent.kernels.triton_fingerprint")
+
+
 def _fingerprint(
     t: torch.Tensor, chunk: int, scratch: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The lanes of ``t`` by whichever implementation its device uses, and the scratch buffer to reuse."""
+    fused = triton_kernels_for(t.device)
+    if fused is not None:
+        return fused.fingerprint(t), scratch
     kernel = _kernel_for(t.device)
     if kernel is not None:
         return fingerprint_native(t, kernel, chunk=chunk), scratch
@@ -392,7 +414,9 @@ def fingerprint(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     Equal bits, dtype and shape give equal lanes on any device, thread count
     or ``chunk`` (elements per chunk; None picks ``default_chunk(t.device)``);
     see the module docstring for the exact definition. On the CPU the C kernel
-    (``agent.native``) does the work when it is available, else torch. Does
+    (``agent.native``) does the work when it is available, else torch; with
+    ``SDCGUARD_FINGERPRINT_KERNEL=triton``, the fused Triton kernel on a GPU
+    (``agent.kernels.triton_fingerprint``). Does
     not synchronise with the device. Raises ValueError if ``chunk`` is not a
     positive multiple of ``BLOCK``, TypeError for an unsupported dtype."""
     lanes, _ = _fingerprint(t, _checked_chunk(chunk, t.device), None)
@@ -481,6 +505,9 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = Non
     for t in tensors:
         if t.device != device:
             raise ValueError(f"fingerprint_many: tensors on {device} and {t.device}; use one device")
+    fused = triton_kernels_for(device)
+    if fused is not None:
+        return fused.fingerprint_many(tensors)
     kernel = _kernel_for(device)
     if kernel is not None:
         return _many_native(tensors, kernel, chunk)
@@ -546,6 +573,9 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
             )
     chunk = _checked_chunk(chunk, device)
     total = sum(t.numel() for t in tensors)
+    fused = triton_kernels_for(device)
+    if fused is not None:
+        return fused.fingerprint_concat(tensors)
     kernel = _kernel_for(device)
     if kernel is not None and not dtype.is_complex and all(t.is_contiguous() for t in tensors):
         # The common case (a model's parameters and optimizer state): one kernel

@@ -1,30 +1,35 @@
 """SDCGuard: one checked training step (forward, backward, detectors, confirmation, update or skip).
 
+One step for every parallelism: what differs between DDP and FSDP2 (HSDP or
+pure FSDP) sits behind :class:`agent.parallelism.Parallelism`
+(agent.data_parallel, agent.sharded), chosen when the guard is built.
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
    (trainable and frozen), the optimizer state and the buffers DDP keeps equal
-   (the state after the updates of steps ``0 .. step-1``); a mismatch skips
-   the whole step.
+   (the state after the updates of steps ``0 .. step-1``) within each vote
+   group (every replica under DDP; the replicas of each shard under HSDP); a
+   mismatch skips the whole step.
 2. Seed the random state for (step, rank), then forward (under autocast when
-   ``autocast_dtype`` is set) and backward through DDP for each of the K
-   micro-batches (each loss divided by K, ``no_sync`` for all but the last);
-   on the last backward the communication hook sees the accumulated local
-   gradients and checks local and reduced gradients (detector 1),
-   takes each bucket's local-gradient norm, fingerprints the reduced
-   gradients, and on audit steps records per-parameter local-gradient
-   fingerprints.
+   ``autocast_dtype`` is set) and backward for each of the K micro-batches
+   (each loss divided by K, synchronising only on the last); the gradient
+   observer (DDP's communication hook, FSDP2's reduce-scatter) checks the
+   local and reduced gradients (detector 1), takes the local-gradient norms,
+   fingerprints the reduced gradients and, on audit steps, records digests of
+   the local gradients.
 3. On audit steps, recompute the audited rank's whole step, all K
    micro-batches (detector 2), and send the record to its owner, who compares.
 4. The magnitude trigger compares this rank's loss and gradient norm with its
    own history.
-5. One small all-reduce (flags, and the min and max of the reduced-gradient
-   fingerprint) tells every rank whether all agree: O(1) in the world size.
-   Only when something disagrees are the ranks' findings gathered
-   (:meth:`SDCGuard._resolve`), and a suspicious micro-batch is recomputed on
-   other nodes before anything is blamed (agent.confirm): the same data fault
-   on any GPU is the data's; a recomputation that differs is the hardware's,
-   and the suspect replays once to say whether it persists.
+5. One small all-reduce (agent.findings: flags, and the min and max of each
+   vote group's reduced-gradient fingerprint) tells every rank whether all
+   agree: O(1) in the world size; its result, the loss, the gradient norm and
+   the trigger's flag come back to the host in one copy. Only when something
+   disagrees are the ranks' findings gathered (:meth:`SDCGuard._resolve`),
+   and a suspicious micro-batch is recomputed on other nodes before anything
+   is blamed (agent.confirm): the same data fault on any GPU is the data's;
+   a recomputation that differs is the hardware's, and the suspect replays
+   once to say whether it persists.
 6. Update (unscale, clip to ``max_grad_norm``, ``optimizer.step()`` or the
    GradScaler's step, then the LR scheduler's step), or skip it all: on an
    alarm (publish, then the policy), on a data fault (every rank skips, a
@@ -36,7 +41,7 @@ checking changes nothing.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -50,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import confirm, native, replay
+from agent import confirm, findings, native, replay
 from agent.alarm import (
     RankIdentity,
     build_alarm,
@@ -59,44 +64,32 @@ from agent.alarm import (
     nonfinite_evidence,
     ring_evidence,
 )
-from agent.checkpoint import CheckpointSaveFailed, CheckpointWriter, LoadedCheckpoint, SaveResult
+from agent.batches import BatchNotReplayable, check_replayable
+from agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
 from agent.config import ALARM_EXIT_CODE, GuardConfig
+from agent.data_parallel import DataParallel
+from agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
+from agent.findings import GatheredFindings, StepFindings
 from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
 from agent.inject import from_env as injection_from_env
-from agent.nonfinite import (
-    LOCAL_ANY,
-    LOSS_NONFINITE,
-    REDUCED_ANY,
-    REDUCED_FP,
-    SUMMARY_WIDTH,
-    GradientHook,
-    judge_nonfinite,
-)
+from agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from agent.publisher import Publisher, PublishOutcome
-from agent.ring_audit import AuditVerdict, audit_record, layout_order, owner_record, preserved, recompute_step
+from agent.ring_audit import AuditVerdict, loss_bits
 from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
 from agent.trigger import MagnitudeTrigger
-from agent.weights import checked_buffers, state_fingerprint, state_fingerprint_hex, vote
+from agent.weights import vote_in_groups
 from contract import Alarm, Detector, LastClean, NonFiniteEvidence, RingPair
 from contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-BatchFor = Callable[[int, int], Any]
+__all__ = ["LOOP_STATE", "BatchFor", "DataFaultLimit", "GuardAlarm", "LossFn", "NonReproducible", "SDCGuard",
+           "StepResult"]
 
 LOOP_STATE = "sdcguard_loop"
 """The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state."""
-
-# The gathered row of one rank (only on disagreement): its summary, then these, then its claim.
-ROW_TRIGGER, ROW_AUDIT_BAD = SUMMARY_WIDTH, SUMMARY_WIDTH + 1
-ROW_CLAIM = SUMMARY_WIDTH + 2
-
-# The per-step all-reduce (MAX): flags, then the reduced-gradient lanes and their complements (~x: a MAX of
-# ~x is the complement of the MIN, with no overflow), so every rank sees whether all lanes agree.
-AGREE_LOCAL, AGREE_REDUCED, AGREE_LOSS, AGREE_TRIGGER, AGREE_AUDIT = range(5)
-AGREE_FLAGS = 5
 
 
 class GuardAlarm(RuntimeError):
@@ -115,6 +108,21 @@ class DataFaultLimit(RuntimeError):
         super().__init__(f"{streak} consecutive steps (the last at step {step}, rank(s) {ranks}) had non-finite "
                          f"gradients that a recomputation on another node reproduced: the data or the training "
                          f"setup is at fault, not the hardware (max_data_faults={limit})")
+        self.step = step
+        self.ranks = ranks
+
+
+class NonReproducible(RuntimeError):
+    """Raised on every rank under ``on_nonreproducible="stop"`` when a recomputation of a micro-batch could not
+    reproduce it and the others disagree among themselves too: the computation is not bit-reproducible (a
+    non-deterministic kernel, different software), which says nothing about the hardware; no rank is blamed.
+    ``.step`` and ``.ranks`` (the owners of that work) say where."""
+
+    def __init__(self, step: int, ranks: list[int]) -> None:
+        super().__init__(f"step {step}: the recomputations of rank(s) {ranks}'s micro-batches all disagree: the "
+                         f"computation is not bit-reproducible (a non-deterministic kernel, or different software "
+                         f"on different nodes), so no rank is blamed; make it deterministic, or set "
+                         f"on_nonreproducible=continue to train on")
         self.step = step
         self.ranks = ranks
 
@@ -145,20 +153,12 @@ class StepResult:
     """Ranks whose micro-batch was recomputed on other nodes this step to confirm a finding (same on every rank)."""
     triggered: bool = False
     """This rank's magnitude trigger fired (it only asks for a confirmation)."""
+    nonreproducible: bool = False
+    """The recomputations of some micro-batch all disagreed (the computation is not bit-reproducible): no rank
+    was blamed, the update was skipped, a warning said so (``on_nonreproducible="continue"``); True on every
+    rank."""
     published: PublishOutcome | None = None
     """On the publishing rank, what became of the alarm."""
-
-
-@dataclass
-class _Pass:
-    """What the rank's own forward and backward left for the verdict."""
-
-    loss: torch.Tensor
-    summary: torch.Tensor
-    own_record: torch.Tensor | None = None
-    audit_record: torch.Tensor | None = None
-    audit_bad: torch.Tensor | None = None
-    trigger: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class _Confirmation:
 
 
 class SDCGuard:
-    """Wraps a DDP model and its optimizer; ``step(step)`` runs one checked training step.
+    """Wraps a DDP (or FSDP2) model and its optimizer; ``step(step)`` runs one checked training step.
 
     ``loss_fn(module, batch)`` returns the scalar loss of one micro-batch;
     ``batch_for(step, rank)`` returns the exact micro-batch ``rank`` trains on at
@@ -183,23 +183,22 @@ class SDCGuard:
     restored by :meth:`resume_step`. ``injection`` defaults to
     ``SDCGUARD_INJECT``. ``unchecked_buffers`` names buffers the weight
     fingerprint must leave out. Raises ``ValueError`` for a model that is not
-    DDP-wrapped or a bad setting.
+    DDP-wrapped, a bad setting, or a ``batch_for`` that returns other than K
+    micro-batches. With a recompute-based check on (the audit, the
+    confirmation), it first compares every rank's environment of bit-exact
+    recomputation (``agent.determinism``; ``DeterminismUnavailable`` naming
+    what differs under ``on_environment_mismatch="refuse"``, else the checks
+    are turned off with a warning) and calls ``batch_for(0, rank)`` twice
+    (``agent.batches.BatchNotReplayable`` when the two differ).
 
     With ``mesh`` (a ``DeviceMesh``), ``model`` is an FSDP2 model
-    (``fully_shard(..., mesh=mesh)``) and the guard is an
-    :class:`agent.sharded.ShardedGuard`.
+    (``fully_shard(..., mesh=mesh)``) and the step runs through
+    :class:`agent.sharded.ShardedDataParallel` (see there for what it raises).
     """
-
-    def __new__(cls, *args: Any, mesh: Any = None, **kwargs: Any) -> SDCGuard:
-        if mesh is not None and cls is SDCGuard:
-            from agent.sharded import ShardedGuard  # imports this module: only when asked for
-
-            return super().__new__(ShardedGuard)
-        return super().__new__(cls)
 
     def __init__(
         self,
-        model: torch.nn.parallel.DistributedDataParallel,
+        model: Any,
         optimizer: torch.optim.Optimizer,
         *,
         loss_fn: LossFn,
@@ -210,74 +209,107 @@ class SDCGuard:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         injection: Injection | str | None = "env",
         group: dist.ProcessGroup | None = None,
-        checkpoints: CheckpointWriter | None = None,
+        checkpoints: Checkpoints | None = None,
         unchecked_buffers: tuple[str, ...] = (),
         mesh: Any = None,
     ) -> None:
+        cfg = config if config is not None else GuardConfig.from_env()
+        # A disabled GradScaler (GradScaler(enabled=False), the usual "fp16 only" switch) scales nothing.
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node, rank=dist.get_rank(group),
+                                          world_size=dist.get_world_size(group))
+        job = Job(config=cfg, loss_fn=loss_fn, batch_for=batch_for, topology=self.topology, scaler=self.scaler)
+        self.parallel: Parallelism
         if mesh is not None:
-            raise ValueError("mesh: only for an FSDP2 model (SDCGuard builds a ShardedGuard for it)")
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError("model: must be a torch.nn.parallel.DistributedDataParallel")
-        self.config = cfg = config if config is not None else GuardConfig.from_env()
+            from agent.sharded import ShardedDataParallel  # FSDP2 and DCP: imported only for a mesh
+
+            self.parallel = ShardedDataParallel(model, optimizer, job, mesh=mesh, group=group)
+        else:
+            self.parallel = DataParallel(model, optimizer, job, group=group, unchecked_buffers=unchecked_buffers)
+        self.config = cfg = self.parallel.job.config
         replay.pin_threads(cfg.threads)
         # Build (or load) the fingerprint kernel now, on the main thread: not on a
         # gloo thread in the middle of the first step; a bad setting fails here.
         native.kernel()
         self.model = model
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.batch_for = batch_for
-        # A disabled GradScaler (GradScaler(enabled=False), the usual "fp16 only" switch) scales nothing.
-        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
         self.group = group
-        self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node,
-                                          rank=dist.get_rank(group), world_size=dist.get_world_size(group))
-        self.ring = confirm.Ring.of(self.topology.world_size, self.topology.ranks_per_node)
+        self.ring = self.parallel.ring
         self.publisher = publisher if publisher is not None else Publisher(cfg)
-        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.frozen_names = [n for n, p in model.module.named_parameters() if not p.requires_grad]
-        self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.audit_enabled = cfg.audit_every > 0 and self.topology.nodes >= 2
-        if cfg.deterministic and self.audit_enabled:
+        self.params = self.parallel.params
+        self.device = self.parallel.device
+        self.config = cfg = self._preflight(cfg, group)
+        self.audit_enabled = cfg.audit_every > 0 and self.parallel.audit_possible
+        recomputes = self.audit_enabled or (cfg.confirm and self.ring.possible)
+        if cfg.deterministic and recomputes:
             replay.use_deterministic_algorithms(self.device)
-        # The settling pass runs the first micro-batch the way every step runs its last (autocast, synchronised).
-        changed = _settle_buckets(model, self._forward, self._micro_batches(0, dist.get_rank(group))[0])
-        self.buffer_names = checked_buffers(model, changed, set(unchecked_buffers))
-        """Buffers the weight fingerprint covers (DDP broadcasts them and a forward leaves them alone)."""
+        if recomputes:
+            # Before anything trains: a loader that cannot replay would make every recomputation disagree.
+            check_replayable(batch_for, 0, self.topology.rank, cfg.grad_accum_steps, self.device)
+        self.parallel.install()
         self._step_hooks: list[Callable[[int], None]] = []
         self._stepped = False
         optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.hook = GradientHook({id(p): n for n, p in named}, self.topology.world_size, group)
-        self.hook.check_nonfinite = cfg.nonfinite
-        self.hook.check_reduced = cfg.reduced_grad
-        self.hook.measure_norms = cfg.trigger_ratio > 0 or cfg.confirm
-        # With clipping, clip_grad_norm_ measures the norm itself.
-        self.hook.measure_reduced_norm = cfg.max_grad_norm is None
-        self.hook.register(model)
         self.trigger = (MagnitudeTrigger(cfg.trigger_ratio, cfg.trigger_window, cfg.trigger_warmup, self.device)
                         if cfg.trigger_ratio > 0 else None)
         if isinstance(injection, str):
             injection = injection_from_env()
         self.injector = Injector(injection, self.topology.rank, self.topology.node)
-        self.injector.install(self)
+        self.injector.install(self.parallel.injection_site(optimizer, self.register_step_hook))
         self.identities: list[RankIdentity] = gather_identities(self.topology, self.device, group)
         self.run_id = self._agree_run_id()
         if cfg.audit_every > 0 and not self.audit_enabled:
-            log.warning("ring audit off: it needs ranks on at least 2 nodes (world %d, %d ranks per node)",
+            log.warning("ring audit off: it needs %s (world %d, %d ranks per node)", self.parallel.audit_needs,
                         self.topology.world_size, self.topology.ranks_per_node)
         self.last_clean: dict[str, int | None] = {d.value: None for d in Detector}
         self.overflow_streak = 0
         self.data_fault_streak = 0
+        self.nonreproducible_steps = 0
+        """Steps whose recomputations showed the computation is not bit-reproducible (no rank blamed)."""
         self.alarms: list[Alarm] = []
         self._checkpoints = checkpoints
         self.resumed: LoadedCheckpoint | None = None
+        """The checkpoint :meth:`resume_step` loaded (None before, or when there was none)."""
         self.republished: dict[str, PublishOutcome] = {}
         """What became of the alarms an earlier start had spooled (republished by rank 0 when built)."""
         if self.topology.rank == 0:
             self.republished = self.publisher.republish_spooled()
+
+    def _preflight(self, cfg: GuardConfig, group: dist.ProcessGroup | None) -> GuardConfig:
+        """Compare every rank's environment of bit-exact recomputation (a collective) when a recompute-based
+        check is on; where ranks differ, refuse to start (DeterminismUnavailable naming what differs) or, under
+        ``on_environment_mismatch="degrade"``, return the settings without those checks (a warning)."""
+        if not ((cfg.audit_every > 0 and self.parallel.audit_possible) or (cfg.confirm and self.ring.possible)):
+            return cfg
+        differences = signature_differences(gather_signatures(self.device, group))
+        if not differences:
+            return cfg
+        what = "; ".join(differences)
+        if cfg.on_environment_mismatch == "refuse":
+            raise DeterminismUnavailable(
+                f"the ranks differ in what bit-exact recomputation depends on ({what}): the ring audit and the "
+                f"confirmation would blame healthy hardware; run every rank on the same hardware and software, or "
+                f"set on_environment_mismatch=degrade to train without those checks")
+        log.warning("the ranks differ in what bit-exact recomputation depends on (%s): the ring audit and the "
+                    "confirmation are off (on_environment_mismatch=degrade)", what)
+        degraded = dataclasses.replace(cfg, audit_every=0, confirm=False)
+        self.parallel.job.config = degraded
+        return degraded
+
+    @property
+    def batch_for(self) -> BatchFor:
+        """``batch_for(step, rank)``: the micro-batch(es) ``rank`` trains on at ``step``; replaceable."""
+        return self.parallel.job.batch_for
+
+    @batch_for.setter
+    def batch_for(self, batch_for: BatchFor) -> None:
+        self.parallel.job.batch_for = batch_for
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """``loss_fn(module, batch)``: the scalar loss of one micro-batch."""
+        return self.parallel.job.loss_fn
 
     def register_step_hook(self, hook: Callable[[int], None]) -> None:
         """Call ``hook(step)`` at the start of every step (fault injection, profilers)."""
@@ -292,7 +324,11 @@ class SDCGuard:
         published, then ``on_alarm`` applies: "stop" exits the process with
         ALARM_EXIT_CODE, "raise" raises GuardAlarm, "continue" returns it in
         the result. Raises DataFaultLimit after more than ``max_data_faults``
-        consecutive data faults.
+        consecutive data faults, ``agent.batches.BatchNotReplayable`` when a
+        recomputation rebuilt other micro-batches than the owner trained on
+        (the loader's error, no alarm), and NonReproducible when the
+        recomputations of a micro-batch all disagree under
+        ``on_nonreproducible="stop"`` (no rank blamed, no alarm).
         """
         if step < 0:
             raise ValueError(f"step: must be >= 0, got {step}")
@@ -302,99 +338,42 @@ class SDCGuard:
         result = StepResult(step=step, loss=math.nan)
         if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
             result.weights_checked = True
-            alarm = self._check_weights(step)
+            alarm = self.agreed_fingerprint(step)[1]
             if alarm is not None:
                 return self._handle(alarm, result)
         result.audited = self.audit_enabled and step % cfg.audit_every == 0
-        own = self._forward_backward(step, result.audited)
+        found = self.parallel.forward_backward(step, audited=result.audited)
         if result.audited:
-            self._audit(step, own)
+            self._audit(step, found)
         if self.trigger is not None:
-            own.trigger = self.trigger.fires(own.loss, self._grad_norm())
-        agreed = self._agree(own)
-        result.loss = float(own.loss.detach())
-        if self.hook.measure_reduced_norm:
-            result.grad_norm = float(self._unscaled(self.hook.reduced_norm(self.device)))
-        result.triggered = bool(own.trigger) if own.trigger is not None else False
-        if agreed:
+            found.trigger = self.trigger.fires(found.loss, self._unscaled(self.parallel.local_norm(found)))
+        if self._agree(found, result):
             return self._update(step, result)
-        alarm = self._resolve(step, own, result)
+        alarm = self._resolve(step, found, result)
         if alarm is not None:
             return self._handle(alarm, result)
+        if result.nonreproducible:
+            # Finite gradients of doubtful bits: not even a GradScaler may step on them.
+            self.optimizer.zero_grad(set_to_none=True)
+            return result
         if result.data_fault or result.overflow:
             self._apply_update(overflow=True)
             return result
         return self._update(step, result)
 
-    def _forward_backward(self, step: int, audited: bool) -> _Pass:
-        """The rank's own pass through DDP: every micro-batch's forward (under autocast) and backward, its loss
-        divided by K, DDP synchronising on the last only; so the communication hook sees the accumulated local
-        gradients before their all-reduce, and checks as they are reduced. The loss is the mean."""
-        self.optimizer.zero_grad(set_to_none=True)
-        replay.seed_micro_batch(self.config.seed, step, self.topology.rank)
-        self.hook.begin_step(record_params=audited)
-        batches = self._micro_batches(step, self.topology.rank)
-        k = len(batches)
-        total: torch.Tensor | None = None
-        for i, batch in enumerate(batches):
-            with contextlib.nullcontext() if i == k - 1 else self.model.no_sync():
-                loss = self._forward(self.model, batch)
-                if k > 1:
-                    loss = loss / k
-                self._scaled(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None
-        return _Pass(loss=total, summary=self.hook.summary(total, self.device))
-
-    def _forward(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
-        """``loss_fn`` under ``torch.autocast`` when ``autocast_dtype`` is set: every forward the guard runs."""
-        with self._autocast():
-            return self.loss_fn(module, batch)
-
-    def _micro_batches(self, step: int, rank: int) -> list[Any]:
-        """``batch_for(step, rank)`` as a list of K micro-batches (ValueError when it returns another count)."""
-        k = self.config.grad_accum_steps
-        batch = self.batch_for(step, rank)
-        if k == 1:
-            return [batch]
-        batches = list(batch)
-        if len(batches) != k:
-            raise ValueError(f"batch_for: returned {len(batches)} micro-batches for step {step}, rank {rank}; "
-                             f"grad_accum_steps is {k}")
-        return batches
-
-    def _audit(self, step: int, own: _Pass) -> None:
-        """Detector 2: recompute the next node's micro-batch, send the record to its owner, compare ours."""
-        topo = self.topology
-        own.own_record = owner_record(own.loss, self.hook, self.device)
-        recomputation = self._recompute(step, topo.audits)
-        own.audit_record = audit_record(recomputation, self.hook.layout, self.device)
-        del recomputation  # digests, not copies, outlive the recomputation
-        theirs = torch.empty_like(own.own_record)
-        if topo.world_size > 1:
-            ops = [dist.P2POp(dist.isend, own.audit_record, self._global(topo.audits), self.group),
-                   dist.P2POp(dist.irecv, theirs, self._global(topo.audited_by), self.group)]
+    def _audit(self, step: int, found: StepFindings) -> None:
+        """Detector 2: recompute the audited rank's step, send the record to its owner, compare ours."""
+        parallel = self.parallel
+        found.own_record, found.audit_record = parallel.audit_records(step, found)
+        received = torch.empty_like(found.own_record)
+        if self.topology.world_size > 1:
+            ops = [dist.P2POp(dist.isend, found.audit_record, self._global(parallel.audits), self.group),
+                   dist.P2POp(dist.irecv, received, self._global(parallel.audited_by), self.group)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
         else:
-            theirs = own.audit_record
-        own.audit_bad = (theirs != own.own_record).any()
-
-    def _recompute(self, step: int, owner: int) -> Any:
-        """``owner``'s whole step (all K micro-batches) on the bare module, bit for bit as its own pass ran it."""
-        seed = functools.partial(replay.seed_micro_batch, self.config.seed, step, owner)
-        return recompute_step(self.model.module, self.loss_fn, self._micro_batches(step, owner), self.names,
-                              self.params, seed, scale=self._scaled, autocast=self._autocast)
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = self.config.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
-
-    def _grad_norm(self) -> torch.Tensor:
-        """This rank's local-gradient norm (unscaled under a GradScaler), on the device, fp64."""
-        return self._unscaled(torch.linalg.vector_norm(self.hook.bucket_norms(self.device)))
+            received = found.audit_record
+        found.audit_bad = (received != found.own_record).any()
 
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
         """A norm of scaled gradients divided by the GradScaler's scale (unchanged without one)."""
@@ -404,24 +383,28 @@ class SDCGuard:
         scale = getattr(self.scaler, "_scale", None)
         return norm / (scale.to(norm) if isinstance(scale, torch.Tensor) else self.scaler.get_scale())
 
-    def _agree(self, own: _Pass) -> bool:
-        """The step's one collective while all is well: does every rank agree? (the same answer on every rank)."""
-        cfg, s = self.config, own.summary
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
-        flags = torch.stack([
-            (s[LOCAL_ANY] > 0).to(torch.int64) if cfg.nonfinite else zero,
-            (s[REDUCED_ANY] > 0).to(torch.int64) if cfg.nonfinite else zero,
-            s[LOSS_NONFINITE] if cfg.nonfinite else zero,
-            own.trigger.to(torch.int64) if own.trigger is not None else zero,
-            own.audit_bad.to(torch.int64) if own.audit_bad is not None else zero,
-        ])
-        lanes = s[REDUCED_FP] if cfg.reduced_grad else torch.zeros(3, dtype=torch.int64, device=self.device)
-        vector = torch.cat([flags, lanes, torch.bitwise_not(lanes)])
+    def _agree(self, found: StepFindings, result: StepResult) -> bool:
+        """The step's one collective while all is well: does every rank agree? (the same answer on every rank).
+
+        The answer, this rank's loss, the reduced-gradient norm and the trigger's flag come back to the host
+        in one copy, into ``result``."""
+        cfg, parallel = self.config, self.parallel
+        vector = findings.agreement_vector(found, nonfinite=cfg.nonfinite, reduced=cfg.reduced_grad,
+                                           slot=parallel.vote_slot, slots=len(parallel.vote_groups))
         if self.topology.world_size > 1:
             dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
-        v = vector.cpu()
-        low = torch.bitwise_not(v[AGREE_FLAGS + 3:])
-        return not bool(v[:AGREE_FLAGS].any()) and bool((v[AGREE_FLAGS:AGREE_FLAGS + 3] == low).all())
+        measured = parallel.reduced_norm()
+        norm = (self._unscaled(measured) if measured is not None
+                else torch.full((), math.nan, dtype=torch.float64, device=self.device))
+        trigger = found.trigger if found.trigger is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+        figures = torch.stack([loss_bits(found.loss), loss_bits(norm), trigger.to(torch.int64)])
+        # The clean step's one wait on the host: everything it reports, in one copy.
+        host = torch.cat([vector, figures.to(vector.device)]).tolist()
+        result.loss = findings.float_of_bits(host[-3])
+        if measured is not None:
+            result.grad_norm = findings.float_of_bits(host[-2])
+        result.triggered = bool(host[-1])
+        return findings.agreed(host[:-3])
 
     def _update(self, step: int, result: StepResult) -> StepResult:
         """Every check passed (or a trigger was confirmed as real): record the clean steps and update."""
@@ -440,9 +423,6 @@ class SDCGuard:
         if result.updated and self.scheduler is not None:
             self.scheduler.step()
         return result
-
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def _apply_update(self, *, overflow: bool, result: StepResult | None = None) -> bool:
         """Update (unscale, clip, step), or let the GradScaler skip, or skip; whether the optimizer stepped."""
@@ -477,58 +457,53 @@ class SDCGuard:
 
     # -- the disagreement path ------------------------------------------------------------------------
 
-    def _resolve(self, step: int, own: _Pass, result: StepResult) -> Alarm | None:
+    def _resolve(self, step: int, found: StepFindings, result: StepResult) -> Alarm | None:
         """Something disagreed: gather every rank's findings, confirm before blaming, decide (same on every rank).
 
         Returns the alarm, or None with ``result.overflow`` / ``result.data_fault``
         set when the update must be skipped without one, or None alone when the
         step may update (a magnitude jump that the recomputation reproduced).
         """
-        cfg, world = self.config, self.topology.world_size
-        claim = confirm.claim_from_hook(own.loss, self.hook, self.device, digests=own.own_record is not None)
-        row = torch.cat([own.summary, torch.stack([
-            own.trigger.to(torch.int64) if own.trigger is not None else torch.zeros((), dtype=torch.int64),
-            own.audit_bad.to(torch.int64) if own.audit_bad is not None else torch.zeros((), dtype=torch.int64),
-        ]).to(self.device), claim])
-        rows = self._all_gather(row)
-        summaries = rows[:, :SUMMARY_WIDTH]
-        claims = rows[:, ROW_CLAIM:]
+        cfg, world, parallel = self.config, self.topology.world_size, self.parallel
+        claim = parallel.own_claim(found, digests=found.own_record is not None)
+        rows = GatheredFindings.unpack(self._all_gather(findings.pack_row(found, claim)))
         # A step with non-finite sums belongs to the non-finite check (their bits carry no meaning).
-        if cfg.reduced_grad and not bool(summaries[:, REDUCED_ANY].any()):
-            ballot = vote(summaries[:, REDUCED_FP])
-            if not ballot.unanimous:
-                suspects = ballot.dissenters
-                return self._alarm(step, Detector.REDUCED_GRAD, suspects, ballot.majority is not None,
-                                   fingerprint_evidence("reduced_grad", ballot.groups, ballot.majority,
+        if cfg.reduced_grad and not rows.reduced_nonfinite:
+            verdict = vote_in_groups(rows.reduced_lanes, parallel.vote_groups)
+            if not verdict.unanimous:
+                suspects = verdict.dissenters
+                return self._alarm(step, Detector.REDUCED_GRAD, suspects, verdict.localized,
+                                   fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(),
                                                         "reduced_gradients"),
-                                   f"ranks received different reduced gradients; outside the majority: {suspects}")
+                                   f"replicas received different reduced gradients; outside the strict majority: "
+                                   f"{suspects}" if verdict.localized else
+                                   "replicas received different reduced gradients and no strict majority")
         owners: dict[int, list[str]] = {}
-        nonfinite = judge_nonfinite(summaries) if cfg.nonfinite else None
+        nonfinite = judge_nonfinite(rows.summaries) if cfg.nonfinite else None
         if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks or nonfinite.reduced_ranks):
             everyone = len(nonfinite.local_ranks) == world
             if self.scaler is not None and everyone and not nonfinite.loss_ranks:
                 return self._scaler_overflow(step, result, nonfinite)
             bad = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
             if not bad:
-                # Finite inputs everywhere, non-finite sums: the collective itself.
+                # Finite inputs everywhere, non-finite sums: the reduction itself.
                 strict = 0 < len(nonfinite.reduced_ranks) < world
                 suspects = nonfinite.reduced_ranks if strict else []
                 return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
                                    nonfinite_evidence([], True, nonfinite.buckets),
-                                   f"the all-reduce delivered non-finite gradients to rank(s) {nonfinite.reduced_ranks}")
+                                   f"the reduction delivered non-finite gradients to rank(s) {nonfinite.reduced_ranks}")
             for r in bad:
                 owners.setdefault(r, []).append(confirm.NONFINITE)
-        for r in torch.nonzero(rows[:, ROW_TRIGGER]).reshape(-1).tolist():
+        for r in rows.triggered:
             owners.setdefault(r, []).append(confirm.MAGNITUDE)
         audit = None
-        if own.own_record is not None and bool(rows[:, ROW_AUDIT_BAD].any()):
-            audit = self._judge_audit(own)
+        if found.own_record is not None and rows.audit_failed:
+            audit = self._judge_audit(found)
             for pair in audit.mismatched:
                 owners.setdefault(pair.audited, []).append(confirm.AUDIT)
-        return self._confirm_and_decide(step, result, claims, owners, nonfinite, audit,
-                                        layout_order(self.hook.layout))
+        return self._confirm_and_decide(step, result, rows.claims, owners, nonfinite, audit)
 
-    def _scaler_overflow(self, step: int, result: StepResult, nonfinite: Any) -> Alarm | None:
+    def _scaler_overflow(self, step: int, result: StepResult, nonfinite: NonFiniteVerdict) -> Alarm | None:
         """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
         self.overflow_streak += 1
         if self.overflow_streak <= self.config.max_scaler_overflow_steps:
@@ -538,42 +513,54 @@ class SDCGuard:
                    f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
         return self._alarm(step, Detector.NONFINITE_GRAD, [], False, self._nonfinite_evidence(nonfinite), message)
 
-    def _judge_audit(self, own: _Pass) -> AuditVerdict:
+    def _judge_audit(self, found: StepFindings) -> AuditVerdict:
         """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
-        assert own.own_record is not None
-        assert own.audit_record is not None
-        mine = torch.cat([own.own_record, own.audit_record])
-        both = self._all_gather(mine)
+        assert found.own_record is not None
+        assert found.audit_record is not None
+        both = self._all_gather(torch.cat([found.own_record, found.audit_record]))
         width = both.shape[1] // 2
-        return judge_audit(both[:, :width], both[:, width:], self.topology.ranks_per_node,
-                           names=layout_order(self.hook.layout))
+        return judge_audit(both[:, :width], both[:, width:], self.parallel.audit_stride,
+                           names=self.parallel.digest_names())
+
+    def _recomputed_claims(self, step: int, assigned: dict[int, int], width: int, slots: int,
+                           *, digests: bool) -> torch.Tensor:
+        """``[slots, 1 + width]``: per slot, 1 and the claim of the owner this rank recomputes there, or zeros.
+
+        Where a recomputation is a collective (FSDP2), every rank runs every slot in lock step, its own
+        micro-batch where it has no owner (the result unused)."""
+        rank, parallel = self.topology.rank, self.parallel
+        rows = [torch.zeros(1 + width, dtype=torch.int64, device=self.device) for _ in range(slots)]
+        for slot in range(slots):
+            owner = assigned.get(slot)
+            if owner is None and not parallel.collective_recompute:
+                continue
+            claim = parallel.recompute_claim(step, rank if owner is None else owner, digests=digests)
+            if owner is not None:
+                # "Recomputed" (1), then the claim; made on the device.
+                rows[slot] = torch.cat([torch.ones(1, dtype=torch.int64, device=self.device), claim.to(self.device)])
+        return torch.stack(rows)
 
     def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]],
                  *, digests: bool) -> _Confirmation:
         """Recompute each owner's micro-batch on its confirmers (this rank does at most two), gather, judge."""
-        width = claims.shape[1]
-        mine = torch.zeros(2, 1 + width, dtype=torch.int64, device=self.device)
-        for slot, owner in self.ring.assignments(self.topology.rank, set(owners)):
-            mine[slot, 0] = 1
-            mine[slot, 1:] = self._claim_of_recomputation(step, owner, digests=digests)
-        records = self._all_gather(mine.reshape(-1)).reshape(-1, 2, 1 + width)
+        assigned = dict(self.ring.assignments(self.topology.rank, set(owners)))
+        # Every owner's previous unit recomputes it in slot 0; with 3 or more units the next one in slot 1.
+        slots = 2 if self.ring.units >= 3 else 1
+        recomputed = self._recomputed_claims(step, assigned, claims.shape[1], slots, digests=digests)
+        if slots < 2:  # every rank sends two slots (the gathered layout), the second empty
+            recomputed = torch.cat([recomputed, torch.zeros_like(recomputed)])
+        records = self._all_gather(recomputed.reshape(-1)).reshape(-1, 2, 1 + claims.shape[1])
         verdict = confirm.judge_confirmations(claims, records, owners, self.ring)
         return _Confirmation(verdict, claims, records)
 
-    def _claim_of_recomputation(self, step: int, owner: int, *, digests: bool) -> torch.Tensor:
-        recomputation = self._recompute(step, owner)
-        return confirm.claim_from_recomputation(recomputation, self.hook.layout, self.device,
-                                                nonfinite=self.config.nonfinite, norms=self.hook.measure_norms,
-                                                digests=digests)
-
     def _confirm_and_decide(self, step: int, result: StepResult, claims: torch.Tensor,
-                            owners: dict[int, list[str]], nonfinite: Any, audit: AuditVerdict | None,
-                            names: list[str]) -> Alarm | None:
+                            owners: dict[int, list[str]], nonfinite: NonFiniteVerdict | None,
+                            audit: AuditVerdict | None) -> Alarm | None:
         """Confirm before blame (the same on every rank): recompute each owner's micro-batch on other nodes and
         decide, or without a confirmation (``confirm`` off, or no other node) take the detectors' own verdicts.
 
-        ``owners`` maps each rank to why it is confirmed; ``names`` label the digests of an audit step's claims
-        (parameters under DDP). Returns what :meth:`_decide` returns; None at once without an owner.
+        ``owners`` maps each rank to why it is confirmed. Returns what :meth:`_decide` returns; None at once
+        without an owner.
         """
         if not owners:
             return None
@@ -581,21 +568,32 @@ class SDCGuard:
         if not (self.config.confirm and self.ring.possible):
             return self._unconfirmed(step, nonfinite, audit)
         confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=result.audited)
-        return self._decide(step, result, confirmation, nonfinite, audit, names)
+        return self._decide(step, result, confirmation, nonfinite, audit)
 
-    def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: Any,
-                audit: AuditVerdict | None, names: list[str]) -> Alarm | None:
+    def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: NonFiniteVerdict | None,
+                audit: AuditVerdict | None) -> Alarm | None:
         """What the confirmations say: an alarm (the suspects' hardware, or a failed audit's auditors'), or None
         with ``result.data_fault`` set (the NaN/Inf reproduced), or None alone (a jump the recomputations
         reproduced). Raises DataFaultLimit past ``max_data_faults``."""
         verdict = c.verdict
+        if verdict.unreplayable:
+            owner, confirmer = verdict.unreplayable[0]
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BatchNotReplayable(step, owner, f"rank {confirmer} rebuilt micro-batches whose digest differs "
+                                                  f"from those rank {owner} trained on")
+        if verdict.nonreproducible and not verdict.mismatched:
+            return self._nonreproducible(step, result, verdict.nonreproducible)
+        names = self.parallel.digest_names() if result.audited else None
         pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
-                          mismatched_params=[self._param_label(n) for n in p[:64]])
+                          mismatched_params=[self.parallel.param_label(n) for n in p[:64]])
                  for outcome in verdict.outcomes
-                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring,
-                                                           names if result.audited else None)][:4096]
+                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring, names)][:4096]
         if verdict.mismatched:
-            persistence = self._persistence(step, c, digests=result.audited)
+            replays = self._replays(step, c, digests=result.audited)
+            if replays.nonreproducible:
+                # A suspect cannot reproduce its own computation: not a fault of its hardware.
+                return self._nonreproducible(step, result, replays.nonreproducible)
+            persistence = replays.persistence
             suspects, localized = verdict.suspects, verdict.localized
             reasons = {r for o in verdict.mismatched for r in o.reasons}
             where = "localised by the recomputations on other nodes" if localized else "not localised"
@@ -638,34 +636,36 @@ class SDCGuard:
     def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
         return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
                          expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                         mismatched_params=[self._param_label(n) for n in p.mismatched_params[:64]])
+                         mismatched_params=[self.parallel.param_label(n) for n in p.mismatched_params[:64]])
                 for p in audit.mismatched][:4096]
 
-    def _param_label(self, name: str) -> str:
-        """How an alarm names a digest that disagreed: under DDP, the parameter's name."""
-        return name
-
-    def _nonfinite_evidence(self, nonfinite: Any) -> NonFiniteEvidence:
-        """Detector 1's evidence from its reading of the gathered rows (under DDP: per bucket)."""
+    def _nonfinite_evidence(self, nonfinite: NonFiniteVerdict) -> NonFiniteEvidence:
+        """Detector 1's evidence from its reading of the gathered rows (per DDP bucket, or per FSDP group)."""
         return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.buckets)
 
-    def _nonfinite_named(self, nonfinite: Any) -> list[int]:
-        """The ranks an unconfirmed non-finite alarm names: under DDP, those with non-finite local gradients,
-        else those with a non-finite loss."""
-        return list(nonfinite.local_ranks or nonfinite.loss_ranks)
-
-    def _persistence(self, step: int, c: _Confirmation, *, digests: bool) -> FaultPersistence:
-        """Each localised suspect replays once the micro-batch it got wrong (a collective)."""
+    def _replays(self, step: int, c: _Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
+        """Each localised suspect replays once the micro-batch it got wrong (a collective; under FSDP2 every
+        other rank replays its own in lock step, the result unused); their verdict."""
         plan = confirm.replay_plan(c.verdict)
         if not plan:
-            return "unknown"
-        width = c.claims.shape[1]
-        mine = torch.zeros(1 + width, dtype=torch.int64, device=self.device)
-        if self.topology.rank in plan:
-            mine[0] = 1
-            mine[1:] = self._claim_of_recomputation(step, plan[self.topology.rank].owner, digests=digests)
-        replays = self._all_gather(mine)
-        return confirm.persistence(replays, plan, c.claims, c.records, self.ring)
+            return confirm.ReplayVerdict("unknown")
+        assigned = {0: plan[self.topology.rank].owner} if self.topology.rank in plan else {}
+        replayed = self._recomputed_claims(step, assigned, c.claims.shape[1], 1, digests=digests)
+        return confirm.judge_replays(self._all_gather(replayed.reshape(-1)), plan, c.claims, c.records, self.ring)
+
+    def _nonreproducible(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
+        """The computation of ``ranks``' micro-batches is not bit-reproducible: no alarm, no rank blamed; the
+        update is skipped, a warning says so, and ``on_nonreproducible`` says whether to go on (raises
+        NonReproducible under "stop")."""
+        self.nonreproducible_steps += 1
+        result.nonreproducible = True
+        log.warning("step %d: the recomputations of rank(s) %s's micro-batches all disagree: the computation is not "
+                    "bit-reproducible, no rank is blamed; the update is skipped (%d such step(s) so far)", step,
+                    ranks, self.nonreproducible_steps)
+        if self.config.on_nonreproducible == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonReproducible(step, ranks)
+        return None
 
     def _data_fault(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
         """The recomputations reproduced the NaN/Inf: skip the update on every rank, warn, count."""
@@ -680,10 +680,11 @@ class SDCGuard:
             raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
         return None
 
-    def _unconfirmed(self, step: int, nonfinite: Any, audit: AuditVerdict | None) -> Alarm | None:
+    def _unconfirmed(self, step: int, nonfinite: NonFiniteVerdict | None, audit: AuditVerdict | None) -> Alarm | None:
         """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts."""
         if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
-            named = self._nonfinite_named(nonfinite)
+            # The ranks whose own pass went non-finite: their local gradients, or only their loss.
+            named = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
             suspects = [] if len(nonfinite.local_ranks) == self.topology.world_size else named
             return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
                                self._nonfinite_evidence(nonfinite), f"non-finite local gradients on rank(s) {named}")
@@ -695,49 +696,48 @@ class SDCGuard:
 
     # -- detector 3 -----------------------------------------------------------------------------------
 
-    def checked_tensors(self) -> list[torch.Tensor]:
-        """What the weight fingerprint covers beyond the trainable parameters and the optimizer state:
-        the frozen parameters, then the checked buffers (looked up by name: a load may replace them)."""
-        params = dict(self.model.module.named_parameters())
-        buffers = dict(self.model.module.named_buffers())
-        return [params[n] for n in self.frozen_names] + [buffers[n] for n in self.buffer_names]
-
     def state_fingerprint_hex(self) -> str:
-        """This rank's fingerprint of everything detector 3 compares (what a checkpoint manifest records)."""
-        return state_fingerprint_hex(self.params, self.optimizer, self.checked_tensors())
+        """The fingerprint of everything detector 3 compares, as a checkpoint manifest records it (under a
+        mesh a collective: one digest of every shard the replicas agree on)."""
+        return self.parallel.state_fingerprint_hex()
+
+    def local_fingerprint_hex(self) -> str:
+        """This rank's own fingerprint of what detector 3 compares (under a mesh: of its shards)."""
+        return self.parallel.local_fingerprint_hex()
 
     def agreed_fingerprint(self, step: int) -> tuple[str | None, Alarm | None]:
-        """Compare the weights, optimizer state and checked buffers of all replicas (a collective: every rank
-        calls it). Returns (the fingerprint every replica holds, None) or (None, the alarm).
+        """Compare the weights, optimizer state and checked buffers within every vote group (every replica;
+        under a mesh the replicas of each shard). A collective: every rank calls it.
+
+        Returns (the one fingerprint every group agrees on, None) or (None, the alarm). Without replicas there
+        is nothing to compare: the digest of the state as it is.
         """
-        lanes = state_fingerprint(self.params, self.optimizer, self.checked_tensors())
-        ballot = vote(self._all_gather(lanes.to(self.device)))
-        if ballot.unanimous:
-            self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
-            return ballot.groups[0][0], None
-        suspects = ballot.dissenters
-        alarm = self._alarm(step, Detector.WEIGHT_FINGERPRINT, suspects, ballot.majority is not None,
-                            fingerprint_evidence("weight_fingerprint", ballot.groups, ballot.majority,
+        parallel = self.parallel
+        verdict = vote_in_groups(self._all_gather(parallel.state_lanes()), parallel.vote_groups)
+        if verdict.unanimous:
+            if parallel.replicated:
+                self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
+            return parallel.agreed_digest(verdict), None
+        suspects = verdict.dissenters
+        alarm = self._alarm(step, Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
+                            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(),
                                                  "weights+optimizer"),
                             f"replicas hold different weights; outside the strict majority: {suspects}"
-                            if ballot.majority else "replicas hold different weights and no strict majority")
+                            if verdict.localized else "replicas hold different weights and no strict majority")
         return None, alarm
-
-    def _check_weights(self, step: int) -> Alarm | None:
-        return self.agreed_fingerprint(step)[1]
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
     @property
-    def checkpoints(self) -> CheckpointWriter:
-        """The job's checkpoint writer on ``config.checkpoint_prefix`` (made on first use)."""
+    def checkpoints(self) -> Checkpoints:
+        """The job's checkpoint writer on ``config.checkpoint_prefix`` (made on first use; under a mesh DCP's)."""
         if self._checkpoints is None:
             injection, topo = self.injector.injection, self.topology
             corrupt = None
             if injection is not None and injection.kind == "checkpoint_corrupt":
                 corrupt = functools.partial(corrupt_checkpoint_bytes, node=topo.node, injection=injection)
-            self._checkpoints = CheckpointWriter(
-                self.config.checkpoint_prefix, corrupt=corrupt, group=self.group,
+            self._checkpoints = self.parallel.checkpoint_writer(
+                self.config.checkpoint_prefix, corrupt=corrupt,
                 written_by=f"sdcguard agent rank {topo.rank} on {topo.host}"[:256])
         return self._checkpoints
 
@@ -746,7 +746,9 @@ class SDCGuard:
         """Check that all replicas agree, then save the state a resumed job needs to run ``step`` next.
 
         Every rank calls it at the same ``step`` (the state after the updates
-        of steps ``0 .. step-1``); the LR scheduler's and the GradScaler's state
+        of steps ``0 .. step-1``); ``extra`` (the job's own state: a data
+        loader's position, counters) comes back as :attr:`resumed_extra` after
+        :meth:`resume_step`. The LR scheduler's and the GradScaler's state
         go with the model and the optimizer (under ``extra[LOOP_STATE]``). The
         weight fingerprint all replicas agreed on goes into the manifest. If they disagree, nothing is saved: the
         alarm is published and the policy applies (None is returned under
@@ -791,14 +793,17 @@ class SDCGuard:
         """Load the checkpoint the resume pointer names (else the newest committed one); the first step to run.
 
         Returns 0 when there is no checkpoint. Every rank calls it together.
-        The LR scheduler's and the GradScaler's state come back with the model
-        and the optimizer (a warning when the checkpoint holds none), so the
-        resumed run is the one that stopped, learning rate included. The last
-        clean audit and fingerprint steps come back from the
-        manifest, so an alarm after the restart never claims a trusted step
-        later than what was checked. Raises ``lineage.errors.CheckpointCorrupt``
-        on every rank when an object fails its sha256 or the loaded state does
-        not give the manifest's fingerprint: the job refuses to train from it.
+        The job's own ``extra`` dict, as given to :meth:`save_checkpoint`, is
+        then :attr:`resumed_extra` (``{}`` when nothing was loaded), and the
+        loaded checkpoint itself :attr:`resumed` (its ``data_position``, its
+        manifest). The LR scheduler's and the GradScaler's state come back with
+        the model and the optimizer (a warning when the checkpoint holds none),
+        so the resumed run is the one that stopped, learning rate included. The
+        last clean audit and fingerprint steps come back from the manifest, so
+        an alarm after the restart never claims a trusted step later than what
+        was checked. Raises ``lineage.errors.CheckpointCorrupt`` on every rank
+        when an object fails its sha256 or the loaded state does not give the
+        manifest's fingerprint: the job refuses to train from it.
         """
         loaded = self.checkpoints.load(model=self.model, optimizer=self.optimizer,
                                        fingerprint_fn=self.state_fingerprint_hex)
@@ -811,6 +816,14 @@ class SDCGuard:
         self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = loaded.manifest.last_clean_fingerprint_step
         log.warning("resumed from %s (step %d, via %s)", loaded.uri, loaded.step, loaded.source)
         return loaded.step
+
+    @property
+    def resumed_extra(self) -> dict[str, Any]:
+        """The job's own ``extra`` dict saved with the checkpoint :meth:`resume_step` loaded (without the
+        guard's own ``LOOP_STATE`` entry); ``{}`` before a resume or when there was no checkpoint."""
+        if self.resumed is None:
+            return {}
+        return {k: v for k, v in self.resumed.extra.items() if k != LOOP_STATE}
 
     def _loop_state(self) -> dict[str, Any]:
         """The schedule's and the GradScaler's state, for the checkpoint (under the extra key LOOP_STATE)."""
@@ -881,47 +894,14 @@ class SDCGuard:
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[world, n]`` on the CPU (only on the disagreement path, and for the weight check)."""
-        if self.topology.world_size == 1:
-            return local.reshape(1, -1).cpu()
-        out = [torch.empty_like(local) for _ in range(self.topology.world_size)]
-        dist.all_gather(out, local, group=self.group)
-        return torch.stack(out).cpu()
+        return gather_rows(local.to(self.device), self.topology.world_size, self.group)
 
     def _agree_run_id(self) -> int:
         """A random id chosen by rank 0, so every rank names an alarm the same way.
 
         From ``os.urandom``: a job that seeds Python's ``random`` would
         otherwise draw the same id after every restart and reuse alarm ids."""
-        mine = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64, device=self.device)
+        drawn = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64, device=self.device)
         if self.topology.world_size > 1:
-            dist.broadcast(mine, src=self._global(0), group=self.group)
-        return int(mine.item())
-
-
-def _settle_buckets(model: torch.nn.parallel.DistributedDataParallel, loss_fn: LossFn, batch: Any) -> set[str]:
-    """One forward and backward that changes nothing, so every real step reduces with DDP's final buckets.
-
-    DDP all-reduces its first backward with buckets in parameter order, then
-    rebuilds them in the order the gradients became ready. Where an element
-    sits in the flat buffer decides the order in which the all-reduce sums it
-    across ranks, so with three or more ranks a job resumed from a checkpoint
-    (a fresh DDP, on its first layout) and one that never stopped (on the
-    rebuilt layout) round differently at the resumed step, and the resume is
-    not bit-exact. Settling the layout here, before any real step, makes the
-    first step of every start use the layout of every later one. It runs before
-    the communication hook and fault injection are installed, leaves no
-    gradient, and restores the random state and the module's buffers (batch
-    norm statistics), so the weights, optimizer and data are untouched.
-
-    Returns the names of the buffers the training forward changed (they differ
-    between replicas by design, so the weight fingerprint leaves them out).
-    """
-    module = model.module
-    before = {n: b.detach().clone() for n, b in module.named_buffers()}
-    changed: set[str] = set()
-    with preserved(module):
-        loss_fn(model, batch).backward()
-        changed = {n for n, b in module.named_buffers() if n in before and not torch.equal(b, before[n])}
-    for param in model.parameters():
-        param.grad = None
-    return changed
+            dist.broadcast(drawn, src=self._global(0), group=self.group)
+        return int(drawn.item())

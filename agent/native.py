@@ -26,7 +26,14 @@ neither torch nor the fingerprint module, and the element kinds are the library'
 - ``auto`` (default): the C kernel when it builds and passes the self-check,
   else the torch implementation, with one warning saying why;
 - ``native``: the C kernel or an error (``NativeKernelError``) saying why not;
-- ``torch``: never build or load the C kernel.
+- ``torch``: never build or load the C kernel;
+- ``triton``: tensors on a CUDA device are fingerprinted by the fused Triton
+  kernels (``agent.kernels``; the ``gpu`` extra), and asking fails with
+  ``TritonKernelError`` saying why where they cannot run (Triton not
+  importable; no GPU and ``TRITON_INTERPRET`` unset): never a silent
+  fallback. CPU tensors keep the C kernel as in ``auto``, except under
+  ``TRITON_INTERPRET=1``, where Triton's interpreter takes them too (how the
+  tests compare the kernels' bits on a CPU).
 
 ``SDCGUARD_FINGERPRINT_ISA`` (``scalar``, ``avx2`` or ``avx512``) caps the
 instruction set, for tests and benchmarks. Only speed depends on either
@@ -56,7 +63,7 @@ SOURCE = Path(__file__).with_name("csrc") / "fingerprint.c"
 KERNEL_ENV = "SDCGUARD_FINGERPRINT_KERNEL"
 ISA_ENV = "SDCGUARD_FINGERPRINT_ISA"
 CACHE_ENV = "SDCGUARD_CACHE_DIR"
-MODES = ("auto", "native", "torch")
+MODES = ("auto", "native", "torch", "triton")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
 ABI = 6
@@ -195,11 +202,17 @@ def kernel() -> Kernel | None:
     """The C kernel, built and loaded once per process; None when the torch implementation is to be used.
 
     Raises NativeKernelError when ``SDCGUARD_FINGERPRINT_KERNEL=native`` and
-    the kernel cannot be had, ValueError for a bad setting."""
+    the kernel cannot be had, or (a subclass, ``TritonKernelError``) ``triton``
+    where Triton cannot run; ValueError for a bad setting."""
     global _loaded, _failure, _tried
     chosen = mode()
     if chosen == "torch":
         return None
+    if chosen == "triton":
+        # Imported only in this mode (it imports torch). Checked on every call, as a bad setting is.
+        from agent.kernels import triton_fingerprint
+
+        triton_fingerprint.require()
     limit = isa_limit()  # a bad setting is refused on every call, not only the first
     with _lock:
         if not _tried:
@@ -208,7 +221,7 @@ def kernel() -> Kernel | None:
                 _loaded = _load(limit)
             except NativeKernelError as exc:
                 _failure = str(exc)
-                if chosen == "auto":
+                if chosen != "native":
                     log.warning("fingerprints use the torch implementation (slower): %s", exc)
         if _loaded is None and chosen == "native":
             raise NativeKernelError(_failure or "the C kernel was not loaded")

@@ -12,6 +12,12 @@ The next start of the job republishes what was spooled before it trains
 spooled alarm that EventBridge now accepts is removed from the spool; one it
 still refuses stays there for the start after. The alarm's id is stable, so a
 republished alarm the pipeline already saw is recognised there as the same.
+
+A spool belongs to one job: only alarms of this job (its cluster, namespace
+and name, and its checkpoint prefix) are republished; another job's, left in
+a shared working directory or prefix, are left alone, and so are this job's
+alarms older than ``spool_max_age_s`` (acting on them now could cordon a node
+repaired since). Each kind is reported once per start, not per alarm.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import ValidationError
 
+from agent.alarm import job_identity
 from contract import DETAIL_TYPE, EVENT_SOURCE, Alarm
 
 if TYPE_CHECKING:
@@ -58,6 +66,9 @@ class Publisher:
         self.config = config
         self._events = events_client
         self._s3 = s3_client
+        self.left_alone: dict[str, str] = {}
+        """Spooled alarms the last :meth:`republish_spooled` did not republish, by id: why (another job's,
+        too old)."""
 
     @overload
     def _client(self, service: Literal["events"], timeout: float) -> EventBridgeClient: ...
@@ -112,8 +123,11 @@ class Publisher:
         """Deliver the alarms an earlier start spooled (``spool_dir`` and ``<prefix>/alarms/`` in S3).
 
         Returns the outcome by alarm id. A delivered alarm is removed from
-        both spools; one that is not stays (and is logged). Never raises for
-        an unreadable spool or an unreachable service: it logs and goes on.
+        both spools; one that is not stays (and is logged). Only this job's
+        alarms no older than ``spool_max_age_s`` are republished; the others
+        stay in the spool, are listed in :attr:`left_alone` and logged once
+        per kind. Never raises for an unreadable spool or an unreachable
+        service: it logs and goes on.
         """
         found: dict[str, tuple[Alarm, list[str]]] = {}
         if local:
@@ -137,6 +151,7 @@ class Publisher:
                     found.setdefault(alarm.alarm_id, (alarm, []))[1].append(f"s3://{bucket}/{item['Key']}")
             except Exception as exc:  # an outage here must not stop the job from starting
                 log.error("could not read the S3 alarm spool s3://%s/%s: %s", bucket, key_prefix, exc)
+        found = self._this_jobs(found)
         outcomes: dict[str, PublishOutcome] = {}
         for alarm_id, (alarm, places) in found.items():
             outcome = self.deliver(alarm)
@@ -148,6 +163,34 @@ class Publisher:
             for place in places:
                 self._unspool(place)
         return outcomes
+
+    def _this_jobs(self, found: dict[str, tuple[Alarm, list[str]]]) -> dict[str, tuple[Alarm, list[str]]]:
+        """The spooled alarms to republish: this job's, recent enough; the rest go to ``left_alone``, logged once."""
+        job, prefix = job_identity(self.config), self.config.checkpoint_prefix
+        oldest = datetime.now(UTC) - timedelta(seconds=self.config.spool_max_age_s)
+        self.left_alone = {}
+        others: dict[str, str] = {}
+        stale: list[str] = []
+        kept: dict[str, tuple[Alarm, list[str]]] = {}
+        for alarm_id, (alarm, places) in found.items():
+            sent = alarm.time if alarm.time.tzinfo is not None else alarm.time.replace(tzinfo=UTC)
+            if alarm.job != job or alarm.checkpoint_prefix != prefix:
+                others[alarm_id] = (f"{alarm.job.hyperpod_cluster}/{alarm.job.namespace}/{alarm.job.job_name} "
+                                    f"({alarm.checkpoint_prefix})")
+                self.left_alone[alarm_id] = f"another job's: {others[alarm_id]}"
+            elif sent < oldest:
+                stale.append(alarm_id)
+                self.left_alone[alarm_id] = f"sent {sent.isoformat()}, older than spool_max_age_s"
+            else:
+                kept[alarm_id] = (alarm, places)
+        if others:
+            log.warning("%d spooled alarm(s) belong to other jobs than %s/%s/%s (%s) and are left alone in the "
+                        "spool: %s", len(others), job.hyperpod_cluster, job.namespace, job.job_name, prefix,
+                        sorted(set(others.values())))
+        if stale:
+            log.warning("%d spooled alarm(s) of this job are older than spool_max_age_s (%.0f s) and are not "
+                        "republished: %s", len(stale), self.config.spool_max_age_s, stale)
+        return kept
 
     def _s3_spool(self) -> tuple[str, str] | None:
         prefix = self.config.checkpoint_prefix

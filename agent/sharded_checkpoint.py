@@ -32,7 +32,7 @@ import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,6 @@ from lineage.errors import CheckpointCorrupt, PointerConflict
 from lineage.pointer import advance_pointer, read_pointer
 from lineage.store import ObjectStore, open_store, sha256_hex
 from lineage.verify import check_fingerprint, read_manifest, read_verified
-
-if TYPE_CHECKING:
-    from agent.sharded import ShardedGuard
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +130,34 @@ class _VerifyingReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+class ShardPositions(Protocol):
+    """What a sharded checkpoint needs of the job's mesh (agent.sharded's ``ShardedDataParallel`` offers it)."""
+
+    replicas: int
+    """Replica groups in the mesh."""
+    shards: int
+    """Shard positions per replica group."""
+    coordinate: tuple[int, int]
+    """(replica group, shard position) of this rank."""
+    agreed_shards: list[str]
+    """Each shard position's fingerprint at the replicas' last agreement."""
+
+    def local_fingerprint_hex(self) -> str:
+        """This rank's fingerprint of its shards, as hex."""
+        ...
+
+
 class ShardedCheckpointWriter:
     """Saves and loads one FSDP2 job's sharded checkpoints; the same ``save``/``load`` as CheckpointWriter.
 
-    ``guard`` gives the mesh's shape and the per-shard fingerprints (its last
+    ``positions`` gives the mesh's shape and the per-shard fingerprints (its last
     agreement, and this rank's after a load).
     """
 
-    def __init__(self, prefix: str | ObjectStore, *, guard: ShardedGuard, client: Any = None, written_by: str = "",
+    def __init__(self, prefix: str | ObjectStore, *, positions: ShardPositions, client: Any = None, written_by: str = "",
                  advance_pointer: bool = True, corrupt: Corrupter | None = None) -> None:
         self.store = prefix if isinstance(prefix, ObjectStore) else open_store(prefix, client=client)
-        self.guard = guard
+        self.positions = positions
         self.written_by = written_by
         self.advance_pointer = advance_pointer
         self.corrupt = corrupt
@@ -212,8 +226,8 @@ class ShardedCheckpointWriter:
                     last_clean_audit_step=last_clean_audit_step,
                     last_clean_fingerprint_step=last_clean_fingerprint_step,
                     written_by=(self.written_by or f"sdcguard agent rank 0 on {socket.gethostname()}")[:256],
-                    sharding=ShardedLayout(replicas=self.guard.replicas, shards=self.guard.shards,
-                                           shard_fingerprints=list(self.guard.agreed_shards)),
+                    sharding=ShardedLayout(replicas=self.positions.replicas, shards=self.positions.shards,
+                                           shard_fingerprints=list(self.positions.agreed_shards)),
                 )
                 commit(store, manifest)
             except Exception as exc:
@@ -277,10 +291,10 @@ class ShardedCheckpointWriter:
             raise _as_corrupt(failure, where) if failure else CheckpointCorrupt(
                 f"{where}: another rank could not verify or load its shards; refusing to train")
         assert manifest.sharding is not None
-        mine = self.guard.local_fingerprint_hex()
-        expected = manifest.sharding.shard_fingerprints[self.guard.coordinate[1]]
+        mine = self.positions.local_fingerprint_hex()
+        expected = manifest.sharding.shard_fingerprints[self.positions.coordinate[1]]
         if mine != expected:
-            problem = CheckpointCorrupt(f"{where}: rank {rank}'s loaded shard (position {self.guard.coordinate[1]}) "
+            problem = CheckpointCorrupt(f"{where}: rank {rank}'s loaded shard (position {self.positions.coordinate[1]}) "
                                         f"has fingerprint {mine}, the replicas agreed on {expected} before the "
                                         "save; refusing to train from it")
         if _status_all(problem is not None):
@@ -298,14 +312,14 @@ class ShardedCheckpointWriter:
                                 pointer=pointer, pointer_etag=etag)
 
     def _check_layout(self, manifest: CheckpointManifest, where: str) -> None:
-        layout, guard = manifest.sharding, self.guard
+        layout, mesh = manifest.sharding, self.positions
         if layout is None:
             raise CheckpointLayoutMismatch(f"{where}: a replicated (DDP) checkpoint; this job is sharded "
-                                           f"({guard.replicas} x {guard.shards}): refusing to load it")
-        if (layout.replicas, layout.shards) != (guard.replicas, guard.shards):
+                                           f"({mesh.replicas} x {mesh.shards}): refusing to load it")
+        if (layout.replicas, layout.shards) != (mesh.replicas, mesh.shards):
             raise CheckpointLayoutMismatch(
                 f"{where}: saved by {layout.replicas} replica group(s) of {layout.shards} shard(s); this job runs "
-                f"{guard.replicas} of {guard.shards}. Its per-shard fingerprints apply only to the mesh that saved "
+                f"{mesh.replicas} of {mesh.shards}. Its per-shard fingerprints apply only to the mesh that saved "
                 "it: start the job on the same mesh shape (a replaced node keeps it)")
 
     def _load_state(self, store: ObjectStore, step: int, manifest: CheckpointManifest, model: torch.nn.Module,

@@ -377,7 +377,8 @@ def parser() -> argparse.ArgumentParser:
                    help="spawn this many local ranks (gloo) instead of running under torchrun")
     p.add_argument("--node-names", default="",
                    help="with --nproc: comma-separated NODE_NAME of each simulated node (node i holds ranks "
-                        "i*ranks_per_node ...); each rank's POD_NAME/HOSTNAME become <job>-worker-<rank>")
+                        "i*ranks_per_node ...); the ranks of node i get POD_NAME/HOSTNAME <job>-worker-<i>, one pod "
+                        "per node as in a PyTorchJob")
     return p
 
 
@@ -420,7 +421,8 @@ def _node_env(args: argparse.Namespace) -> dict[str, str]:
     env = {}
     for rank in range(args.nproc):
         env[f"NODE_NAME@{rank}"] = names[rank // per_node]
-        env[f"POD_NAME@{rank}"] = env[f"HOSTNAME@{rank}"] = f"{job}-worker-{rank}"
+        # One pod per node, as a PyTorchJob runs torchrun in each (and `sdcguard local seed` names them).
+        env[f"POD_NAME@{rank}"] = env[f"HOSTNAME@{rank}"] = f"{job}-worker-{rank // per_node}"
     return env
 
 

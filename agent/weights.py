@@ -156,3 +156,50 @@ def _vote_by_rows(rows: torch.Tensor) -> Vote:
                      for g in range(unique.shape[0])), key=lambda item: (-len(item[1]), item[1][0]))
     majority = groups[0][0] if len(groups[0][1]) * 2 > rows.shape[0] else None
     return Vote(groups=groups, majority=majority)
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    """A strict-majority vote within each vote group (ranks that must hold the same bits): under DDP one group
+    of every replica, under HSDP one group per shard position of that shard's replicas."""
+
+    votes: list[Vote]
+    """One per vote group, over global ranks."""
+
+    @property
+    def unanimous(self) -> bool:
+        """Every group agrees within itself."""
+        return all(v.unanimous for v in self.votes)
+
+    @property
+    def dissenters(self) -> list[int]:
+        """Ranks outside their group's strict majority."""
+        return sorted(r for v in self.votes for r in v.dissenters)
+
+    @property
+    def localized(self) -> bool:
+        """Every group that disagrees has a strict majority."""
+        return all(v.majority is not None for v in self.votes if not v.unanimous)
+
+    def groups(self) -> list[tuple[str, list[int]]]:
+        """(fingerprint, ranks) of every group that disagreed, the largest first within each (at most 64)."""
+        return [g for v in self.votes if not v.unanimous for g in v.groups][:64]
+
+    def majority(self) -> str | None:
+        """The majority fingerprint of the first group that disagreed."""
+        return next((v.majority for v in self.votes if not v.unanimous), None)
+
+    def agreed(self) -> list[str]:
+        """The fingerprint each group holds (meaningful when unanimous), in group order."""
+        return [v.groups[0][0] for v in self.votes]
+
+
+def vote_in_groups(rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> GroupVerdict:
+    """:func:`vote` within each group of ranks; ``rows`` is ``[world, lanes]`` (every rank's lanes)."""
+    rows = rows.cpu()
+    votes = []
+    for ranks in groups:
+        ballot = vote(rows[list(ranks)])
+        votes.append(Vote(groups=[(h, [ranks[i] for i in members]) for h, members in ballot.groups],
+                          majority=ballot.majority))
+    return GroupVerdict(votes=votes)

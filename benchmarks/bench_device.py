@@ -1,8 +1,10 @@
-"""The agent's assumptions checked on an accelerator, and the fingerprint's speed there.
+"""The agent's assumptions checked on a GPU, and the fingerprint's speed there: the one script for a lent GPU.
 
 ``./dev bench device [-- --device cuda:0 --elements 64M,256M --repeats 10 --steps 5]``
 
-Checks, each PASS or FAIL (the exit status is 1 if any fails):
+Checks, each a row of one table, PASS, FAIL or INFO (the exit status is 1 if
+any fails; 3, with nothing run, on a machine without CUDA unless
+``--device cpu`` asks for the CPU smoke run):
 
 1. **fingerprints do not depend on the device**: for every element type and
    a range of sizes (and a strided view), the fingerprint computed on the
@@ -15,29 +17,53 @@ Checks, each PASS or FAIL (the exit status is 1 if any fails):
    gradient bit for bit as the DDP pass did (a world of one on this device),
    with torch's deterministic algorithms on, as the guard runs the audit. The
    same comparison without them is reported, not judged: it shows whether the
-   setting matters on this device.
+   setting matters on this device;
+4. **the preflight**: this machine's environment signature (what bit-exact
+   recomputation depends on) and whether deterministic mode can be set up
+   (``agent.determinism.require_deterministic``);
+5. **SDPA attention recomputed**: the flash backend's forward and backward
+   twice, bit for bit, with deterministic mode on (judged) and with
+   ``warn_only`` (reported: torch keeps the non-deterministic kernel);
+6. **the guard on the device**: a world-1 NCCL guard run (gloo on the CPU)
+   with a NaN injected into one step's input and a forced magnitude trigger,
+   under ``torch.cuda.set_sync_debug_mode("warn")``: the NaN step must not
+   update, the jump must fire the trigger, clean steps must update, and a
+   clean step must wait on the host at most once (syncs counted per step).
 
 Then it times, on the device, a copy into a preallocated buffer, a sum, the
 fingerprint and the non-finite flag, and prints the ratios to the copy.
 
-Without an accelerator it runs everything on the CPU with small sizes, which
-is how the tests keep it working. It is one short script so that a session
-lent a GPU can run it at once.
+With ``--device cpu`` it runs everything on the CPU with small sizes (the
+sync count is a GPU's only), which is how the tests keep it working. It is
+one short script (a few minutes on a GPU) so that a session lent one can run
+it at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import importlib.util
+import math
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from agent import fingerprint as fp
 from agent import replay
+from agent.config import GuardConfig
+from agent.determinism import DeterminismUnavailable, environment_signature, require_deterministic
 from agent.nonfinite import nonfinite_flag
+from agent.publisher import PublishOutcome
 from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
 from benchmarks.bench_fingerprint import _counts, _label, _median_seconds
 
@@ -92,7 +118,7 @@ def check_nonfinite(device: torch.device) -> list[str]:
 def _pass_bits(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> list[str]:
     """The loss and every gradient of one seeded forward and backward, as fingerprints."""
     module.zero_grad(set_to_none=True)
-    replay.seed_micro_batch(0, step, 0)
+    replay.seed_micro_batch(0, step, 0, next(module.parameters()).device)
     loss = loss_fn(module, batch)
     loss.backward()
     grads = [p.grad if p.grad is not None else torch.zeros(0) for p in module.parameters()]
@@ -147,52 +173,240 @@ def time_on(device: torch.device, elements: list[int], repeats: int) -> None:
                   f"{flag * 1e3:8.3f} {copy / flag:11.2f}")
 
 
+NO_CUDA_EXIT = 3
+"""The exit status when no CUDA device is here and ``--device`` did not ask for another: nothing was checked."""
+
+
+@dataclass
+class Table:
+    """The one table the script prints: a row per check (PASS, FAIL or INFO) and its detail."""
+
+    rows: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def add(self, name: str, problems: list[str] | None, detail: str = "") -> None:
+        """A judged row (``problems`` empty: PASS) or, with ``problems=None``, an INFO row."""
+        status = "INFO" if problems is None else ("FAIL" if problems else "PASS")
+        self.rows.append((name, status, "; ".join(problems[:5]) if problems else detail))
+
+    @property
+    def failed(self) -> bool:
+        """Whether any judged row failed."""
+        return any(status == "FAIL" for _, status, _ in self.rows)
+
+    def print(self) -> None:
+        width = max(len(name) for name, _, _ in self.rows)
+        for name, status, detail in self.rows:
+            print(f"{status:<4}  {name:<{width}}  {detail}")
+
+
+def preflight(device: torch.device, table: Table) -> None:
+    """The environment signature of this machine and whether deterministic mode can be set up here."""
+    signature = environment_signature(device)
+    table.add("environment signature", None, ", ".join(f"{k}={v}" for k, v in sorted(signature.items())))
+    try:
+        require_deterministic(device)
+        table.add("deterministic mode can be set up (not warn_only)", [],
+                  f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG') or '(not needed)'}")
+    except DeterminismUnavailable as exc:
+        table.add("deterministic mode can be set up (not warn_only)", [str(exc)])
+
+
+def _attention_bits(device: torch.device, repeats: int) -> list[list[str]]:
+    """``repeats`` forward and backward passes of causal SDPA (flash on CUDA) on one input: their fingerprints."""
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(4, 8, 256, 64, generator=g).to(device, dtype) for _ in range(3))
+    grad = torch.randn(4, 8, 256, 64, generator=g).to(device, dtype)
+    backend: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    runs = []
+    for _ in range(repeats):
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        with backend:
+            out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+        out.backward(grad)
+        grads = [x.grad for x in (qq, kk, vv) if x.grad is not None]
+        runs.append([fp.to_hex(fp.fingerprint(t)) for t in (out.detach(), *grads)])
+    return runs
+
+
+def check_attention(device: torch.device, table: Table, repeats: int = 4) -> None:
+    """SDPA (flash on CUDA) recomputed: judged with deterministic mode on, reported with warn_only."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        for warn_only in (False, True):
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+            name = f"SDPA {'flash ' if device.type == 'cuda' else ''}attention recomputed bit for bit" + (
+                " (warn_only)" if warn_only else "")
+            try:
+                runs = _attention_bits(device, repeats)
+            except RuntimeError as exc:
+                table.add(name, None if warn_only else [f"raised: {str(exc).splitlines()[0][:200]}"])
+                continue
+            differing = [i for i, run in enumerate(runs[1:], 1) if run != runs[0]]
+            problems = [f"runs {differing} of {repeats} differ from run 0 (output, dq, dk, dv)"] if differing else []
+            table.add(name, None if warn_only else problems,
+                      "; ".join(problems) if warn_only and problems else f"{repeats} runs identical")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+class _Silent:
+    """A publisher that publishes nowhere (the run is the bench's own)."""
+
+    def publish(self, alarm: Any) -> PublishOutcome:
+        return PublishOutcome(delivered=True, event_id="bench")
+
+    def republish_spooled(self, **_: Any) -> dict[str, PublishOutcome]:
+        return {}
+
+
+@contextlib.contextmanager
+def _counting_syncs(device: torch.device) -> Iterator[list[str]]:
+    """The host synchronisations of the block, as torch's warnings report them (CUDA only; empty elsewhere)."""
+    seen: list[str] = []
+    if device.type != "cuda":
+        yield seen
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seen += [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+
+
+def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
+    """A world-1 guard run on ``device``: an injected NaN, a forced trigger, clean steps; syncs per clean step."""
+    from agent.guard import SDCGuard
+
+    nan_step, jump_step = 4, steps - 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def batch_for(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Made on the device by the device's generator: a host-to-device copy would be the loader's sync.
+        g = torch.Generator(device=device).manual_seed(step * 1000 + rank)
+        x = torch.randn(16, 32, generator=g, device=device)
+        y = torch.randn(16, 1, generator=g, device=device)
+        if step == nan_step:
+            x[0, 0] = math.nan
+        if step == jump_step:
+            x, y = x * 1e3, y * 1e3
+        return x, y
+
+    def mse(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(module(x), y)
+
+    scratch = tempfile.mkdtemp(prefix="sdcguard-bench-")
+    config = GuardConfig(on_alarm="continue", trigger_warmup=4, trigger_window=8, fingerprint_every=5,
+                         checkpoint_prefix=os.path.join(scratch, "checkpoints"), spool_dir=os.path.join(scratch, "spool"))
+    try:
+        guard = SDCGuard(ddp, optimizer, loss_fn=mse, batch_for=batch_for, config=config,
+                         publisher=_Silent(), injection=None)  # type: ignore[arg-type]
+        results, syncs = [], []
+        for step in range(steps):
+            with _counting_syncs(device) as seen:
+                results.append(guard.step(step))
+            syncs.append(len(seen))
+    except Exception as exc:  # any failure here is the finding: the guard does not run on this device
+        table.add("the guard runs on the device (world 1)", [f"{type(exc).__name__}: {str(exc)[:300]}"])
+        return
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    nan, jump = results[nan_step], results[jump_step]
+    clean = [r for s, r in enumerate(results) if s not in (nan_step, jump_step)]
+    table.add("the guard runs on the device (world 1)",
+              [f"step {r.step}: {r.alarm.message if r.alarm else 'no update'}" for r in clean
+               if r.alarm is not None or not r.updated])
+    table.add("an injected NaN: no update", [] if not nan.updated else [f"step {nan_step} updated"],
+              "alarm" if nan.alarm is not None else "data fault" if nan.data_fault else "skipped")
+    table.add("a forced jump fires the magnitude trigger", [] if jump.triggered else [f"step {jump_step}: silent"])
+    if device.type != "cuda":
+        table.add("host syncs per clean step", None, "not counted on the CPU")
+        return
+    clean_syncs = [n for s, n in enumerate(syncs) if s not in (nan_step, jump_step)
+                   and s % config.fingerprint_every]
+    table.add("host syncs per clean step (at most 1)", [f"up to {max(clean_syncs)}"] if max(clean_syncs) > 1 else [],
+              f"per step: {syncs}")
+
+
+def run_kernels(device: torch.device, table: Table) -> None:
+    """GPU kernel timings and checks of the GPU-kernels issue (``benchmarks/device_kernels.py``), when present."""
+    # -- the GPU-kernels issue's part of this script: benchmarks/device_kernels.py adds its rows here ----------
+    if importlib.util.find_spec("benchmarks.device_kernels") is None:
+        table.add("GPU kernels (benchmarks/device_kernels.py)", None, "not present in this tree")
+        return
+    from benchmarks import device_kernels
+
+    device_kernels.run(table, device)
+
+
 def main(argv: list[str]) -> int:
-    """Run the checks and the timings; 0 when every check passed, 1 otherwise."""
+    """Run the checks and the timings; 0 when every check passed, 1 otherwise, 3 without CUDA (nothing run)."""
     has_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="bench device", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda:0" if has_gpu else "cpu", help="default: cuda:0 when there is one")
-    parser.add_argument("--elements", type=_counts, default=[64 << 20, 256 << 20] if has_gpu else [1 << 20],
-                        help="tensor sizes to time, e.g. 64M,256M")
+    parser.add_argument("--device", default=None, help="default: cuda:0; cpu runs the CPU smoke run")
+    parser.add_argument("--elements", type=_counts, default=None, help="tensor sizes to time, e.g. 64M,256M")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="micro-batches recomputed per setting")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         parser.error("--repeats and --steps must be at least 1")
+    if args.device is None and not has_gpu:
+        print(f"bench device: no CUDA device on this machine (torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda or 'not built in'}): the GPU checks did not run. "
+              f"`--device cpu` runs the CPU smoke run.")
+        return NO_CUDA_EXIT
+    name = args.device or "cuda:0"
+    if name.startswith("cuda"):
+        # Before CUDA starts in this process: cuBLAS reads its workspace setting at first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", replay.CUBLAS_WORKSPACE)
     try:
-        device = torch.device(args.device)
+        device = torch.device(name)
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
-        parser.error(f"--device {args.device}: not usable here: {exc}")
+        parser.error(f"--device {name}: not usable here: {exc}")
+    elements = args.elements or ([64 << 20, 256 << 20] if device.type == "cuda" else [1 << 20])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", replay.CUBLAS_WORKSPACE)
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     else:
         print(f"device: {device} (no accelerator: a smoke run), torch {torch.__version__}")
-
+    started = time.monotonic()
+    table = Table()
     started_group = not dist.is_initialized()
     if started_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
-        results = {
-            "fingerprints equal on the device and the CPU": check_fingerprints(device),
-            "the non-finite flag agrees with the CPU": check_nonfinite(device),
-            "recomputation is bit-identical (deterministic algorithms on)": check_recompute(device, args.steps, True),
-        }
+        table.add("fingerprints equal on the device and the CPU", check_fingerprints(device))
+        table.add("the non-finite flag agrees with the CPU", check_nonfinite(device))
+        table.add("recomputation is bit-identical (deterministic algorithms on)",
+                  check_recompute(device, args.steps, True))
         informational = check_recompute(device, args.steps, False)
+        table.add("recomputation with deterministic algorithms off", None,
+                  "bit-identical" if not informational else "; ".join(informational[:3]))
+        preflight(device, table)
+        check_attention(device, table)
+        check_guard(device, table)
+        run_kernels(device, table)
     finally:
-        torch.use_deterministic_algorithms(deterministic_before)
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
         if started_group:
             dist.destroy_process_group()
-    failed = False
-    for name, problems in results.items():
-        print(f"{'PASS' if not problems else 'FAIL'}  {name}")
-        for problem in problems[:10]:
-            print(f"      {problem}")
-        failed |= bool(problems)
-    print(f"info  recomputation with deterministic algorithms off: "
-          f"{'bit-identical' if not informational else '; '.join(informational[:3])}")
-    time_on(device, args.elements, args.repeats)
-    return 1 if failed else 0
+    table.print()
+    time_on(device, elements, args.repeats)
+    print(f"checks took {time.monotonic() - started:.0f} s")
+    return 1 if table.failed else 0

@@ -69,7 +69,8 @@ class Settings:
     worlds: int = 2
     """Process groups of ``world`` ranks that share the faults (the first runs the clean checks, the last the
     soak). On 2 cores 3 ranks leave a core idle whenever two wait for the third in a collective; a second
-    group fills it: 1.4x the throughput, measured. The outcomes do not depend on it."""
+    group fills it (the throughput measured, with its date: docs/coverage.md, "The job"). The outcomes do not
+    depend on it."""
     derive: bool = True
     """Skip training a detector's run where the run without detectors already proves it silent (the non-finite
     check alone when every loss and gradient stayed finite, the reduced-gradient comparison alone when every

@@ -36,12 +36,14 @@ from contract.checkpoint import (
 )
 from contract.incident import (
     Decision,
+    Earlier,
     Failure,
     IllegalTransition,
     Incident,
     IncidentState,
     Replacement,
     ResolvedSuspect,
+    RollbackPlan,
     Transition,
 )
 
@@ -60,6 +62,7 @@ __all__ = [
     "FingerprintEvidence",
     "FingerprintGroup",
     "IllegalTransition",
+    "Earlier",
     "Incident",
     "IncidentState",
     "JobIdentity",
@@ -70,6 +73,7 @@ __all__ = [
     "PointerEntry",
     "Replacement",
     "ResolvedSuspect",
+    "RollbackPlan",
     "ResumePointer",
     "RingAuditEvidence",
     "RingPair",

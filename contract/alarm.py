@@ -9,6 +9,7 @@ depends on pydantic alone.
 from __future__ import annotations
 
 import enum
+import re
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Final, Literal
@@ -217,6 +218,17 @@ class Alarm(Strict):
         return self
 
     @property
+    def run_id(self) -> str | None:
+        """The agent's run id (16 hex digits) that starts the alarm id of alarms the agent names, or None.
+
+        The agent names its alarms ``<run id>-<step>-<detector>``, with one run
+        id agreed by all ranks of one start of the job; an alarm id of any other
+        form (older agents, hand-made alarms) has no run id.
+        """
+        match = _RUN_ID.match(self.alarm_id)
+        return match.group(1) if match else None
+
+    @property
     def suspect_ranks(self) -> list[int]:
         """Global ranks of the suspects, sorted."""
         return sorted(s.global_rank for s in self.suspects)
@@ -247,6 +259,9 @@ class Alarm(Strict):
             if sampled is not None:
                 candidates.append(sampled)
         return min(candidates)
+
+
+_RUN_ID = re.compile(r"^([0-9a-f]{16})-")
 
 
 def _errors(title: str, problems: list[tuple[tuple[str | int, ...], str]]) -> ValidationError:

@@ -52,6 +52,12 @@ class IncidentState(enum.StrEnum):
     """A safe stop (approval timed out, limits reached): node cordoned, job suspended."""
     FAILED = "FAILED"
     """A step failed; the record says where and why."""
+    ABORTED = "ABORTED"
+    """An operator aborted it (``sdcguard incidents abort``): its execution stopped, what it had cordoned
+    uncordoned, its hold on the job released."""
+    RELEASED = "RELEASED"
+    """After a stop that left nodes held (NEEDS_ATTENTION, CONTAINED, FAILED), an operator released them
+    (``sdcguard incidents release``): uncordoned, the job's hold freed."""
 
     @property
     def terminal(self) -> bool:
@@ -67,12 +73,14 @@ _TERMINAL = frozenset(
         IncidentState.DRY_RUN,
         IncidentState.NEEDS_ATTENTION,
         IncidentState.FAILED,
+        IncidentState.ABORTED,
+        IncidentState.RELEASED,
     }
 )
 
 S = IncidentState
-# The forward path. FAILED and NEEDS_ATTENTION are reachable from every
-# non-terminal state (a step failed; a safe stop); they are added below.
+# The forward path. FAILED, NEEDS_ATTENTION and ABORTED are reachable from every
+# non-terminal state (a step failed; a safe stop; an operator); they are added below.
 ALLOWED: dict[IncidentState, frozenset[IncidentState]] = {
     S.RECORDED: frozenset({S.RESOLVED}),
     S.RESOLVED: frozenset({S.GUARDED, S.DRY_RUN}),
@@ -89,10 +97,13 @@ ALLOWED: dict[IncidentState, frozenset[IncidentState]] = {
     S.RESUMED: frozenset({S.CLOSED}),
 }
 ALLOWED = {
-    state: nexts | {S.FAILED, S.NEEDS_ATTENTION} for state, nexts in ALLOWED.items()
+    state: nexts | {S.FAILED, S.NEEDS_ATTENTION, S.ABORTED} for state, nexts in ALLOWED.items()
 }
 for _terminal in _TERMINAL:
     ALLOWED[_terminal] = frozenset()
+# The machine is done with these, but they may hold nodes for a human: an operator releases them.
+for _held in (S.NEEDS_ATTENTION, S.CONTAINED, S.FAILED):
+    ALLOWED[_held] = frozenset({S.RELEASED})
 
 
 class Transition(Strict):
@@ -125,6 +136,56 @@ class Decision(Strict):
     execution_arn: Annotated[str, Field(max_length=2048)] | None = None
     """The decide machine's execution that delivered the decision, as Step Functions reports it
     (``$$.Execution.Id``): CloudTrail's StartExecution event for it names the caller who started it."""
+
+
+class Earlier(Strict):
+    """The incident that an incident repeats: the same fault (same job, run, nodes and window), alarming
+    again after that one had ended."""
+
+    incident_id: Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+    state: IncidentState
+    """How it ended."""
+    ended_at: datetime
+    decided_by: Annotated[str, Field(max_length=512)] | None = None
+    """The reviewer who decided it, if one did."""
+
+    def describe(self) -> str:
+        """``repeat of sdc-…, rejected by … at …`` (or how else it ended)."""
+        how = {
+            IncidentState.FALSE_ALARM: "rejected",
+            IncidentState.CLOSED: "approved (replaced)",
+            IncidentState.CONTAINED: "contained",
+            IncidentState.DRY_RUN: "dry run",
+            IncidentState.NEEDS_ATTENTION: "stopped for attention",
+            IncidentState.FAILED: "failed",
+        }.get(self.state, self.state.value)
+        by = f" by {self.decided_by}" if self.decided_by else ""
+        return f"repeat of {self.incident_id}, {how}{by} at {self.ended_at.isoformat(timespec='seconds')}"
+
+
+class RollbackPlan(Strict):
+    """What approving does to the job's training progress, computed before the reviewers are asked."""
+
+    pointer_from: Annotated[str, Field(max_length=1024)] | None
+    """The checkpoint the resume pointer names now (None: no pointer yet)."""
+    to: Annotated[str, Field(max_length=1024)]
+    """The checkpoint the pointer will name: the newest verified one before the suspect window."""
+    to_step: Step
+    alarm_step: Step
+    """The step the job had reached when it alarmed."""
+
+    @property
+    def steps_lost(self) -> int:
+        """Steps the job trains again: from the checkpoint back to where it alarmed."""
+        return max(0, self.alarm_step - self.to_step)
+
+    def describe(self) -> str:
+        """``pointer step-X → step-Y, N steps lost``."""
+        start = self.pointer_from.rsplit("/", 1)[-1] if self.pointer_from else "(none)"
+        return (
+            f"pointer {start} \u2192 {self.to.rsplit('/', 1)[-1]}, {self.steps_lost} steps lost "
+            f"(the job alarmed at step {self.alarm_step})"
+        )
 
 
 class Failure(Strict):
@@ -173,6 +234,15 @@ class Incident(Strict):
     """For an incident that stopped with nodes quarantined (NEEDS_ATTENTION, CONTAINED, FAILED): when the
     guard found none of them quarantined any more (released by a human, or gone); from then on they no
     longer count toward the blast radius."""
+    rollback: RollbackPlan | None = None
+    """What approving will roll the job back to, computed before the reviewers were asked."""
+    repeat_of: Earlier | None = None
+    """The ended incident this one repeats: the same fault alarmed again after it had ended (a reviewer
+    rejected it, it was replaced, it stopped); it is a new incident, and the reviewers are told so."""
+    job_uid: Annotated[str, Field(max_length=128)] | None = None
+    """The PyTorchJob's ``metadata.uid`` when ``resolve`` confirmed the suspects' pods belong to it."""
+    notified: list[Annotated[str, Field(max_length=64)]] = []
+    """The notifications sent, by what they announced (a state's name): a retried end sends what is missing."""
     transitions: list[Transition] = []
 
     @property
@@ -209,6 +279,7 @@ class Incident(Strict):
 __all__ = [
     "ALLOWED",
     "Decision",
+    "Earlier",
     "Failure",
     "IllegalTransition",
     "Incident",
@@ -216,6 +287,7 @@ __all__ = [
     "InstanceId",
     "Replacement",
     "ResolvedSuspect",
+    "RollbackPlan",
     "Step",
     "Transition",
 ]

@@ -1,17 +1,30 @@
-"""mkdocs hooks: the parts of the docs that are generated from the code when the site is built.
+"""The parts of the docs generated from the code, committed in the pages, and kept fresh.
 
-A page asks for a part with a marker comment on a line of its own::
+A page holds each generated part between two marker comments, so that the
+Markdown reads whole on the repository page as well as on the site::
 
-    <!-- generated: cli -->                  every sdcguard command's --help (sdcguard.cli.build_parser)
-    <!-- generated: schemas -->              contract/schemas/*.json: fields, types, constraints, the schema
-    <!-- generated: guard-config-env -->     GuardConfig's fields, their SDCGUARD_* variable and default
-    <!-- generated: template-parameters -->  the CloudFormation template's parameters
-    <!-- generated: template-outputs -->     and its outputs
-    <!-- generated: gpt-example-diff -->     the diff of examples/gpt_ddp_plain.py and gpt_ddp_guarded.py
+    <!-- generated: NAME -->
 
-An unknown marker fails the build, so a typo cannot leave a page silently
-empty. ``GuardConfig``'s own documentation comes from mkdocstrings
-(``::: agent.config.GuardConfig``), not from here.
+    ...the generated Markdown, committed...
+
+    <!-- end generated: NAME -->
+
+``python docs/hooks.py`` (with ``.venv`` active, from the repository root)
+rewrites every part of every page from the code; ``--check`` only lists the
+pages whose committed text is stale and exits 1 (``tests/unit/test_docs.py``
+runs it). When the site is built, the mkdocs hook below regenerates the parts
+too, so the site never shows a stale one. The parts:
+
+    cli                  every sdcguard command's --help (sdcguard.cli.build_parser)
+    schemas              contract/schemas/*.json: fields, types, constraints, the schema
+    guard-config-env     GuardConfig's fields, their SDCGUARD_* variable, default and docstring
+    template-parameters  the CloudFormation template's parameters
+    template-outputs     and its outputs
+    gpt-example-diff     the diff of examples/gpt_ddp_plain.py and gpt_ddp_guarded.py
+    file PATH            a file of the repository as a fenced block (``file examples/adopt_minimal.py``)
+
+An unknown part, a start marker without its end marker, or an end marker
+without its start fails, so a typo cannot leave a page silently empty or stale.
 
 The functions take the repository root and return Markdown, so the tests call
 them without mkdocs.
@@ -24,6 +37,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import re
@@ -33,7 +47,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+BLOCK = re.compile(
+    r"^<!-- generated: (?P<part>[a-z-]+(?: [^ >]+)?) -->\n(?P<body>.*?)^<!-- end generated: (?P=part) -->$",
+    re.MULTILINE | re.DOTALL)
+STARTS = re.compile(r"^<!-- (?:end )?generated: .*-->$", re.MULTILINE)
+REGENERATE = "python docs/hooks.py"
 HELP_WIDTH = 96
 
 
@@ -146,12 +164,14 @@ def schemas(root: Path = ROOT) -> str:
                 "", _one_line(schema.get("description", "")), "", *_fields_table(schema), ""]
         for name, sub in schema.get("$defs", {}).items():
             # The anchor must be unique on the page; a definition shared by two schemas is listed under each.
-            out += [f"### {name} {{ #{title.lower()}-{name.lower()} }}", "", _one_line(sub.get("description", "")), ""]
+            # "Alarm: Suspect" slugs to #alarm-suspect on the site and on the repository page alike.
+            out += [f"### {title}: {name}", "", _one_line(sub.get("description", "")), ""]
             table = _fields_table(sub)
             out += table or ([f"{_type_of(sub)}", ""] if sub.get("enum") or sub.get("type") else [])
             out.append("")
-        out += ['??? note "The whole schema"', "", "    ```json",
-                *("    " + line for line in json.dumps(schema, indent=2).splitlines()), "    ```", ""]
+        # <details> folds on the repository page and, with md_in_html, on the site.
+        out += ['<details markdown="1"><summary>The whole schema</summary>', "", "```json",
+                *json.dumps(schema, indent=2).splitlines(), "```", "", "</details>", ""]
     # Links to definitions point at the section of the schema they are in.
     return _scope_def_links("\n".join(out))
 
@@ -167,20 +187,37 @@ def _scope_def_links(text: str) -> str:
     return "".join(out)
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source (Python keeps none at run time)."""
+    source = Path(inspect.getsourcefile(cls) or "").read_text()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            docs: dict[str, str] = {}
+            for field, doc in zip(node.body, node.body[1:], strict=False):
+                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and isinstance(doc.value.value, str)):
+                    docs[field.target.id] = doc.value.value
+            return docs
+    return {}
+
+
 def guard_config_env(root: Path = ROOT) -> str:
-    """A table of GuardConfig's fields: the variable that sets each, its type and its default."""
+    """A table of GuardConfig's fields: the variable that sets each, its type, its default and what it does."""
     with _importable(root):
         import typing
 
         from agent.config import ENV_PREFIX, GuardConfig
 
     hints = typing.get_type_hints(GuardConfig)
-    rows = ["| field | variable | type | default |", "|---|---|---|---|"]
+    docs = _field_docs(GuardConfig)
+    rows = ["| field | variable | type | default | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(GuardConfig):
         kind = str(hints[f.name]).replace("typing.", "").replace("|", "or")
         if isinstance(hints[f.name], type):
             kind = hints[f.name].__name__
-        rows.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {kind} | `{f.default!r}` |")
+        rows.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {kind} | `{f.default!r}` | "
+                    f"{_one_line(docs.get(f.name, ''))} |")
     return "\n".join(rows) + "\n"
 
 
@@ -270,6 +307,12 @@ def gpt_example_diff(root: Path = ROOT, plain: str = PLAIN_EXAMPLE, guarded: str
     return "```diff\n" + "\n".join(shown) + "\n```\n\n" + note + "\n"
 
 
+def file_block(root: Path, path: str) -> str:
+    """The file ``path`` of the repository as a fenced block, in the language its suffix names."""
+    language = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".sh": "bash"}
+    return f"```{language.get(Path(path).suffix, 'text')}\n{(root / path).read_text().rstrip()}\n```\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {
     "cli": cli_help,
     "schemas": schemas,
@@ -280,18 +323,70 @@ GENERATORS: dict[str, Callable[[Path], str]] = {
 }
 
 
+def generate(part: str, root: Path = ROOT, where: str = "") -> str:
+    """The Markdown of one part (``"cli"``, ``"file examples/x.py"``); raises ``ValueError`` on an unknown one."""
+    name, _, arg = part.partition(" ")
+    if name == "file" and arg:
+        if not (root / arg).is_file():
+            raise ValueError(f"{where}: generated part {part!r}: no such file {arg}")
+        return file_block(root, arg)
+    if name not in GENERATORS or arg:
+        raise ValueError(f"{where}: unknown generated part {part!r}; known: {', '.join(GENERATORS)}, file PATH")
+    return GENERATORS[name](root)
+
+
 def expand(markdown: str, root: Path = ROOT, where: str = "") -> str:
-    """Replace every marker in ``markdown`` with its generated part; raises ``ValueError`` on an unknown one."""
+    """``markdown`` with every generated part rewritten from the code.
+
+    Raises ``ValueError`` naming the page for an unknown part, or a marker
+    without its partner (a start without its end, an end without its start).
+    """
+    blocks = list(BLOCK.finditer(markdown))
+    inside = {m.start() for m in STARTS.finditer(markdown)} - {m.start() for m in blocks} - {
+        m.start("body") + len(m.group("body")) for m in blocks}
+    if inside:
+        line = markdown.count("\n", 0, min(inside)) + 1
+        raise ValueError(f"{where}:{line}: a generated-part marker without its partner; a part is written "
+                         "<!-- generated: NAME -->, a blank line, the part, a blank line, <!-- end generated: NAME -->")
 
     def replace(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in GENERATORS:
-            raise ValueError(f"{where}: unknown generated part {name!r}; known: {', '.join(GENERATORS)}")
-        return GENERATORS[name](root)
+        part = match.group("part")
+        body = generate(part, root, where).rstrip("\n")
+        return f"<!-- generated: {part} -->\n\n{body}\n\n<!-- end generated: {part} -->"
 
-    return MARKER.sub(replace, markdown)
+    return BLOCK.sub(replace, markdown)
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """The pages that hold a generated part: the docs' and the README."""
+    candidates = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    return [p for p in candidates if p.is_file() and STARTS.search(p.read_text())]
+
+
+def stale_pages(root: Path = ROOT) -> list[Path]:
+    """The pages whose committed generated parts differ from what the code generates now."""
+    return [p for p in pages(root) if expand(p.read_text(), root, str(p.relative_to(root))) != p.read_text()]
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """mkdocs' hook: expand the markers of each page."""
+    """mkdocs' hook: the site shows every part as the code generates it now, committed text stale or not."""
     return expand(markdown, ROOT, page.file.src_uri)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python docs/hooks.py [--check]``: rewrite the stale pages (or, with --check, list them and exit 1)."""
+    parser = argparse.ArgumentParser(prog=REGENERATE, description=main.__doc__)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a page is stale")
+    args = parser.parse_args(argv)
+    stale = stale_pages(ROOT)
+    for page in stale:
+        if args.check:
+            print(f"stale: {page.relative_to(ROOT)} (run: {REGENERATE})")
+        else:
+            page.write_text(expand(page.read_text(), ROOT, str(page.relative_to(ROOT))))
+            print(f"rewrote {page.relative_to(ROOT)}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from contract import Incident, IncidentState
+from contract import Incident, IncidentState, RollbackPlan
 from lambdas import notify
 from lambdas.errors import IncidentNotWaiting
 from lambdas.ledger import Ledger
@@ -18,6 +19,10 @@ def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str
     """The reviewers' notification: the incident, the evidence, and the exact commands to answer."""
     evidence = incident.evidence
     lines = [notify.describe(incident), ""]
+    if incident.repeat_of is not None:
+        lines.append(f"This fault came back: {incident.repeat_of.describe()}.")
+    if incident.rollback is not None:
+        lines.append(f"Approving rolls the job back: {incident.rollback.describe()}.")
     lines.append(f"Evidence verdict: {evidence.get('verdict', 'none collected')}")
     instances = evidence.get("instances")
     for entry in instances if isinstance(instances, list) else []:
@@ -49,13 +54,18 @@ def request_approval(
     timeout_seconds: int,
     topic_arn: str,
     decide_machine_arn: str = "",
+    plan: Callable[[Incident], RollbackPlan] | None = None,
     sns: Any = None,
     actor: str = "request_approval",
 ) -> Incident:
     """Store ``task_token``, move the incident to AWAITING_APPROVAL and notify the reviewers once.
 
-    A retry with the same token neither notifies again nor writes again.
-    Raises :class:`IncidentNotWaiting` if the incident is past the point of asking.
+    ``plan`` computes the rollback approving means (see
+    :func:`lambdas.pointer.plan_rollback`) before anything is stored: the
+    reviewers see it, and its errors (``NoSafeCheckpoint``,
+    ``PointerOutsidePrefix``) stop the incident before it asks, with nothing
+    replaced. A retry with the same token neither notifies again nor writes
+    again. Raises :class:`IncidentNotWaiting` if the incident is past the point of asking.
     """
     stored = ledger.get_token(incident_id)
     incident = ledger.get(incident_id)
@@ -63,11 +73,13 @@ def request_approval(
         return incident
     if incident.state not in (S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL):
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; approval cannot be requested")
+    rollback = plan(incident) if plan is not None else None
     ledger.put_token(incident_id, task_token, expires_at=time.time() + timeout_seconds)
+    note = "reviewers notified" + (f"; approving: {rollback.describe()}" if rollback else "")
     incident = ledger.update(
         incident_id,
         lambda current: current.advance(
-            S.AWAITING_APPROVAL, actor=actor, note="reviewers notified", approval_requested_at=datetime.now(UTC)
+            S.AWAITING_APPROVAL, actor=actor, note=note, approval_requested_at=datetime.now(UTC), rollback=rollback
         ),
     )
     notify.publish(

@@ -5,15 +5,16 @@ Every end is recorded in the ledger and announced on the reviewers' topic.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC
 from typing import Any
 
 from kubernetes import client as k8s
 
-from contract import Decision, Failure, Incident, IncidentState
+from contract import Failure, Incident, IncidentState
 from lambdas import notify
 from lambdas.cordon import uncordon_node
-from lambdas.decide import record_decision
+from lambdas.decide import decided
 from lambdas.errors import IncidentNotWaiting
 from lambdas.job import holds_job, resume_job
 from lambdas.ledger import Ledger
@@ -21,6 +22,37 @@ from lambdas.ledger import Ledger
 S = IncidentState
 GENERIC_PLACE = "Pipeline"
 """What the state machine's shared NeedsAttention/Failed states send as ``state``."""
+STEP_AFTER = {
+    S.RECORDED: "Resolve",
+    S.RESOLVED: "Guard",
+    S.GUARDED: "SuspendJob",
+    S.SUSPENDED: "CordonNodes",
+    S.CORDONED: "CollectEvidence",
+    S.EVIDENCE_COLLECTED: "RequestApproval",
+    S.AWAITING_APPROVAL: "RequestApproval",
+    S.APPROVED: "ReplaceNodes",
+    S.REPLACING: "WaitForReplacement",
+    S.REPLACED: "RewritePointer",
+    S.POINTER_REWRITTEN: "ResumeJob",
+    S.RESUMED: "Close",
+    S.REJECTED: "Release",
+}
+"""The state of the incident machine that runs after the ledger records each state: where a generic stop happened."""
+
+
+def plain_cause(cause: str) -> str:
+    """The message of a caught error, without the Lambda JSON and stack trace around it.
+
+    A Lambda failure reaches a ``Catch`` as ``{"errorMessage", "errorType",
+    "stackTrace", ...}``; the operator needs the message. Anything else is kept as it is.
+    """
+    try:
+        parsed = json.loads(cause)
+    except ValueError:
+        return cause
+    if isinstance(parsed, dict) and isinstance(parsed.get("errorMessage"), str):
+        return str(parsed["errorMessage"])
+    return cause
 
 
 def timings(incident: Incident) -> dict[str, float]:
@@ -36,6 +68,28 @@ def timings(incident: Incident) -> dict[str, float]:
     return out
 
 
+def announce(
+    ledger: Ledger, incident: Incident, subject: str, body: str, *, topic_arn: str, sns: Any
+) -> Incident:
+    """Publish the notification of ``incident``'s current state unless it was sent already, then record it sent.
+
+    At least once: the ledger may reach an end before its notification goes
+    out (the write succeeded, the publish failed, the handler is retried), so
+    what decides is ``notified``, not whether this call made the transition. A
+    publish whose record is lost is sent again by the retry.
+    """
+    mark = incident.state.value
+    if mark in incident.notified:
+        return incident
+    notify.publish(topic_arn, subject, body, incident=incident, client=sns)
+    return ledger.update(
+        incident.incident_id,
+        lambda current: current
+        if mark in current.notified
+        else current.model_copy(update={"notified": [*current.notified, mark]}),
+    )
+
+
 def close_incident(
     ledger: Ledger, incident_id: str, *, topic_arn: str, sns: Any = None, actor: str = "close"
 ) -> tuple[Incident, dict[str, float]]:
@@ -46,6 +100,10 @@ def close_incident(
     """
     incident = ledger.get(incident_id)
     if incident.state in (S.CLOSED, S.CONTAINED):
+        incident = announce(
+            ledger, incident, f"sdcguard: incident {incident_id} {incident.state.value}", notify.describe(incident),
+            topic_arn=topic_arn, sns=sns,
+        )  # fmt: skip
         return incident, timings(incident)
     if incident.state == S.RESUMED:
         target, note = S.CLOSED, "replaced, rolled back to a clean checkpoint, resumed"
@@ -59,7 +117,10 @@ def close_incident(
         incident_id, lambda current: current if current.state.terminal else current.advance(target, actor=actor, note=note)
     )
     spent = timings(closed)
-    notify.publish(topic_arn, f"sdcguard: incident {incident_id} {closed.state.value}", notify.describe(closed), incident=closed, client=sns)
+    closed = announce(
+        ledger, closed, f"sdcguard: incident {incident_id} {closed.state.value}", notify.describe(closed),
+        topic_arn=topic_arn, sns=sns,
+    )  # fmt: skip
     return closed, spent
 
 
@@ -69,19 +130,20 @@ def release_incident(
     incident_id: str,
     *,
     topic_arn: str,
-    decision: Decision | None = None,
     sns: Any = None,
     actor: str = "release",
 ) -> Incident:
     """The reject path: uncordon the nodes, leave the pointer, resume the job, record FALSE_ALARM.
 
-    Idempotent. Raises :class:`IncidentNotWaiting` unless the incident was rejected.
+    Acts only on a rejection the decide function wrote to the ledger. Idempotent.
+    Raises :class:`IncidentNotWaiting` unless the ledger records the incident as rejected.
     """
-    if decision is not None:
-        ledger.update(incident_id, lambda current: record_decision(current, decision))
-    incident = ledger.get(incident_id)
+    incident = ledger.update(incident_id, lambda current: decided(current, S.REJECTED))
     if incident.state == S.FALSE_ALARM:
-        return incident
+        return announce(
+            ledger, incident, f"sdcguard: incident {incident_id} FALSE_ALARM", notify.describe(incident),
+            topic_arn=topic_arn, sns=sns,
+        )  # fmt: skip
     if incident.state != S.REJECTED:
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; only a rejected incident is released")
     for suspect in incident.suspects:
@@ -95,8 +157,10 @@ def release_incident(
         if current.state != S.REJECTED
         else current.advance(S.FALSE_ALARM, actor=actor, note=f"rejected by {reviewer}: nodes released, job resumed"),
     )
-    notify.publish(topic_arn, f"sdcguard: incident {incident_id} FALSE_ALARM", notify.describe(released), incident=released, client=sns)
-    return released
+    return announce(
+        ledger, released, f"sdcguard: incident {incident_id} FALSE_ALARM", notify.describe(released),
+        topic_arn=topic_arn, sns=sns,
+    )  # fmt: skip
 
 
 def _stop(
@@ -115,22 +179,25 @@ def _stop(
         if current.state.terminal:
             return current
         # The state machine reports a generic place; the ledger knows how far the incident got.
-        where = failure if failure.state != GENERIC_PLACE else failure.model_copy(update={"state": f"after {current.state.value}"})
+        place = STEP_AFTER.get(current.state, current.state.value) if failure.state == GENERIC_PLACE else failure.state
+        where = failure.model_copy(update={"state": place, "cause": plain_cause(failure.cause)[:4096]})
         recorded[:] = [where]
         return current.advance(target, actor=actor, note=f"{where.state}: {where.error}", failure=where)
 
     stopped = ledger.update(incident_id, change)
-    if stopped.state == target and recorded and stopped.failure == recorded[0]:
-        notify.publish(
-            topic_arn,
-            f"sdcguard: incident {incident_id} {target.value} ({failure.error})",
-            notify.describe(stopped)
-            + "\nThe node stays cordoned and the job suspended until someone acts."
-            * (target == S.NEEDS_ATTENTION and stopped.entered(S.CORDONED) is not None),
-            incident=stopped,
-            client=sns,
-        )
-    return stopped
+    if stopped.state != target or stopped.failure is None:
+        return stopped  # it had ended otherwise: that end announced itself
+    held = stopped.entered(S.CORDONED) is not None
+    return announce(
+        ledger,
+        stopped,
+        f"sdcguard: incident {incident_id} {target.value} ({stopped.failure.error})",
+        notify.describe(stopped)
+        + ("\nThe node stays cordoned and the job suspended until someone acts: "
+           f"sdcguard incidents release {incident_id} --reason \"...\" once it has been looked at." if held else ""),
+        topic_arn=topic_arn,
+        sns=sns,
+    )  # fmt: skip
 
 
 def stop_for_attention(

@@ -62,7 +62,9 @@ def cordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeCha
             ANNOTATION_WAS_UNSCHEDULABLE: "true" if node.spec.unschedulable else "false",
         }
         body = {
-            "metadata": {"annotations": annotations},
+            # The taints are a whole list written back: with the version read, a taint someone else
+            # added meanwhile makes the API server answer 409 (retried) instead of being dropped.
+            "metadata": {"annotations": annotations, "resourceVersion": node.metadata.resource_version},
             "spec": {
                 "unschedulable": True,
                 "taints": [*taints, {"key": TAINT_KEY, "value": incident_id, "effect": "NoSchedule"}],
@@ -70,6 +72,18 @@ def cordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeCha
         }
         core.patch_node(node_name, body)
     return NodeChange(node_name, changed=True)
+
+
+HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+"""HyperPod's health label: anything but ``Schedulable`` means HyperPod itself keeps the node out of use."""
+
+
+def held_by_others(node: Any) -> bool:
+    """Whether someone other than sdcguard keeps ``node`` out of scheduling now: another NoSchedule or
+    NoExecute taint, or HyperPod's health label saying it is not schedulable."""
+    others = [t for t in (node.spec.taints or []) if t.key != TAINT_KEY and t.effect in ("NoSchedule", "NoExecute")]
+    health = (node.metadata.labels or {}).get(HEALTH_LABEL)
+    return bool(others) or (health is not None and health != "Schedulable")
 
 
 def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeChange:
@@ -92,14 +106,17 @@ def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeC
         if not ours:
             return NodeChange(node_name, changed=False)
         annotations = node.metadata.annotations or {}
-        was_unschedulable = annotations.get(ANNOTATION_WAS_UNSCHEDULABLE) == "true"
+        # Unschedulable before us, or held by someone else since (their taint, HyperPod's health label):
+        # theirs stays; only what sdcguard added goes.
+        keep = annotations.get(ANNOTATION_WAS_UNSCHEDULABLE) == "true" or held_by_others(node)
         body = {
             "metadata": {
-                "annotations": {ANNOTATION_INCIDENT: None, ANNOTATION_AT: None, ANNOTATION_WAS_UNSCHEDULABLE: None}
+                "annotations": {ANNOTATION_INCIDENT: None, ANNOTATION_AT: None, ANNOTATION_WAS_UNSCHEDULABLE: None},
+                "resourceVersion": node.metadata.resource_version,
             },
             "spec": {
-                "unschedulable": was_unschedulable,
-                "taints": [t for t in taints if t["key"] != TAINT_KEY],
+                "unschedulable": keep,
+                "taints": [t for t in taints if not (t["key"] == TAINT_KEY and t.get("value") == incident_id)],
             },
         }
         core.patch_node(node_name, body)

@@ -47,6 +47,16 @@ class UnknownDecision(PipelineError):
     """A decision other than ``approve`` or ``reject``."""
 
 
+class UnverifiedDecision(PipelineError):
+    """A decision that no running execution of the decide machine was started for (a direct invocation of the
+    decide function, a made-up or finished execution): nothing changes."""
+
+
+class StaleAlarm(PipelineError):
+    """An alarm older than the configured age, or from a run of the job that is no longer the current one:
+    it stops for attention and nothing is touched."""
+
+
 class ApprovalExpired(PipelineError):
     """The approval's task token timed out or no longer exists: the decision was not delivered."""
 

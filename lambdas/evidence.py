@@ -62,7 +62,9 @@ def verdict_for(
 
     Corroborated when a DCGM error counter is non-zero in the window, a GPU ran
     above its thermal limit, or the instance was a suspect of an earlier
-    incident. Otherwise "no hardware signal" (with the reason that none was found).
+    incident a reviewer approved (``prior_incidents``: see
+    :func:`confirmed_incidents_of`; a rejected or forged alarm corroborates
+    nothing). Otherwise "no hardware signal" (with the reason that none was found).
     """
     counters = set(dcgm_counters)
     reasons: list[str] = []
@@ -77,16 +79,31 @@ def verdict_for(
             reasons.append(f"GPU temperature reached {series.maximum:g} C{where} (limit {GPU_TEMPERATURE_LIMIT_C:g})")
     prior = sorted(set(prior_incidents))
     if prior:
-        reasons.append(f"suspect in {len(prior)} earlier incident(s): {', '.join(prior)}")
+        reasons.append(f"suspect in {len(prior)} earlier incident(s) a reviewer approved: {', '.join(prior)}")
     if reasons:
         return CORROBORATED, reasons
-    return NO_HARDWARE_SIGNAL, ["no DCGM error counter, thermal excursion or earlier incident for this instance"]
+    return NO_HARDWARE_SIGNAL, ["no DCGM error counter, thermal excursion or earlier approved incident for this instance"]
 
 
 def prior_incidents_of(instance_id: str, incidents: Iterable[Incident], *, exclude: str) -> list[str]:
-    """Ids of other incidents that named ``instance_id`` as a suspect."""
+    """Ids of other incidents that named ``instance_id`` as a suspect (the history the reviewers see)."""
     return sorted(
         i.incident_id for i in incidents if i.incident_id != exclude and instance_id in i.instance_ids
+    )
+
+
+def confirmed_incidents_of(instance_id: str, incidents: Iterable[Incident], *, exclude: str) -> list[str]:
+    """Ids of other incidents on ``instance_id`` that a reviewer approved: the only history that corroborates.
+
+    A rejected incident was judged a false alarm, and one that stopped before a
+    decision (a forged alarm the cluster contradicted, a stale one) was never
+    confirmed by anyone: counting those would let anyone who can put alarms on
+    the bus manufacture "corroboration".
+    """
+    return sorted(
+        i.incident_id
+        for i in incidents
+        if i.incident_id != exclude and instance_id in i.instance_ids and i.entered(IncidentState.APPROVED) is not None
     )
 
 
@@ -160,7 +177,13 @@ def collect_evidence(
     for instance_id in incident.instance_ids:
         metrics = instance_metrics(instance_id, start, end, client=client)
         prior = prior_incidents_of(instance_id, history, exclude=incident.incident_id)
-        verdict, reasons = verdict_for(metrics, dcgm_counters, prior)
+        confirmed = confirmed_incidents_of(instance_id, history, exclude=incident.incident_id)
+        verdict, reasons = verdict_for(metrics, dcgm_counters, confirmed)
+        unconfirmed = sorted(set(prior) - set(confirmed))
+        if unconfirmed:
+            reasons.append(
+                f"also named in {len(unconfirmed)} earlier incident(s) nobody approved (not counted): {', '.join(unconfirmed)}"
+            )
         out.append(
             InstanceEvidence(
                 instance_id=instance_id,

@@ -1,86 +1,30 @@
-"""Blast-radius arithmetic: how many nodes sdcguard may hold and replace at once.
+"""The guard: admit an incident within the blast-radius limits, under the cluster's lock.
 
-Pure functions over the ledger's incidents, so the limits can be tested
-without AWS.
+The rule itself lives in :mod:`lambdas.blast_radius` (stated once; replace
+applies it again when it acts); this module reads the ledger and the cluster
+for it and records the admission.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from kubernetes import client as k8s
 
 from contract import Incident, IncidentState
+from lambdas.blast_radius import Verdict, check_blast_radius, quarantined_nodes, stopped_holding
 from lambdas.cordon import TAINT_KEY
 from lambdas.errors import BlastRadiusExceeded
 from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import STOPPED_HOLDING, Ledger
+from lambdas.ledger import Ledger
 
 if TYPE_CHECKING:
     from lambdas.ledger import Lease
 
 S = IncidentState
-# States in which an incident's nodes are (or are about to be) cordoned by us.
-# NEEDS_ATTENTION, CONTAINED and FAILED may leave the node cordoned for a
-# human (they count until the node is seen released); after REPLACED the node
-# is gone and no longer counts.
-HOLDING = frozenset(
-    {
-        S.GUARDED,
-        S.SUSPENDED,
-        S.CORDONED,
-        S.EVIDENCE_COLLECTED,
-        S.AWAITING_APPROVAL,
-        S.APPROVED,
-        S.REJECTED,
-        S.REPLACING,
-        S.CONTAINED,
-        S.NEEDS_ATTENTION,
-        S.FAILED,
-    }
-)
-DAY = timedelta(hours=24)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Whether a new incident may go ahead, with the numbers behind the answer."""
-
-    allowed: bool
-    quarantined: int
-    """Nodes held by other incidents of the cluster."""
-    replacements_last_day: int
-    """Replacements requested by other incidents in the last 24 hours."""
-    reason: str
-
-
-def stopped_holding(incident: Incident) -> bool:
-    """Whether ``incident`` ended (NEEDS_ATTENTION, CONTAINED, FAILED) possibly leaving its nodes cordoned."""
-    if incident.state not in STOPPED_HOLDING or incident.nodes_released_at is not None:
-        return False
-    # CONTAINED always passed the cordon; the others only count if the guard had admitted them.
-    return incident.state == S.CONTAINED or bool(incident.entered(S.CORDONED) or incident.entered(S.GUARDED))
-
-
-def quarantined_nodes(incidents: Iterable[Incident], *, exclude: str, released: Collection[str] = ()) -> set[str]:
-    """Nodes held by sdcguard quarantine, from incidents other than ``exclude``.
-
-    A stopped incident's node counts until it is seen ``released`` (no
-    sdcguard taint any more, or gone); an open incident's always counts.
-    """
-    held: set[str] = set()
-    for incident in incidents:
-        if incident.incident_id == exclude or incident.state not in HOLDING:
-            continue
-        if incident.state in STOPPED_HOLDING:
-            if stopped_holding(incident):
-                held.update(s.node for s in incident.suspects if s.node not in released)
-            continue
-        held.update(s.node for s in incident.suspects)
-    return held
+__all__ = ["Verdict", "check_blast_radius", "guard_incident", "quarantined_nodes", "released_nodes", "stopped_holding"]
 
 
 def released_nodes(api: k8s.ApiClient, nodes: Iterable[str]) -> set[str]:
@@ -102,55 +46,6 @@ def released_nodes(api: k8s.ApiClient, nodes: Iterable[str]) -> set[str]:
         if not any(t.key == TAINT_KEY for t in (node.spec.taints or [])):
             out.add(name)
     return out
-
-
-def replacements_since(incidents: Iterable[Incident], since: datetime, *, exclude: str) -> int:
-    """Replacements requested since ``since`` by incidents other than ``exclude``."""
-    count = 0
-    for incident in incidents:
-        if incident.incident_id == exclude:
-            continue
-        started = incident.entered(S.REPLACING)
-        if started is not None and started >= since:
-            count += len(incident.replacements) or len(incident.instance_ids)
-    return count
-
-
-def check_blast_radius(
-    incident: Incident,
-    others: Iterable[Incident],
-    *,
-    max_quarantined_nodes: int,
-    max_replacements_per_day: int,
-    now: datetime,
-) -> Verdict:
-    """Whether ``incident``'s nodes may be quarantined (and later replaced) within the limits.
-
-    Nodes the incident shares with one already held are not counted twice.
-    """
-    others = list(others)
-    held = quarantined_nodes(others, exclude=incident.incident_id)
-    mine = {s.node for s in incident.suspects}
-    after = len(held | mine)
-    replaced = replacements_since(others, now - DAY, exclude=incident.incident_id)
-    new_replacements = len(incident.instance_ids)
-    if after > max_quarantined_nodes:
-        return Verdict(
-            False,
-            len(held),
-            replaced,
-            f"quarantining {len(mine - held)} more node(s) would hold {after} nodes of the cluster; "
-            f"the limit is {max_quarantined_nodes}",
-        )
-    if replaced + new_replacements > max_replacements_per_day:
-        return Verdict(
-            False,
-            len(held),
-            replaced,
-            f"{replaced} replacement(s) in the last 24 h plus {new_replacements} would exceed "
-            f"the limit of {max_replacements_per_day} per day",
-        )
-    return Verdict(True, len(held), replaced, f"{after} of {max_quarantined_nodes} nodes held; {replaced} replaced in 24 h")
 
 
 def guard_incident(

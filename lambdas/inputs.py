@@ -60,7 +60,8 @@ class InstanceRef(TaskInput):
     incident_id: IncidentId
     instance_id: InstanceId
     decision: Decision | None = None
-    """The reviewer's decision as the approval task returned it (replace only)."""
+    """Accepted from state machines deployed before it was dropped, and ignored: a handler acts only on the
+    decision the decide function wrote to the ledger."""
 
 
 class ApprovalRequest(TaskInput):
@@ -74,10 +75,12 @@ class ApprovalRequest(TaskInput):
 
 
 class DecidedRef(TaskInput):
-    """Input of release (the reject path): the incident and the decision the approval task returned."""
+    """Input of release (the reject path): the incident."""
 
     incident_id: IncidentId
     decision: Decision | None = None
+    """Accepted from state machines deployed before it was dropped, and ignored: release acts only on the
+    decision the decide function wrote to the ledger."""
 
 
 class StatusPoll(TaskInput):
@@ -102,6 +105,11 @@ class FailureReport(TaskInput):
     incident_id: IncidentId | None = None
     state: Annotated[str, Field(min_length=1, max_length=128)]
     error: CaughtError = CaughtError()
+    execution_id: ExecutionArn | None = None
+    """For a refused alarm (no ``incident_id``): the execution, so that an incident its ``record`` opened
+    before failing is found and not reported as "nothing was opened"."""
+    event: dict[str, Any] | None = None
+    """For a refused alarm: the event as the execution received it."""
 
 
 class DecideInput(TaskInput):
@@ -111,9 +119,10 @@ class DecideInput(TaskInput):
     decision: Annotated[str, Field(max_length=32)]
     reason: Annotated[str, Field(min_length=1, max_length=1024)]
     reviewer: Annotated[str, Field(min_length=1, max_length=512)]
-    execution_arn: ExecutionArn | None = None
+    execution_arn: ExecutionArn
     """Added by the decide machine (``$$.Execution.Id``), not typed by the reviewer: joins CloudTrail's
-    StartExecution event, which names the caller."""
+    StartExecution event, which names the caller. The decide function confirms with Step Functions that it is
+    a running execution of the decide machine started for this incident and decision."""
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from kubernetes import client as k8s
 
 from contract import IncidentState
+from lambdas.blast_radius import STOPPED_HOLDING
 from lambdas.errors import IncidentNotFound, IncidentNotWaiting
 from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import STOPPED_HOLDING, Ledger
+from lambdas.ledger import Ledger
 
 S = IncidentState
 

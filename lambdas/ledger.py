@@ -43,13 +43,14 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.exceptions import ClientError
 
-from contract import Alarm, Incident, IncidentState, Transition
+from contract import Alarm, Earlier, Incident, IncidentState, Transition
+from lambdas.blast_radius import FOREVER, STOPPED_HOLDING, counts_until
 from lambdas.errors import IncidentNotFound, LedgerConflict, LockLost
 
 if TYPE_CHECKING:
@@ -57,11 +58,23 @@ if TYPE_CHECKING:
     from mypy_boto3_dynamodb.type_defs import UpdateTypeDef
 
 UNLOCALISED = "unlocalised"
+INCIDENT_ATTRIBUTES = (
+    "incident_id", "kind", "version", "state", "hyperpod_cluster", "created_at", "fault_persistence", "body",
+    "duplicates", "opened_by",
+)
+"""The attributes an incident is read with (a projection): the reviewers' policy may read these and no
+others, so a task token item's ``token`` is never readable by a reviewer (the template's ReviewerPolicy)."""
+_PROJECTION = {
+    "ProjectionExpression": ", ".join(f"#a{n}" for n in range(len(INCIDENT_ATTRIBUTES))),
+    "ExpressionAttributeNames": {f"#a{n}": a for n, a in enumerate(INCIDENT_ATTRIBUTES)},
+}
 _TOKEN = "token#"
 _SUSPECT = "suspect#"
 _LOCK = "lock#"
 _MAX_ATTEMPTS = 12
-S = IncidentState
+MAX_REPEATS = 50
+"""How many incidents one fault (one idempotency key) may open, each a repeat of the one before."""
+__all__ = ["FOREVER", "STOPPED_HOLDING", "Ledger", "counts_until", "idempotency_key", "incident_id_for"]
 
 OPEN_INDEX = "open-by-cluster"
 OPEN_INDEX_ATTRIBUTES = [
@@ -93,32 +106,7 @@ SUSPECT_INDEX_DEFINITION: dict[str, Any] = {
 }
 """The ledger's index of incidents by the instances they named as suspects (the template's second
 ``GlobalSecondaryIndexes`` entry; its attributes are :data:`SUSPECT_INDEX_ATTRIBUTES`)."""
-FOREVER = 32_503_680_000.0
-"""``open_until`` of an incident that counts until something changes it (the year 3000)."""
-REPLACEMENT_WINDOW = timedelta(hours=24)
-STOPPED_HOLDING = frozenset({S.NEEDS_ATTENTION, S.CONTAINED, S.FAILED})
-"""Terminal states that may leave nodes quarantined for a human."""
 RECENT_SECONDS = 60.0
-
-
-def counts_until(incident: Incident) -> float | None:
-    """Until when (epoch seconds) ``incident`` counts toward its cluster's blast radius, or None if it does not.
-
-    An open incident counts (it may hold nodes at any moment). One that stopped
-    after its guard admitted it (NEEDS_ATTENTION, CONTAINED, FAILED) may have
-    left nodes cordoned: it counts until the guard has seen them released
-    (``nodes_released_at``). One that requested replacements counts toward the
-    daily limit for 24 hours after the request. A failed incident never frees
-    quota by failing.
-    """
-    stopped_holding = (
-        incident.state in STOPPED_HOLDING and incident.entered(S.GUARDED) is not None and incident.nodes_released_at is None
-    )
-    until = FOREVER if not incident.state.terminal or stopped_holding else None
-    replacing = incident.entered(S.REPLACING)
-    if replacing is not None:
-        until = max(until or 0.0, (replacing + REPLACEMENT_WINDOW).timestamp())
-    return until
 
 
 @dataclass(frozen=True)
@@ -137,22 +125,52 @@ class Lease:
 
 
 def idempotency_key(alarm: Alarm) -> str:
-    """The key that makes alarms about one fault one incident.
+    """The key that makes alarms about one fault in one run of the job one incident.
 
-    (HyperPod cluster, namespace/job, the suspect nodes sorted, the suspect
-    window's start). The window starts after the last trusted step, which
-    every detector on the same fault agrees on (see
-    :meth:`contract.Alarm.trusted_through_step`); an unlocalised alarm names
-    no nodes and collapses with other unlocalised alarms of the same window.
+    (HyperPod cluster, namespace/job, the agent's run id, the suspect nodes
+    sorted, the suspect window's start). The window starts after the last
+    trusted step, which every detector on the same fault agrees on (see
+    :meth:`contract.Alarm.trusted_through_step`); the run id (from the alarm id,
+    :attr:`contract.Alarm.run_id`) is one per start of the job, so the same
+    fault after a restart, or in a new job of the same name, is a new incident.
+    An alarm without a run id (older agents) keys as before, without it. An
+    unlocalised alarm names no nodes and collapses with other unlocalised
+    alarms of the same window.
     """
     nodes = ",".join(alarm.suspect_nodes) or UNLOCALISED
     job = alarm.job
-    return f"{job.hyperpod_cluster}|{job.namespace}/{job.job_name}|{nodes}|after-{alarm.trusted_through_step()}"
+    run = f"|run-{alarm.run_id}" if alarm.run_id else ""
+    return f"{job.hyperpod_cluster}|{job.namespace}/{job.job_name}{run}|{nodes}|after-{alarm.trusted_through_step()}"
 
 
-def incident_id_for(key: str) -> str:
-    """The incident id for an idempotency key: stable, short, and safe in a CLI argument."""
-    return "sdc-" + hashlib.sha256(key.encode()).hexdigest()[:20]
+def incident_id_for(key: str, generation: int = 0) -> str:
+    """The incident id for an idempotency key: stable, short, and safe in a CLI argument.
+
+    ``generation`` counts the repeats of the key (:meth:`Ledger.open`): the
+    first incident of a key is generation 0.
+    """
+    material = key if generation == 0 else f"{key}#repeat-{generation}"
+    return "sdc-" + hashlib.sha256(material.encode()).hexdigest()[:20]
+
+
+def is_repeat(existing: Incident, alarm: Alarm) -> bool:
+    """Whether ``alarm`` is the fault of ``existing`` coming back, not one more report of it.
+
+    It is when ``existing`` has ended and the alarm was raised after it ended:
+    alarms raised before the end (other ranks, re-deliveries, late detectors)
+    are the same report and count into it.
+    """
+    if not existing.state.terminal:
+        return False
+    raised = alarm.time if alarm.time.tzinfo is not None else alarm.time.replace(tzinfo=UTC)
+    return raised > existing.transitions[-1].at if existing.transitions else True
+
+
+def earlier(existing: Incident) -> Earlier:
+    """What a repeat says about the incident it repeats."""
+    ended = existing.transitions[-1].at if existing.transitions else existing.updated_at
+    reviewer = existing.decision.reviewer if existing.decision else None
+    return Earlier(incident_id=existing.incident_id, state=existing.state, ended_at=ended, decided_by=reviewer)
 
 
 class Ledger:
@@ -169,6 +187,11 @@ class Ledger:
     ) -> tuple[Incident, bool]:
         """Open the incident for ``alarm``, or count the alarm into the existing one.
 
+        An incident that has ended absorbs only the alarms raised before it
+        ended (:func:`is_repeat`): the same fault alarming after that opens a
+        new incident, one generation on (:func:`incident_id_for`), whose
+        ``repeat_of`` says how the earlier one ended, so it is never counted
+        silently into a closed incident.
         Returns ``(incident, created)``; ``created`` is False for a duplicate.
         ``opened_by`` names the execution recording it: when the incident
         already exists because that same execution opened it (a retried
@@ -177,47 +200,87 @@ class Ledger:
         if the item keeps changing under us.
         """
         key = idempotency_key(alarm)
-        incident = Incident(
-            incident_id=incident_id_for(key),
-            idempotency_key=key,
-            alarm=alarm,
-            mode=mode,
-            opened_by=opened_by,
-            transitions=[Transition(state=IncidentState.RECORDED, actor=actor, note="alarm recorded")],
-        )
-        try:
-            self.client.put_item(
-                TableName=self.table,
-                Item=self._item(incident, 1),
-                ConditionExpression="attribute_not_exists(incident_id)",
+        repeats: Earlier | None = None
+        generation, conflicts = 0, 0
+        while generation < MAX_REPEATS:
+            incident = Incident(
+                incident_id=incident_id_for(key, generation),
+                idempotency_key=key,
+                alarm=alarm,
+                mode=mode,
+                opened_by=opened_by,
+                repeat_of=repeats,
+                transitions=[
+                    Transition(
+                        state=IncidentState.RECORDED,
+                        actor=actor,
+                        note="alarm recorded" + (f"; {repeats.describe()}" if repeats else ""),
+                    )
+                ],
             )
-            return incident, True
-        except ClientError as exc:
-            if _code(exc) != "ConditionalCheckFailedException":
-                raise
+            try:
+                self.client.put_item(
+                    TableName=self.table,
+                    Item=self._item(incident, 1),
+                    ConditionExpression="attribute_not_exists(incident_id)",
+                )
+                return incident, True
+            except ClientError as exc:
+                if _code(exc) != "ConditionalCheckFailedException":
+                    raise
+            existing = self.get(incident.incident_id)  # IncidentNotFound if it vanished
+            if opened_by is not None and existing.opened_by == opened_by:
+                return existing, True  # our own earlier write: go on as its opener
+            if is_repeat(existing, alarm):
+                repeats = earlier(existing)
+                generation += 1
+                continue
+            counted = self._count_duplicate(existing, opened_by)
+            if counted is not None:
+                return counted, False
+            conflicts += 1  # it changed state meanwhile: read it again
+            if conflicts >= _MAX_ATTEMPTS:
+                raise LedgerConflict(f"incident {incident.incident_id} kept changing while counting a duplicate")
+        raise LedgerConflict(f"alarm {alarm.alarm_id}: {MAX_REPEATS} incidents of one fault already; refusing another")
+
+    def opened_by(self, alarm: Alarm, execution: str) -> Incident | None:
+        """The incident of ``alarm`` that ``execution`` opened, if it opened one (its ``record`` wrote, then failed)."""
+        key = idempotency_key(alarm)
+        for generation in range(MAX_REPEATS):
+            try:
+                incident = self.get(incident_id_for(key, generation))
+            except IncidentNotFound:
+                return None
+            if incident.opened_by == execution:
+                return incident
+        return None
+
+    def _count_duplicate(self, existing: Incident, opened_by: str | None) -> Incident | None:
+        """Count one more alarm into ``existing``, if it is still in the state it was read in; else None."""
         # An atomic counter, not a rewrite of the body: a storm of duplicates
-        # must not contend with each other or with the handlers' writes.
-        condition, values = "attribute_exists(incident_id)", {":one": {"N": "1"}}
+        # must not contend with each other or with the handlers' writes. The
+        # state must be the one read: an incident that ended meanwhile may make
+        # this alarm a repeat instead.
+        condition = "attribute_exists(incident_id) AND #state = :state"
+        values: dict[str, Any] = {":one": {"N": "1"}, ":state": {"S": existing.state.value}}
         if opened_by is not None:
             condition += " AND (attribute_not_exists(opened_by) OR opened_by <> :me)"
             values[":me"] = {"S": opened_by}
         try:
             item = self.client.update_item(
                 TableName=self.table,
-                Key={"incident_id": {"S": incident.incident_id}},
+                Key={"incident_id": {"S": existing.incident_id}},
                 UpdateExpression="ADD duplicates :one",
                 ConditionExpression=condition,
+                ExpressionAttributeNames={"#state": "state"},
                 ExpressionAttributeValues=values,
                 ReturnValues="ALL_NEW",
             )["Attributes"]
         except ClientError as exc:
             if _code(exc) != "ConditionalCheckFailedException":
                 raise
-            existing = self.get(incident.incident_id)  # IncidentNotFound if it vanished
-            if opened_by is not None and existing.opened_by == opened_by:
-                return existing, True  # our own earlier write: go on as its opener
-            raise LedgerConflict(f"incident {incident.incident_id} changed while counting a duplicate") from None
-        return self._incident(item), False
+            return None
+        return self._incident(item)
 
     def get(self, incident_id: str) -> Incident:
         """The incident. Raises :class:`IncidentNotFound`."""
@@ -226,7 +289,7 @@ class Ledger:
     def get_versioned(self, incident_id: str) -> tuple[Incident, int]:
         """The incident and its item version. Raises :class:`IncidentNotFound`."""
         item = self.client.get_item(
-            TableName=self.table, Key={"incident_id": {"S": incident_id}}, ConsistentRead=True
+            TableName=self.table, Key={"incident_id": {"S": incident_id}}, ConsistentRead=True, **_PROJECTION  # type: ignore[arg-type]
         ).get("Item")
         if not item or item.get("kind", {}).get("S") != "incident":
             raise IncidentNotFound(f"no incident {incident_id!r} in the ledger {self.table}")
@@ -374,11 +437,13 @@ class Ledger:
         """Every incident (optionally of one cluster), newest first."""
         kwargs: dict[str, Any] = {
             "TableName": self.table,
-            "FilterExpression": "kind = :k",
+            "FilterExpression": "#a1 = :k",
             "ExpressionAttributeValues": {":k": {"S": "incident"}},
+            "Select": "SPECIFIC_ATTRIBUTES",
+            **_PROJECTION,
         }
         if hyperpod_cluster:
-            kwargs["FilterExpression"] += " AND hyperpod_cluster = :c"
+            kwargs["FilterExpression"] += " AND #a4 = :c"
             kwargs["ExpressionAttributeValues"][":c"] = {"S": hyperpod_cluster}
         out: list[Incident] = []
         for page in self.client.get_paginator("scan").paginate(**kwargs):

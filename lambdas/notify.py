@@ -65,6 +65,8 @@ def describe(incident: Incident) -> str:
         f"Trusted through step: {alarm.trusted_through_step()}",
         f"Duplicate alarms: {incident.duplicate_alarms}",
     ]
+    if incident.repeat_of is not None:
+        lines.insert(1, f"The same fault again: {incident.repeat_of.describe()}")
     for suspect in incident.suspects:
         lines.append(
             f"Suspect: rank {suspect.global_rank} pod {quote(suspect.pod)} node {quote(suspect.node)} "

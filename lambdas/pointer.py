@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract import Incident, IncidentState
+from contract import Incident, IncidentState, RollbackPlan
 from lambdas.errors import IncidentNotWaiting, PointerOutsidePrefix
 from lambdas.ledger import Ledger
-from lineage.pointer import rewrite_pointer
+from lineage.errors import PointerCorrupt
+from lineage.pointer import read_pointer, rewrite_pointer
+from lineage.selection import select_checkpoint
 from lineage.store import open_store
 
 S = IncidentState
@@ -23,6 +25,36 @@ def allowed_prefix(checkpoint_prefix: str, *, bucket: str, prefix: str) -> bool:
     """
     guarded = f"s3://{bucket}/{prefix.strip('/')}".rstrip("/")
     return checkpoint_prefix.rstrip("/") == guarded
+
+
+def plan_rollback(incident: Incident, *, checkpoint_bucket: str, checkpoint_prefix: str, s3: Any = None) -> RollbackPlan:
+    """Where approving ``incident`` will move the job's resume pointer, computed now, writing nothing.
+
+    The same choice :func:`rewrite_for_incident` makes after the replacement
+    (the newest verified checkpoint at or before both the alarm's trusted step
+    and the current pointer), so the reviewers see it before they decide and a
+    job with nothing safe to resume from is found before anything is replaced.
+    Raises :class:`PointerOutsidePrefix` and ``lineage.errors.NoSafeCheckpoint``.
+    """
+    location = incident.alarm.checkpoint_prefix
+    if not allowed_prefix(location, bucket=checkpoint_bucket, prefix=checkpoint_prefix):
+        raise PointerOutsidePrefix(
+            f"checkpoints at {location} are not s3://{checkpoint_bucket}/{checkpoint_prefix.strip('/')}, "
+            "the one prefix this pipeline guards; nothing can be rolled back"
+        )
+    store = open_store(location, client=s3)
+    try:
+        current, _etag = read_pointer(store)
+    except PointerCorrupt:
+        current = None  # the rewrite replaces a pointer that does not parse
+    trusted = incident.alarm.trusted_through_step()
+    selection = select_checkpoint(store, trusted if current is None else min(trusted, current.step))
+    return RollbackPlan(
+        pointer_from=current.checkpoint if current is not None else None,
+        to=selection.checkpoint,
+        to_step=selection.step,
+        alarm_step=incident.alarm.step,
+    )
 
 
 def rewrite_for_incident(

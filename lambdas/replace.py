@@ -11,14 +11,21 @@ counted as requested); anything else fails the replacement.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
 
-from contract import Decision, Incident, IncidentState, Replacement
-from lambdas.decide import record_decision
-from lambdas.errors import IncidentNotWaiting, NodeHeldByHyperPod, NotInCluster, ReplacementFailed
+from contract import Incident, IncidentState, Replacement
+from lambdas.blast_radius import check_replacement
+from lambdas.decide import decided
+from lambdas.errors import (
+    BlastRadiusExceeded,
+    IncidentNotWaiting,
+    NodeHeldByHyperPod,
+    NotInCluster,
+    ReplacementFailed,
+)
 from lambdas.ledger import Ledger
 from lambdas.resolve import ClusterNode, list_cluster_nodes
 
@@ -33,28 +40,65 @@ def request_replacement(
     instance_id: str,
     *,
     hyperpod_cluster: str,
-    decision: Decision | None = None,
+    max_replacements_per_day: int | None = None,
     sagemaker: Any = None,
     actor: str = "replace",
 ) -> Replacement:
     """Ask HyperPod to replace ``instance_id`` of the approved incident, once.
 
-    A second call for the same instance returns the recorded request and asks
-    nothing. Raises :class:`NotInCluster` for an instance the incident does not
-    name, :class:`IncidentNotWaiting` if the incident is not approved,
-    :class:`NodeHeldByHyperPod` and :class:`ReplacementFailed` for refusals.
+    Acts only on an approval the decide function wrote to the ledger (see
+    :func:`lambdas.decide.decided`). Under the cluster's lock (the guard's),
+    the daily limit is checked again at the moment of asking
+    (:func:`lambdas.blast_radius.check_replacement`: approvals that came in
+    since the admission count, and an instance another incident already asked
+    to replace is refused); ``max_replacements_per_day`` None skips that
+    check. A second call for the same instance returns the recorded request and
+    asks nothing. Raises :class:`NotInCluster` for an instance the incident
+    does not name, :class:`IncidentNotWaiting` if the ledger records no
+    approval, :class:`BlastRadiusExceeded` (nothing asked),
+    :class:`NodeHeldByHyperPod` and :class:`ReplacementFailed` for refusals,
+    :class:`LedgerConflict` when the lock stays taken.
     """
-    if decision is not None:
-        ledger.update(incident_id, lambda current: record_decision(current, decision))
-    incident = ledger.get(incident_id)
+    incident = ledger.update(incident_id, lambda current: decided(current, S.APPROVED))
     if instance_id not in incident.instance_ids:
         raise NotInCluster(f"incident {incident_id} does not name instance {instance_id}")
     existing = next((r for r in incident.replacements if r.old_instance_id == instance_id), None)
     if existing is not None:
         return existing
-    if incident.state not in (S.APPROVED, S.REPLACING):
-        raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; only an approved incident is replaced")
-    sagemaker = sagemaker or boto3.client("sagemaker")
+    with ledger.locked(f"guard:{hyperpod_cluster}", owner=f"replace:{incident_id}:{instance_id}") as lease:
+        incident = ledger.get(incident_id)
+        existing = next((r for r in incident.replacements if r.old_instance_id == instance_id), None)
+        if existing is not None:
+            return existing
+        if incident.state not in (S.APPROVED, S.REPLACING):
+            raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; only an approved incident is replaced")
+        if max_replacements_per_day is not None:
+            why = check_replacement(
+                incident,
+                instance_id,
+                ledger.counting(hyperpod_cluster, lease=lease),
+                max_replacements_per_day=max_replacements_per_day,
+                now=datetime.now(UTC),
+            )
+            if why is not None:
+                raise BlastRadiusExceeded(f"incident {incident_id}: {why}; nothing was replaced")
+        replacement = _ask_hyperpod(instance_id, hyperpod_cluster, sagemaker or boto3.client("sagemaker"))
+
+        def record(current: Incident) -> Incident:
+            if any(r.old_instance_id == instance_id for r in current.replacements):
+                return current
+            return current.advance(
+                S.REPLACING,
+                actor=actor,
+                note=f"replacement of {instance_id} requested",
+                replacements=[*current.replacements, replacement],
+            )
+
+        ledger.update(incident_id, record, lease=lease)
+    return replacement
+
+
+def _ask_hyperpod(instance_id: str, hyperpod_cluster: str, sagemaker: Any) -> Replacement:
     response = sagemaker.batch_replace_cluster_nodes(ClusterName=hyperpod_cluster, NodeIds=[instance_id])
     for failed in response.get("Failed", []):
         if failed.get("NodeId") != instance_id:
@@ -65,24 +109,12 @@ def request_replacement(
         if code in ("InvalidInstanceStatus", "InstanceIdNotFound") and _going_away(
             instance_id, hyperpod_cluster, sagemaker
         ):
-            # Resolve confirmed the instance was in the cluster: shutting down
-            # or gone means an earlier attempt's request went through.
+            # Resolve confirmed the instance was in the cluster, and no other incident asked to
+            # replace it (checked under the lock): shutting down or gone means an earlier attempt's
+            # request went through.
             break
         raise ReplacementFailed(f"{instance_id}: {code or 'unknown error'}: {message}")
-    replacement = Replacement(old_instance_id=instance_id, status="Requested")
-
-    def record(current: Incident) -> Incident:
-        if any(r.old_instance_id == instance_id for r in current.replacements):
-            return current
-        return current.advance(
-            S.REPLACING,
-            actor=actor,
-            note=f"replacement of {instance_id} requested",
-            replacements=[*current.replacements, replacement],
-        )
-
-    ledger.update(incident_id, record)
-    return replacement
+    return Replacement(old_instance_id=instance_id, status="Requested")
 
 
 def _going_away(instance_id: str, cluster: str, sagemaker: Any) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import boto3
@@ -24,7 +25,7 @@ from kubernetes import client as k8s
 
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Suspect
 from contract.naming import instance_id_of
-from lambdas.errors import NotInCluster, SuspectMismatch, SuspectUnresolvable
+from lambdas.errors import NotInCluster, StaleAlarm, SuspectMismatch, SuspectUnresolvable
 from lambdas.kube_errors import kubernetes_errors
 from lambdas.ledger import Ledger
 from lambdas.record import check_job, check_scope
@@ -46,6 +47,10 @@ class Observed:
     node_exists: bool = False
     node_addresses: tuple[str, ...] = ()
     provider_id: str = ""
+    owner_uid: str | None = None
+    """The uid of the PyTorchJob that controls the pod (its ``ownerReferences``)."""
+    created: datetime | None = None
+    """The pod's ``metadata.creationTimestamp``."""
 
 
 def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict[int, Observed]:
@@ -65,6 +70,10 @@ def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict
         node_name = pod.spec.node_name if pod.spec else None
         node = _read(lambda n=node_name: core.read_node(n), f"node {node_name}") if node_name else None
         addresses = tuple(a.address for a in (node.status.addresses or [])) if node is not None and node.status else ()
+        owner = next(
+            (o.uid for o in (pod.metadata.owner_references or []) if o.kind == "PyTorchJob" and o.controller),
+            None,
+        )
         out[suspect.global_rank] = Observed(
             pod_exists=True,
             job_name=job,
@@ -72,6 +81,8 @@ def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict
             node_exists=node is not None,
             node_addresses=addresses,
             provider_id=(node.spec.provider_id or "") if node is not None and node.spec else "",
+            owner_uid=owner,
+            created=pod.metadata.creation_timestamp,
         )
     return out
 
@@ -86,6 +97,56 @@ def _read(call: Any, what: str) -> Any:
             raise
 
 
+def job_uid(api: k8s.ApiClient, namespace: str, name: str) -> str | None:
+    """The PyTorchJob's ``metadata.uid`` (this incarnation of the job), or None when there is no such job.
+
+    Raises :class:`TransientKubernetesError`.
+    """
+    job = _read(
+        lambda: k8s.CustomObjectsApi(api).get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name),
+        f"PyTorchJob {namespace}/{name}",
+    )
+    return None if job is None else str((job.get("metadata") or {}).get("uid") or "") or None
+
+
+def check_fresh(alarm: Alarm, *, max_age_seconds: float, now: datetime | None = None) -> None:
+    """Raises :class:`StaleAlarm` when ``alarm`` was raised more than ``max_age_seconds`` ago.
+
+    A spooled alarm republished hours later, or a re-delivered one, may be
+    about hardware that has long been replaced, or a job that long moved on:
+    it is recorded and stops for attention, touching nothing.
+    """
+    now = now or datetime.now(UTC)
+    raised = alarm.time if alarm.time.tzinfo is not None else alarm.time.replace(tzinfo=UTC)
+    age = (now - raised).total_seconds()
+    if age > max_age_seconds:
+        raise StaleAlarm(
+            f"alarm {alarm.alarm_id} was raised {age:.0f} s ago, more than MAX_ALARM_AGE_SECONDS={max_age_seconds:g}; "
+            "nothing touched"
+        )
+
+
+RESTART_SLACK_SECONDS = 60.0
+"""How much later than the alarm a pod may have been created and still be the pod that raised it (clock skew)."""
+
+
+def stale(suspect: Suspect, seen: Observed, *, alarm: Alarm, uid: str | None) -> str | None:
+    """Why ``suspect``'s pod is not the one of the run that raised ``alarm``, or None.
+
+    The pod must belong to the PyTorchJob as it is now (its owner's uid is the
+    job's ``uid``: not a pod of an earlier job of the same name), and must not
+    have been created after the alarm (a restarted pod is a later run; what it
+    runs was never checked by this alarm's detectors).
+    """
+    where = f"rank {suspect.global_rank}: pod {suspect.pod}"
+    if uid is not None and seen.owner_uid != uid:
+        return f"{where} belongs to PyTorchJob uid {seen.owner_uid!r}, not to the job's current uid {uid!r}"
+    raised = alarm.time if alarm.time.tzinfo is not None else alarm.time.replace(tzinfo=UTC)
+    if seen.created is not None and (seen.created - raised).total_seconds() > RESTART_SLACK_SECONDS:
+        return f"{where} was created at {seen.created.isoformat()}, after the alarm ({raised.isoformat()}): a later run"
+    return None
+
+
 def mismatch(suspect: Suspect, seen: Observed, *, namespace: str, job_name: str) -> str | None:
     """Why the cluster contradicts what the alarm says about ``suspect``, or None when it agrees."""
     where = f"rank {suspect.global_rank}: pod {suspect.pod}"
@@ -98,6 +159,8 @@ def mismatch(suspect: Suspect, seen: Observed, *, namespace: str, job_name: str)
         return f"{where} runs on node {seen.node!r}, not on node {suspect.node!r} that the alarm names"
     if not seen.node_exists:
         return f"{where}: its node {seen.node!r} does not exist"
+    if seen.owner_uid is None:
+        return f"{where} is not controlled by a PyTorchJob (no ownerReferences to one)"
     return None
 
 
@@ -207,7 +270,9 @@ def resolve_incident(
     settings guard, an alarm for another job than ``JOB_NAME``, or an instance that is not the cluster's),
     :class:`SuspectMismatch` (the pod is missing, not of the job, or on
     another node; the node's provider id names another instance) and
-    :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node).
+    :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node) and
+    :class:`StaleAlarm` (older than ``MAX_ALARM_AGE_SECONDS``, the job gone, or a pod of another run:
+    :func:`check_fresh`, :func:`stale`).
     """
     incident = ledger.get(incident_id)
     if incident.entered(IncidentState.RESOLVED):
@@ -215,17 +280,28 @@ def resolve_incident(
     alarm = incident.alarm
     check_scope(alarm, settings)
     check_job(alarm, settings)
+    check_fresh(alarm, max_age_seconds=settings.max_alarm_age_seconds)
     if not alarm.suspects:
         resolve_suspects(alarm, {})  # raises: not localised
     job = alarm.job
     observed = observe(kubernetes, job.namespace, list(alarm.suspects))
+    ordered = sorted(alarm.suspects, key=lambda s: s.global_rank)
     reasons = [
         reason
-        for suspect in sorted(alarm.suspects, key=lambda s: s.global_rank)
+        for suspect in ordered
         if (reason := mismatch(suspect, observed[suspect.global_rank], namespace=job.namespace, job_name=settings.job_name))
     ]
     if reasons:
         raise SuspectMismatch(f"alarm {alarm.alarm_id} does not match the cluster; nothing touched: " + "; ".join(reasons))
+    uid = job_uid(kubernetes, job.namespace, job.job_name)
+    if uid is None:
+        raise StaleAlarm(f"alarm {alarm.alarm_id}: PyTorchJob {job.namespace}/{job.job_name} no longer exists; nothing touched")
+    earlier_run = [r for s in ordered if (r := stale(s, observed[s.global_rank], alarm=alarm, uid=uid))]
+    if earlier_run:
+        raise StaleAlarm(
+            f"alarm {alarm.alarm_id} is from a run of the job that is not the current one; nothing touched: "
+            + "; ".join(earlier_run)
+        )
     nodes = list_cluster_nodes(job.hyperpod_cluster, sagemaker)
     addresses = {s.node: observed[s.global_rank].node_addresses for s in alarm.suspects}
     # The node to act on is the one Kubernetes says the pod runs on (checked equal to the alarm's above).
@@ -247,5 +323,5 @@ def resolve_incident(
         incident_id,
         lambda current: current
         if current.entered(IncidentState.RESOLVED)
-        else current.advance(IncidentState.RESOLVED, actor=actor, note=note[:1024], suspects=suspects),
+        else current.advance(IncidentState.RESOLVED, actor=actor, note=note[:1024], suspects=suspects, job_uid=uid),
     )

@@ -55,8 +55,10 @@ class Settings(BaseModel):
     """Nodes under sdcguard quarantine at once, per cluster."""
     max_replacements_per_day: Annotated[int, Field(alias="MAX_REPLACEMENTS_PER_DAY", ge=0)] = 4
     """Replacements requested in any 24 hours, per cluster."""
-    approval_timeout_seconds: Annotated[int, Field(alias="APPROVAL_TIMEOUT_SECONDS", ge=2, le=31_536_000)] = 86_400
+    approval_timeout_seconds: Annotated[int, Field(alias="APPROVAL_TIMEOUT_SECONDS", ge=2, le=31_536_000)] = 14_400
     """How long a reviewer has to decide before the incident stops safely."""
+    max_alarm_age_seconds: Annotated[int, Field(alias="MAX_ALARM_AGE_SECONDS", ge=60, le=31_536_000)] = 3600
+    """An alarm raised longer ago than this (a spooled or re-delivered one) stops for attention at resolve, touching nothing."""
     dcgm_metric_names: Annotated[tuple[str, ...], Field(alias="DCGM_METRIC_NAMES")] = DEFAULT_DCGM_METRICS
     """DCGM counters published to CloudWatch whose non-zero value corroborates an alarm."""
     decide_state_machine_arn: Annotated[str, Field(alias="DECIDE_STATE_MACHINE_ARN")] = ""

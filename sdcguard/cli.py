@@ -26,11 +26,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("sdcguard.commands.checkpoints", "list checkpoints; choose the one to resume from and rewrite the resume pointer"),
     "deploy": ("sdcguard.commands.deploy", "package the pipeline and create or update its CloudFormation stack"),
     "destroy": ("sdcguard.commands.destroy", "delete the pipeline's CloudFormation stack"),
-    "incidents": ("sdcguard.commands.incidents", "list incidents, or `incidents show ID`: state, suspects, evidence, timeline"),
+    "incidents": ("sdcguard.commands.incidents", "list open incidents (--all: every one), `incidents show ID`, "
+                  "`incidents abort ID`, `incidents release ID`"),
     "approve": ("sdcguard.commands.incidents", "approve an incident's node replacement (starts the decision machine)"),
     "reject": ("sdcguard.commands.incidents", "reject an incident as a false alarm: release the node, resume the job"),
     "campaign": ("sdcguard.commands.campaign", "the fault-injection campaign: which detector catches how much corruption, against the baselines"),
     "drill": ("sdcguard.commands.drill", "the incident drill on the local stand-in: fault, alarm, approval, replacement, recovery"),
+    "replay": ("sdcguard.commands.replay", "recompute a replay capsule on this machine's device N times: does the fault reproduce here?"),
 }
 
 
@@ -40,7 +42,7 @@ def build_parser(configured: Collection[str] | None = None) -> argparse.Argument
     parser = argparse.ArgumentParser(
         prog="sdcguard",
         description=(
-            "Catch silent data corruption in PyTorch DDP training, contain the node, "
+            "Catch silent data corruption in PyTorch training (DDP, HSDP, pure FSDP), contain the node, "
             "and resume from a checkpoint known to be clean."
         ),
         epilog="Point it at AWS (or the local stand-in) with the usual AWS_* environment variables.",

@@ -9,14 +9,15 @@ interpreter running it, so a stand-in deploy builds for :func:`local_target`.
 That target is the only difference between the two.
 
 boto3 and botocore are left out: the Lambda runtime ships them (and the
-stand-in's interpreter has them), and they would add ~80 MB unpacked.
+stand-in's interpreter has them), and they would more than double the package
+(their size, with its date: docs/deploying.md).
 
 When the interpreter building the package has the target's Python version
 (always so for the stand-in), the package also carries bytecode compiled as
 unchecked-hash ``.pyc`` files, which stay valid whatever the files' times after
 unpacking: a handler's cold start then skips compiling pydantic, powertools and
-the kubernetes client (measured: 6-10 s down to 1.3-3.7 s on a busy 2-core
-machine). Bytecode is specific to a Python version, so a package for another
+the kubernetes client (about a third of the cold start; the figures, with
+their date: docs/benchmarks.md, "Deploying"). Bytecode is specific to a Python version, so a package for another
 version carries sources only.
 
 Builds are cached under ``build/lambda/`` by a hash of their inputs (the

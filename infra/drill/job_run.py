@@ -144,6 +144,7 @@ class Trainer:
             stdout=subprocess.PIPE, stderr=self._log, text=True,
         )
         self._ready = False
+        self._training_envs: dict[str, dict[str, str]] = {}
 
     def _lines(self) -> Iterator[str]:
         assert self._child.stdout is not None
@@ -179,7 +180,7 @@ class Trainer:
         self._log.flush()
         offset = self.log_path.stat().st_size
         spec_path = out_dir / "spec.json"
-        spec_path.write_text(json.dumps(_spec(run, out_dir, self.env), indent=2))
+        spec_path.write_text(json.dumps(_spec(run, out_dir, self._as_training_role(run.checkpoint_prefix)), indent=2))
         assert self._child.stdin is not None
         self._child.stdin.write(f"{spec_path}\n")
         self._child.stdin.flush()
@@ -195,6 +196,22 @@ class Trainer:
             path = out_dir / f"rank-{rank}.json"
             ranks.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "missing": True})
         return RunResult(run, codes, ranks, time.monotonic() - began, self.log_path, offset)
+
+    def _as_training_role(self, checkpoint_prefix: str) -> dict[str, str]:
+        """``env`` with the credentials of a role that holds the deployed stack's TrainingPolicy for ``checkpoint_prefix``.
+
+        On AWS the agent runs as the training pods' role; the stand-in
+        enforces IAM, so the ranks get exactly what the TrainingPolicy
+        allows. Raises TrainerError when no deployed TrainingPolicy covers the prefix.
+        """
+        from infra.local.training_role import training_role_env
+
+        if checkpoint_prefix not in self._training_envs:
+            try:
+                self._training_envs[checkpoint_prefix] = training_role_env(self.env, checkpoint_prefix)
+            except LookupError as exc:
+                raise TrainerError(str(exc)) from exc
+        return self._training_envs[checkpoint_prefix]
 
     def close(self) -> None:
         """Let the launcher finish and exit (it is killed if it does not within 10 s)."""

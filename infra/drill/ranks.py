@@ -162,8 +162,10 @@ def main() -> int:
     import boto3
 
     # The default session's service models, loaded once: every rank's S3 and EventBridge clients reuse them.
+    # Explicit credentials, so the session caches none: each rank resolves its own from the run's environment
+    # (the training role's on the stand-in, which enforces IAM).
     for service in ("s3", "events"):
-        boto3.client(service)
+        boto3.client(service, aws_access_key_id="warm-up", aws_secret_access_key="warm-up")
     _say(json.dumps({"ready": True}))
     for line in sys.stdin:
         if line.strip():

@@ -102,12 +102,14 @@ class _MotoServer:
         )
         from werkzeug.serving import make_server
 
+        from infra.local.moto_ext import iam_enforcement
+
         sock = _bind("moto", port)
         try:
             self._httpd: BaseWSGIServer = make_server(
                 HOST,
                 sock.getsockname()[1],
-                DomainDispatcherApplication(create_backend_app),
+                iam_enforcement.wrap(DomainDispatcherApplication(create_backend_app)),
                 threaded=True,
                 request_handler=MotoRequestHandler,
                 fd=sock.fileno(),
@@ -140,6 +142,12 @@ class LocalStandIn:
     the EKS server, which then enforces it on the pipeline's identity (callers
     with temporary credentials, as the Lambda functions are; see
     ``infra.local.eks.rbac``); None turns RBAC off (every caller is an admin).
+    ``enforce_iam`` evaluates every AWS call made with a role's credentials
+    (each Lambda function runs with its execution role's; ``role_env`` gives
+    any other code a role's) against that role's identity policies, and
+    refuses what they do not allow, as AWS does (see
+    ``infra.local.moto_ext.iam_enforcement``); the stand-in's own credentials
+    (``env``) stay an administrator's.
     """
 
     def __init__(
@@ -148,6 +156,7 @@ class LocalStandIn:
         eks_port: int = 0,
         replace_seconds: float = 0.0,
         rbac_manifest: Path | None = RBAC_MANIFEST,
+        enforce_iam: bool = True,
     ) -> None:
         if port < 0 or eks_port < 0:
             raise ValueError(f"port and eks_port must be >= 0, got {port} and {eks_port}")
@@ -156,6 +165,7 @@ class LocalStandIn:
         self.region = REGION
         self.replace_seconds = replace_seconds
         self.rbac_manifest = rbac_manifest
+        self.enforce_iam = enforce_iam
         self._requested_port = port
         self._eks_port = eks_port
         self._server: _MotoServer | None = None
@@ -183,6 +193,15 @@ class LocalStandIn:
             aws_access_key_id=ACCESS_KEY_ID, aws_secret_access_key=SECRET_ACCESS_KEY, region_name=self.region
         )
 
+    def role_env(self, role_arn: str, session_name: str = "stand-in") -> dict[str, str]:
+        """``env`` with temporary credentials of ``role_arn`` (assumed through STS): what that role may do, no more.
+
+        Raises ``LookupError`` when the stand-in's IAM has no such role.
+        """
+        from infra.local.moto_ext import iam_enforcement
+
+        return {**self.env, **iam_enforcement.assume(role_arn, session_name)}
+
     def client(self, service_name: str, **kwargs: Any) -> Any:
         """A boto3 client for ``service_name`` bound to this stand-in."""
         session: Any = self.session()  # the service name is a runtime string: no typed overload applies
@@ -197,7 +216,7 @@ class LocalStandIn:
         """
         global _active
         from infra.local import moto_ext
-        from infra.local.moto_ext import eks_endpoint, hyperpod, lambda_runner
+        from infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
 
         with _active_lock:
             if _active is not None:
@@ -208,6 +227,7 @@ class LocalStandIn:
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         try:
             moto_ext.install()
+            iam_enforcement.settings.enabled = self.enforce_iam
             server = _MotoServer(self._requested_port)
             self._server = server
             self.port = server.port
@@ -277,10 +297,11 @@ class LocalStandIn:
     def stop(self) -> None:
         """Stop both servers, the Lambda workers, and undo the process-wide settings."""
         global _active
-        from infra.local.moto_ext import eks_endpoint, hyperpod, lambda_runner
+        from infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
 
         if _active is not self:
             return
+        iam_enforcement.settings.enabled = False
         hyperpod.hooks.on_node_replaced = None
         eks_endpoint.target.endpoint = eks_endpoint.target.ca_data = None
         lambda_runner.stop_all()

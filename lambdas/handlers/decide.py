@@ -11,6 +11,7 @@ from lambdas.clients import named_throttling
 from lambdas.decide import decide
 from lambdas.inputs import DecideInput, parse_input
 from lambdas.outputs import Decided
+from lambdas.settings import get_settings
 from lambdas.telemetry import logger, metrics, tracer
 
 
@@ -21,8 +22,8 @@ from lambdas.telemetry import logger, metrics, tracer
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """Returns :class:`~lambdas.outputs.Decided`.
 
-    Raises ``UnknownDecision``, ``IncidentNotWaiting``, ``ApprovalExpired``,
-    ``IncidentNotFound``; none of them changes anything.
+    Raises ``UnknownDecision``, ``UnverifiedDecision``, ``IncidentNotWaiting``,
+    ``ApprovalExpired``, ``IncidentNotFound``; none of them changes anything.
     """
     result = deliver(parse_input(DecideInput, event))
     metrics.add_metric(name="Approved" if result.decision == "approve" else "Rejected", unit=MetricUnit.Count, value=1)
@@ -39,6 +40,7 @@ def deliver(request: DecideInput) -> Decided:
         reviewer=request.reviewer,
         reason=request.reason,
         execution_arn=request.execution_arn,
+        decide_machine_arn=get_settings().decide_state_machine_arn,
         sfn=clients.aws("stepfunctions"),
     )
     return Decided(

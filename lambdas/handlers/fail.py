@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
+from pydantic import ValidationError
 
-from contract import Failure
+from contract import Alarm, Failure
 from lambdas import clients, notify
 from lambdas.clients import named_throttling
 from lambdas.close import record_failure
@@ -35,6 +36,9 @@ def fail(report: FailureReport) -> Ended:
     """Record FAILED with where and why (once) and notify; a refused alarm is only announced."""
     settings = get_settings()
     failure = Failure(state=report.state, error=report.error.error or "Unknown", cause=report.error.cause[:4096])
+    opened = _opened_before_failing(report) if report.incident_id is None else None
+    if report.incident_id is None and opened is not None:
+        report = report.model_copy(update={"incident_id": opened})
     if report.incident_id is None:
         notify.publish(
             settings.topic_arn,
@@ -46,3 +50,15 @@ def fail(report: FailureReport) -> Ended:
         return Ended(incident_id=None, state="REFUSED")
     incident = record_failure(clients.ledger(), report.incident_id, failure, topic_arn=settings.topic_arn, sns=clients.aws("sns"))
     return Ended(incident_id=incident.incident_id, state=incident.state.value)
+
+
+def _opened_before_failing(report: FailureReport) -> str | None:
+    """The incident the failed ``record`` of this execution had opened, if it had (found by the alarm's key)."""
+    if report.execution_id is None or report.event is None:
+        return None
+    try:
+        alarm = Alarm.model_validate((report.event or {}).get("detail"))
+    except ValidationError:
+        return None  # an alarm that does not validate opened nothing
+    incident = clients.ledger().opened_by(alarm, report.execution_id)
+    return incident.incident_id if incident is not None else None

@@ -35,7 +35,6 @@ def release(ref: DecidedRef) -> Ended:
         clients.kubernetes(),
         ref.incident_id,
         topic_arn=get_settings().topic_arn,
-        decision=ref.decision,
         sns=clients.aws("sns"),
     )
     return Ended(incident_id=incident.incident_id, state=incident.state.value)

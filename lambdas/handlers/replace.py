@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.ReplacementRequested`. Raises ``NodeHeldByHyperPod``, ``ReplacementFailed``."""
+    """Returns :class:`~lambdas.outputs.ReplacementRequested`. Raises ``IncidentNotWaiting`` (no approval in the ledger), ``BlastRadiusExceeded``, ``NodeHeldByHyperPod``, ``ReplacementFailed``."""
     result = run_once(replace, parse_input(InstanceRef, event), ReplacementRequested, context=context)
     metrics.add_metric(name="ReplacementsRequested", unit=MetricUnit.Count, value=1)
     logger.info("replacement requested", extra=result.model_dump())
@@ -35,7 +35,7 @@ def replace(ref: InstanceRef) -> ReplacementRequested:
         ref.incident_id,
         ref.instance_id,
         hyperpod_cluster=get_settings().hyperpod_cluster,
-        decision=ref.decision,
+        max_replacements_per_day=get_settings().max_replacements_per_day,
         sagemaker=clients.aws("sagemaker"),
     )
     return ReplacementRequested(incident_id=ref.incident_id, instance_id=ref.instance_id, status=replacement.status)

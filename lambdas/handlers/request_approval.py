@@ -12,6 +12,7 @@ from lambdas.clients import named_throttling
 from lambdas.idempotency import run_once
 from lambdas.inputs import ApprovalRequest, parse_input
 from lambdas.outputs import Ended
+from lambdas.pointer import plan_rollback
 from lambdas.settings import get_settings
 from lambdas.telemetry import logger, metrics, tracer
 
@@ -21,7 +22,11 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Ended`; the machine waits for the token's answer. Raises ``IncidentNotWaiting``."""
+    """Returns :class:`~lambdas.outputs.Ended`; the machine waits for the token's answer.
+
+    Raises ``IncidentNotWaiting``, and ``NoSafeCheckpoint`` or ``PointerOutsidePrefix`` (nothing asked,
+    nothing replaced: the machine stops for attention).
+    """
     result = run_once(ask, parse_input(ApprovalRequest, event), Ended, context=context)
     metrics.add_metric(name="ApprovalsRequested", unit=MetricUnit.Count, value=1)
     logger.info("approval requested", extra=result.model_dump())
@@ -38,6 +43,12 @@ def ask(request: ApprovalRequest) -> Ended:
         timeout_seconds=request.timeout_seconds,
         topic_arn=settings.topic_arn,
         decide_machine_arn=settings.decide_state_machine_arn,
+        plan=lambda incident: plan_rollback(
+            incident,
+            checkpoint_bucket=settings.checkpoint_bucket,
+            checkpoint_prefix=settings.checkpoint_prefix,
+            s3=clients.aws("s3"),
+        ),
         sns=clients.aws("sns"),
     )
     return Ended(incident_id=incident.incident_id, state=incident.state.value)

@@ -32,9 +32,12 @@ import time
 import warnings
 from pathlib import Path
 
-from infra.drill.flow import FAULTS, SHARDINGS, Decision, DrillFailed, DrillOptions, prepare, run_drill
+from infra.drill.failure import DrillFailed
+from infra.drill.flow import run_drill
 from infra.drill.job_run import Trainer, TrainerError
+from infra.drill.options import FAULTS, SHARDINGS, Decision, DrillOptions
 from infra.drill.report import verdict_lines
+from infra.drill.setup import prepare
 from infra.drill.summary import DrillSummary
 from sdcguard.errors import CommandError
 

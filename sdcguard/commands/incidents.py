@@ -1,4 +1,4 @@
-"""The operator's commands: ``sdcguard incidents``, ``incidents show ID``, ``approve ID``, ``reject ID``.
+"""The operator's commands: ``sdcguard incidents``, ``incidents show|abort|release ID``, ``approve ID``, ``reject ID``.
 
 Pointed at an account or at the local stand-in by the usual AWS environment
 variables (``AWS_ENDPOINT_URL`` included). ``approve``/``reject`` start the
@@ -23,8 +23,15 @@ from typing import Any
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 
-from contract import Incident
-from lambdas.errors import IncidentNotFound
+from contract import Incident, IncidentState
+from lambdas.blast_radius import stopped_holding
+from lambdas.close import plain_cause
+from lambdas.errors import (
+    IncidentNotFound,
+    IncidentNotWaiting,
+    KubernetesObjectMissing,
+    TransientKubernetesError,
+)
 from lambdas.ledger import Ledger
 from lambdas.notify import PERSISTENCE
 from sdcguard.errors import CommandError
@@ -68,12 +75,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     if command == "incidents":
         parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-        sub = parser.add_subparsers(dest="incidents_command", metavar="show")
-        show = sub.add_parser("show", help="one incident: state, suspects, evidence, timeline")
+        parser.add_argument("--all", action="store_true",
+                            help="every incident; by default only the open ones: still running, or stopped "
+                            "with nodes held for a human (NEEDS_ATTENTION, CONTAINED, FAILED)")
+        sub = parser.add_subparsers(dest="incidents_command", metavar="{show,abort,release}")
+        show = sub.add_parser("show", help="one incident: state, where it stopped and why, suspects, evidence, timeline")
         show.add_argument("incident_id", metavar="ID")
         show.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                           help="print the whole incident record as JSON")
         _common(show, again=True)
+        abort = sub.add_parser(
+            "abort",
+            help="stop a running incident: its execution is stopped, the nodes it cordoned uncordoned, its hold on "
+            "the job released (ABORTED, recorded with your identity). Needs access to the EKS cluster.",
+        )
+        release = sub.add_parser(
+            "release",
+            help="free what a stopped incident (NEEDS_ATTENTION, CONTAINED, FAILED) holds: uncordon its nodes, "
+            "release its hold on the job (RELEASED, recorded with your identity). Needs access to the EKS cluster.",
+        )
+        for ending in (abort, release):
+            ending.add_argument("incident_id", metavar="ID")
+            ending.add_argument("--reason", required=True, help="why (recorded in the ledger with your identity)")
+            _common(ending, again=True)
         return
     parser.add_argument("incident_id", metavar="ID", help="the incident (see `sdcguard incidents`)")
     parser.add_argument("--reason", required=True, help="why (recorded in the ledger with your identity)")
@@ -87,9 +111,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "incidents":
             ledger = Ledger(_ledger_table(args))
-            if getattr(args, "incidents_command", None) == "show":
+            sub = getattr(args, "incidents_command", None)
+            if sub == "show":
                 return _show(ledger, args.incident_id, as_json=args.json)
-            return _list(ledger, as_json=args.json)
+            if sub in ("abort", "release"):
+                return _end(args, ledger, sub)
+            return _list(ledger, as_json=args.json, everything=args.all)
         return _decide(args, "approve" if args.command == "approve" else "reject")
     except IncidentNotFound as exc:
         raise CommandError(str(exc)) from None
@@ -119,13 +146,34 @@ def incident_row(incident: Incident) -> dict[str, Any]:
     }
 
 
-def _list(ledger: Ledger, *, as_json: bool) -> int:
-    rows = [incident_row(i) for i in ledger.list()]
+def is_open(incident: Incident) -> bool:
+    """Whether ``incident`` is one someone may still have to act on: running, or stopped holding nodes."""
+    return not incident.state.terminal or stopped_holding(incident)
+
+
+def next_steps(incident: Incident) -> list[str]:
+    """What the operator can do from where ``incident`` stands (the runbook's steps for this stopping point)."""
+    i = incident.incident_id
+    if incident.state == IncidentState.AWAITING_APPROVAL:
+        return [f'sdcguard approve {i} --reason "..."   or   sdcguard reject {i} --reason "..."']
+    if not incident.state.terminal:
+        return [f'running; to stop it and free what it holds: sdcguard incidents abort {i} --reason "..."']
+    if stopped_holding(incident):
+        held = "its cordoned node(s) and its hold on the job" if incident.entered(IncidentState.CORDONED) else (
+            "its hold on the job (it stopped before cordoning anything)"
+            if incident.entered(IncidentState.SUSPENDED) else "nothing on the cluster yet (it stopped before suspending the job)"
+        )
+        return [f"it holds {held}; once looked at: sdcguard incidents release {i} --reason \"...\""]
+    return []
+
+
+def _list(ledger: Ledger, *, as_json: bool, everything: bool = False) -> int:
+    rows = [incident_row(i) for i in ledger.list() if everything or is_open(i)]
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print("no incidents")
+        print("no incidents" if everything else "no open incidents (--all lists the ended ones too)")
         return 0
     header = ("ID", "STATE", "DETECTOR", "STEP", "JOB", "INSTANCES", "CREATED")
     table = [header] + [
@@ -146,6 +194,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
     alarm = incident.alarm
     print(f"incident   {incident.incident_id}")
     print(f"state      {incident.state.value}  (mode {incident.mode})")
+    if incident.repeat_of is not None:
+        print(f"repeat     {incident.repeat_of.describe()}")
     print(f"job        {alarm.job.namespace}/{alarm.job.job_name} on {alarm.job.hyperpod_cluster}")
     print(f"alarm      {alarm.detector.value} at step {alarm.step}, trusted through step {alarm.trusted_through_step()}, "
           f"{incident.duplicate_alarms} duplicate(s)")
@@ -174,11 +224,46 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
     if incident.checkpoint_after:
         print(f"pointer    {incident.checkpoint_before or '-'} -> {incident.checkpoint_after}")
     if incident.failure:
-        print(f"stopped    in {incident.failure.state}: {incident.failure.error}: {incident.failure.cause}")
+        print(f"stopped    in {incident.failure.state}: {incident.failure.error}: {plain_cause(incident.failure.cause)}")
+    if incident.opened_by:
+        print(f"execution  {incident.opened_by}")
+    for line in next_steps(incident):
+        print(f"next       {line}")
     print("timeline")
     for t in incident.transitions:
         note = f"  {t.note}" if t.note else ""
         print(f"  {t.at.isoformat(timespec='seconds')}  {t.state.value:<20} {t.actor}{note}")
+    return 0
+
+
+# -- abort / release ----------------------------------------------------------------
+
+
+def _end(args: argparse.Namespace, ledger: Ledger, how: str) -> int:
+    """``incidents abort`` / ``incidents release`` with the caller's own credentials and identity."""
+    from lambdas.abort import abort_incident, release_stopped
+    from lambdas.eks_token import kubernetes_client
+
+    operator = boto3.client("sts").get_caller_identity()["Arn"]
+    incident = ledger.get(args.incident_id)
+    topic = _stack_outputs(args.stack_name).get("TopicArn") if not args.table else None
+
+    def api() -> Any:
+        return kubernetes_client(incident.alarm.job.eks_cluster)
+
+    try:
+        if how == "abort":
+            ended = abort_incident(
+                ledger, api, args.incident_id, operator=operator, reason=args.reason,
+                sfn=boto3.client("stepfunctions"), topic_arn=topic,
+            )  # fmt: skip
+        else:
+            ended = release_stopped(ledger, api, args.incident_id, operator=operator, reason=args.reason, topic_arn=topic)
+    except IncidentNotWaiting as exc:
+        raise CommandError(str(exc)) from None
+    except (TransientKubernetesError, KubernetesObjectMissing) as exc:
+        raise CommandError(f"the EKS cluster did not answer as needed ({exc}); run the command again") from None
+    print(f"{ended.state.value.lower()} incident {args.incident_id} as {operator}: {args.reason}")
     return 0
 
 
@@ -213,7 +298,11 @@ def _decide(args: argparse.Namespace, decision: str) -> int:
 def _state_note(args: argparse.Namespace) -> str:
     """`` (it is CLOSED)`` from the ledger, or nothing when the ledger cannot say."""
     try:
-        return f" (it is {Ledger(_ledger_table(args)).get(args.incident_id).state.value})"
+        incident = Ledger(_ledger_table(args)).get(args.incident_id)
+        decided = incident.decision
+        # A late or second decision says what the incident is doing now, and whose decision it follows.
+        by = f", after {decided.decision} by {decided.reviewer}" if decided is not None else ""
+        return f" (it is {incident.state.value}{by})"
     except (CommandError, IncidentNotFound, ClientError, BotoCoreError):  # only a note on a message already failing
         return ""
 

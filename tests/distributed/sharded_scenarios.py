@@ -31,7 +31,6 @@ from agent.config import GuardConfig
 from agent.guard import SDCGuard
 from agent.inject import Injection
 from agent.publisher import Publisher, PublishOutcome
-from agent.sharded import ShardedGuard
 from agent.train import JobShape, SyntheticData, TinyGPT, init_process_group, launch, loss_fn, shutdown, train
 from contract import Alarm
 from lineage.errors import CheckpointCorrupt
@@ -78,7 +77,7 @@ def make_mesh(shape: tuple[int, ...]) -> Any:
 
 
 def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int, *, seed: int = 0,
-              injection: bool = True) -> ShardedGuard:
+              injection: bool = True) -> SDCGuard:
     model, optimizer = sharded_model(mesh, seed)
     data = SyntheticData(SHAPE, torch.device("cpu"))
     accum = scenario.get("accum", 1)
@@ -103,9 +102,8 @@ def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: in
                          spool_dir=str(out / "spool"), job_name="gpt-sharded-test")
     inject = scenario.get("inject") if injection else None
     outbox = FileOutbox(config, out / f"alarms-{scenario['name']}-rank-{dist.get_rank()}.jsonl")
-    guard = SDCGuard(cast("Any", model), optimizer, loss_fn=loss, batch_for=batch_for, config=config,
-                     publisher=outbox, injection=Injection.parse(inject) if inject else None, mesh=mesh)
-    return cast("ShardedGuard", guard)
+    return SDCGuard(cast("Any", model), optimizer, loss_fn=loss, batch_for=batch_for, config=config,
+                    publisher=outbox, injection=Injection.parse(inject) if inject else None, mesh=mesh)
 
 
 def run(out_dir: str, scenarios: list[dict[str, Any]], ranks_per_node: int) -> None:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ class _Job:
         return out
 
 
-def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+def _flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in params])
 
 

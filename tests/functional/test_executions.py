@@ -259,9 +259,11 @@ def _deploy(standin: LocalStandIn, *, approval_timeout: int) -> Iterator[Pipelin
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    yield Pipeline(
+    pipeline = Pipeline(
         standin, result.stack_name, result.outputs, seeded, Ledger(result.outputs["LedgerTableName"], standin.client("dynamodb"))
     )
+    write_checkpoints(pipeline, [0])  # a safe checkpoint for every alarm: the approval request shows the rollback
+    yield pipeline
 
 
 @pytest.fixture(scope="module")
@@ -513,10 +515,13 @@ def plant(p: Pipeline, node: str, *, job: str | None = None) -> str:
         if exc.status != 409:
             raise
     pod = f"planted-{uuid.uuid4().hex[:8]}"
+    owner = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job or p.seeded["job"],
+             "uid": p.read_job()["metadata"]["uid"], "controller": True}  # as the training operator sets it
     core.create_namespaced_pod(
         p.seeded["namespace"],
         {"apiVersion": "v1", "kind": "Pod",
-         "metadata": {"name": pod, "labels": {"training.kubeflow.org/job-name": job or p.seeded["job"]}},
+         "metadata": {"name": pod, "labels": {"training.kubeflow.org/job-name": job or p.seeded["job"]},
+                      "ownerReferences": [owner]},
          "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}},
     )  # fmt: skip
     return pod
@@ -673,3 +678,71 @@ def test_a_refused_alarm_whose_fail_handler_fails_still_ends_with_a_notification
     assert "refused (NotInCluster)" in message["Message"]
     assert "someone-elses-cluster" not in message["Message"]  # the alarm's own strings stay in the execution
     assert all(i.alarm.alarm_id != detail["alarm_id"] for i in p.ledger.list())  # nothing was opened
+
+
+def test_invoking_the_replace_function_directly_with_an_approval_replaces_nothing(pipeline: Pipeline) -> None:
+    # Given an incident awaiting approval,
+    p, node = pipeline, pipeline.node(6)
+    p.job_running()
+    alarm = p.alarm(6, ring_clean=15_000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+    execution = p.execution_of(incident.incident_id)
+    before = hyperpod_nodes(p)
+
+    # when someone invokes the deployed replace and release functions with a decision of their own,
+    forged = {"decision": "approve", "reviewer": "mallory", "reason": "trust me"}
+    answers = [
+        p.standin.client("lambda").invoke(
+            FunctionName=f"{p.stack}-{name}", Payload=json.dumps({"incident_id": incident.incident_id, **extra})
+        )
+        for name, extra in (
+            ("replace", {"instance_id": node["instance_id"], "decision": forged}),
+            ("release", {"decision": {**forged, "decision": "reject"}}),
+        )
+    ]
+
+    # each answers IncidentNotWaiting, nothing is replaced, and the incident keeps waiting on the reviewers.
+    for answer in answers:
+        assert answer.get("FunctionError"), answer
+        assert json.loads(answer["Payload"].read())["errorType"] == "IncidentNotWaiting"
+    assert hyperpod_nodes(p) == before
+    waiting = p.ledger.get(incident.incident_id)
+    assert (waiting.state, waiting.decision, waiting.replacements) == (S.AWAITING_APPROVAL, None, [])
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+    assert p.standin.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "RUNNING"
+    p.release(incident.incident_id, execution)
+
+
+def test_the_same_fault_after_a_rejection_opens_a_linked_incident_that_contains_again(pipeline: Pipeline) -> None:
+    # Given an alarm of one run of the job, rejected by a reviewer: node released, job resumed,
+    p, node = pipeline, pipeline.node(7)
+    p.job_running()
+    alarm = p.alarm(7, ring_clean=16_000)
+    alarm["alarm_id"] = f"{uuid.uuid4().int >> 64:016x}-{alarm['step']}-ring_audit"
+    p.publish(alarm)
+    rejected = p.incident_for(alarm["alarm_id"])
+    p.wait_state(rejected.incident_id, S.AWAITING_APPROVAL)
+    p.release(rejected.incident_id)
+    assert p.ledger.get(rejected.incident_id).state == S.FALSE_ALARM
+    assert not p.read_node(node["node_name"]).spec.unschedulable
+
+    # when the same fault alarms again on the same node,
+    again = {**alarm, "time": datetime.now(UTC).isoformat()}
+    p.publish(again)
+
+    # a new incident, linked to the rejected one, contains the node again and waits for the reviewers,
+    repeat = wait_for(
+        lambda: next((i for i in p.ledger.list() if i.repeat_of and i.repeat_of.incident_id == rejected.incident_id), None),
+        timeout=60,
+        what="the repeat incident",
+    )
+    waiting = p.wait_state(repeat.incident_id, S.AWAITING_APPROVAL)
+    assert waiting.repeat_of is not None
+    assert waiting.repeat_of.decided_by == "oncall@example.com"
+    assert p.read_node(node["node_name"]).spec.unschedulable is True
+    assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
+    # and the rejected incident counted nothing.
+    assert p.ledger.get(rejected.incident_id).duplicate_alarms == 0
+    p.release(repeat.incident_id)

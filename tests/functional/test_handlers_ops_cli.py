@@ -63,6 +63,18 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
         BillingMode="PAY_PER_REQUEST",
     )
     role = standin.client("iam").create_role(RoleName=f"decide-{suffix}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    # What the template's DecideRole grants (the stand-in evaluates the function's calls against it).
+    standin.client("iam").put_role_policy(
+        RoleName=f"decide-{suffix}",
+        PolicyName="decide",
+        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": ["dynamodb:GetItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"],
+             "Resource": f"arn:aws:dynamodb:us-east-1:123456789012:table/{table}"},
+            {"Effect": "Allow", "Action": "states:SendTaskSuccess", "Resource": "*"},
+            {"Effect": "Allow", "Action": "states:DescribeExecution",
+             "Resource": f"arn:aws:states:us-east-1:123456789012:execution:cli-{suffix}-decide:*"},
+        ]}),
+    )  # fmt: skip
     function = standin.client("lambda").create_function(
         FunctionName=f"decide-{suffix}",
         Runtime="python3.11",
@@ -78,6 +90,8 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
                 "HYPERPOD_CLUSTER": "ml-cluster",
                 "EKS_CLUSTER": "ml-eks",
                 "CHECKPOINT_BUCKET": "ckpt-bucket",
+                # the machine created below: the decide function confirms its executions
+                "DECIDE_STATE_MACHINE_ARN": f"arn:aws:states:us-east-1:123456789012:stateMachine:cli-{suffix}-decide",
                 "POWERTOOLS_TRACE_DISABLED": "true",
             }
         },
@@ -86,6 +100,7 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
     machine = standin.client("stepfunctions").create_state_machine(
         name=f"cli-{suffix}-decide", definition=definition, roleArn=role
     )["stateMachineArn"]
+    assert machine.endswith(f":stateMachine:cli-{suffix}-decide")
     saved = {k: os.environ.get(k) for k in standin.env}
     os.environ.update(standin.env)
     try:
@@ -183,7 +198,7 @@ def test_approve_starts_the_decide_machine_as_the_caller(setup: Setup, capsys: p
 
     assert main(argv) == 1  # a second decision: a clear message, nothing changed
     err = capsys.readouterr().err
-    assert f"incident {incident_id} is not waiting for approval (it is APPROVED)" in err
+    assert f"incident {incident_id} is not waiting for approval (it is APPROVED, after approve by {caller})" in err
     assert setup.ledger.get(incident_id).decision == incident.decision
 
 
@@ -214,3 +229,45 @@ def test_an_expired_approval_is_reported_as_such(setup: Setup, capsys: pytest.Ca
     assert main(argv) == 1
     assert f"the approval request of incident {incident_id} has expired" in capsys.readouterr().err
     assert setup.ledger.get(incident_id).state == S.AWAITING_APPROVAL
+
+
+def test_abort_ends_a_running_incident_as_the_caller_and_the_list_shows_only_open_ones(
+    setup: Setup, capsys: pytest.CaptureFixture[str]
+) -> None:
+    running = open_incident(setup, waiting=False)
+    caller = setup.standin.client("sts").get_caller_identity()["Arn"]
+    assert main(["incidents", "show", running, "--table", setup.table]) == 0
+    assert f"next       running; to stop it and free what it holds: sdcguard incidents abort {running}" in capsys.readouterr().out
+    # release is for stopped incidents: a clear refusal, nothing changed
+    assert main(["incidents", "release", running, "--reason", "r", "--table", setup.table]) == 1
+    assert "still running: abort it" in capsys.readouterr().err
+    assert main(["incidents", "abort", running, "--reason", "wrong job", "--table", setup.table]) == 0
+    assert f"aborted incident {running} as {caller}: wrong job" in capsys.readouterr().out
+    aborted = setup.ledger.get(running)
+    assert (aborted.state, aborted.transitions[-1].actor) == (S.ABORTED, caller)
+    assert aborted.nodes_released_at is not None
+    # the list shows the open incidents; --all the ended ones too
+    assert main(["incidents", "--json", "--table", setup.table]) == 0
+    assert running not in {r["id"] for r in json.loads(capsys.readouterr().out)}
+    assert main(["incidents", "--json", "--all", "--table", setup.table]) == 0
+    assert running in {r["id"] for r in json.loads(capsys.readouterr().out)}
+
+
+def test_show_names_the_execution_and_the_error_without_a_stack_trace(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    from contract import Failure
+    from lambdas.close import record_failure
+
+    incident_id = open_incident(setup, waiting=False)
+    execution = "arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:run-1"
+    setup.ledger.update(incident_id, lambda i: i.model_copy(update={"opened_by": execution}))
+    cause = json.dumps({"errorMessage": "rank 3: pod p runs on node x", "errorType": "SuspectMismatch",
+                        "stackTrace": ['  File "/var/task/lambdas/resolve.py", line 1\n']})  # fmt: skip
+    sns = setup.standin.client("sns")
+    topic = sns.create_topic(Name=f"t-{uuid.uuid4().hex[:6]}")["TopicArn"]
+    record_failure(setup.ledger, incident_id, Failure(state="Pipeline", error="SuspectMismatch", cause=cause), topic_arn=topic, sns=sns)
+    assert main(["incidents", "show", incident_id, "--table", setup.table]) == 0
+    out = capsys.readouterr().out
+    assert "stopped    in SuspendJob: SuspectMismatch: rank 3: pod p runs on node x" in out
+    assert "stackTrace" not in out
+    assert f"execution  {execution}" in out
+    assert f"sdcguard incidents release {incident_id}" in out

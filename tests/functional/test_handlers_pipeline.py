@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from contract import CheckpointManifest, Incident, IncidentState
+from contract import CheckpointManifest, Decision, Incident, IncidentState
 from infra.local.seed import seed
 from infra.local.standin import LocalStandIn
 from lambdas import clients
 from lambdas.cordon import TAINT_KEY
+from lambdas.decide import adopt_decision, note_decision
 from lambdas.eks_token import kubernetes_client
 from lambdas.errors import (
     ApprovalExpired,
@@ -34,9 +35,11 @@ from lambdas.errors import (
     LockLost,
     MalformedEvent,
     NotInCluster,
+    StaleAlarm,
     SuspectMismatch,
     SuspectUnresolvable,
     UnknownDecision,
+    UnverifiedDecision,
 )
 from lambdas.handlers import (
     close,
@@ -65,6 +68,7 @@ from lambdas.ledger import (
 )
 from lambdas.settings import get_settings
 from lineage.commit import commit, put_object
+from lineage.errors import NoSafeCheckpoint
 from lineage.pointer import read_pointer
 from lineage.pointer import rewrite_pointer as point_at
 from lineage.store import open_store
@@ -131,6 +135,12 @@ def world(standin: LocalStandIn) -> Iterator[World]:
         AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}],
         BillingMode="PAY_PER_REQUEST",
     )
+    # A stand-in for the decide machine: its running executions are what the decide function confirms.
+    decide_machine = standin.client("stepfunctions").create_state_machine(
+        name=f"decide-{suffix}",
+        definition=json.dumps({"StartAt": "Hold", "States": {"Hold": {"Type": "Wait", "Seconds": 600, "End": True}}}),
+        roleArn="arn:aws:iam::123456789012:role/sfn",
+    )["stateMachineArn"]
     topic = standin.client("sns").create_topic(Name=f"reviewers-{suffix}")["TopicArn"]
     sqs = standin.client("sqs")
     queue_url = sqs.create_queue(QueueName=f"inbox-{suffix}")["QueueUrl"]
@@ -149,8 +159,9 @@ def world(standin: LocalStandIn) -> Iterator[World]:
         "CHECKPOINT_PREFIX": seeded["job"],
         "MODE": "normal",
         "MAX_QUARANTINED_NODES": "3",
-        "MAX_REPLACEMENTS_PER_DAY": "10",
+        "MAX_REPLACEMENTS_PER_DAY": "1000",  # incidents left waiting by earlier tests count as pending replacements
         "APPROVAL_TIMEOUT_SECONDS": "300",
+        "DECIDE_STATE_MACHINE_ARN": decide_machine,
         "POWERTOOLS_TRACE_DISABLED": "true",
         "POWERTOOLS_METRICS_NAMESPACE": "sdcguard-test",
     }
@@ -159,7 +170,9 @@ def world(standin: LocalStandIn) -> Iterator[World]:
     get_settings.cache_clear()
     clients.forget()
     try:
-        yield World(standin, seeded, Ledger(ledger_table, standin.client("dynamodb")), queue_url)
+        made = World(standin, seeded, Ledger(ledger_table, standin.client("dynamodb")), queue_url)
+        write_checkpoints(made, [0])  # every alarm here has a safe checkpoint to roll back to, unless a test says otherwise
+        yield made
     finally:
         for k, v in saved.items():
             if v is None:
@@ -319,9 +332,14 @@ def test_resolve_finds_the_instance_of_the_suspect_rank(world: World) -> None:
     assert incident.suspects[0].instance_group == world.seeded["instance_group"]
 
 
-def plant(world: World, node: str, *, job: str | None = None) -> str:
-    """A pod (of this world's job, unless ``job`` says another) running on a node ``node`` created for it."""
+def plant(world: World, node: str, *, job: str | None = None, owner_uid: str | None = None) -> str:
+    """A pod (of this world's job, unless ``job`` says another) running on a node ``node`` created for it.
+
+    Its owner is the PyTorchJob as the training operator would set it: this world's job's uid, unless
+    ``owner_uid`` says another.
+    """
     core = k8s.CoreV1Api(world.kube())
+    uid = owner_uid or read_job(world)["metadata"]["uid"]
     try:
         core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {}}, "spec": {}})
     except k8s.ApiException as exc:
@@ -331,7 +349,10 @@ def plant(world: World, node: str, *, job: str | None = None) -> str:
     labels = {"training.kubeflow.org/job-name": job or world.seeded["job"]}
     core.create_namespaced_pod(
         world.seeded["namespace"],
-        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": labels},
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": pod, "labels": labels, "ownerReferences": [
+             {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": job or world.seeded["job"], "uid": uid,
+              "controller": True}]},
          "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}},
     )  # fmt: skip
     return pod
@@ -385,6 +406,43 @@ def test_a_suspect_the_cluster_contradicts_touches_nothing(world: World) -> None
     assert "does not exist in namespace" in reasons[2]
     # and no node changed.
     assert {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]} == taints_before
+
+
+def test_an_alarm_from_another_run_or_too_old_touches_nothing(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = world.node(0)
+    taints_before = our_taints(read_node(world, node["node_name"]))
+    # Given a pod of an earlier job of the same name (another uid), an alarm raised before its pod
+    # was created (the pod restarted since: a later run), and an alarm older than the setting,
+    earlier_job = naming(world, alarm_event(world, 0), pod=plant(world, node["node_name"], owner_uid=str(uuid.uuid4())), node=node["node_name"])
+    before_restart = alarm_event(world, 0)
+    before_restart["detail"]["time"] = datetime.fromtimestamp(time.time() - 1800, UTC).isoformat()
+    too_old = alarm_event(world, 0)
+    too_old["detail"]["time"] = datetime.fromtimestamp(time.time() - 7200, UTC).isoformat()
+    reasons = []
+    for event in (earlier_job, before_restart, too_old):
+        incident_id = record.handler(event, CTX)["incident_id"]
+        # resolve stops it (the machine's Catch sends StaleAlarm to NeedsAttention),
+        with pytest.raises(StaleAlarm) as caught:
+            resolve.handler({"incident_id": incident_id}, CTX)
+        reasons.append(str(caught.value))
+        assert (world.ledger.get(incident_id).state, world.ledger.get(incident_id).suspects) == (S.RECORDED, [])
+    # naming why,
+    assert "not to the job's current uid" in reasons[0]
+    assert "after the alarm" in reasons[1]
+    assert "more than MAX_ALARM_AGE_SECONDS=3600" in reasons[2]
+    # and nothing is touched.
+    assert our_taints(read_node(world, node["node_name"])) == taints_before
+    # The same alarm within a longer setting is acted on: the pods seeded for the job are older than it.
+    monkeypatch.setenv("MAX_ALARM_AGE_SECONDS", "86400")
+    get_settings.cache_clear()
+    try:
+        fresh_enough = alarm_event(world, 0)
+        fresh_enough["detail"]["time"] = datetime.fromtimestamp(time.time() - 7200, UTC).isoformat()
+        kept = record.handler(fresh_enough, CTX)["incident_id"]
+        with pytest.raises(StaleAlarm, match="after the alarm"):  # 2 h ago, before the pods were made
+            resolve.handler({"incident_id": kept}, CTX)
+    finally:
+        get_settings.cache_clear()
 
 
 def test_an_alarm_for_another_job_of_the_namespace_touches_nothing(world: World) -> None:
@@ -514,16 +572,23 @@ def test_evidence_reads_the_gpu_metrics_of_the_suspect(world: World) -> None:
 
 
 def test_a_later_incident_on_the_same_instance_finds_the_earlier_one(world: World) -> None:
-    # Given an incident that resolve traced to node 0's instance,
+    # Given an incident that resolve traced to node 0's instance, that nobody approved,
     earlier = drive(world, alarm_event(world, 0), through="resolve")
     # when another fault on the same node (another window) reaches the evidence step,
     later = drive(world, alarm_event(world, 0), through="evidence")
-    # the earlier incident is in the instance's history, found through the index resolve wrote.
+    # the earlier incident is in the instance's history, found through the index resolve wrote,
     instances: list[dict[str, Any]] = world.ledger.get(later).evidence["instances"]  # type: ignore[assignment]
     (entry,) = instances
     assert earlier in entry["prior_incidents"]
     assert later not in entry["prior_incidents"]
-    assert world.ledger.get(later).evidence["verdict"] == "corroborated"
+    # but it corroborates nothing until a reviewer approved it.
+    assert world.ledger.get(later).evidence["verdict"] == "no hardware signal"
+    assert any("nobody approved (not counted)" in r and earlier in r for r in entry["reasons"])
+    for state in (S.GUARDED, S.SUSPENDED, S.CORDONED, S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL):
+        world.ledger.update(earlier, moved_to(state))
+    approved_in_the_ledger(world, earlier)
+    third = drive(world, alarm_event(world, 0), through="evidence")
+    assert world.ledger.get(third).evidence["verdict"] == "corroborated"
 
 
 def test_evidence_reads_only_the_incidents_of_its_instances(world: World) -> None:
@@ -553,6 +618,8 @@ def test_evidence_reads_only_the_incidents_of_its_instances(world: World) -> Non
     for n in range(200):
         incident_on(f"hyperpod-i-0{n:016x}")
     earlier = incident_on(node)
+    for state in (S.GUARDED, S.SUSPENDED, S.CORDONED, S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL, S.APPROVED):
+        ledger.update(earlier, moved_to(state))  # a reviewer approved it: it corroborates
     incident_on(node, resolved=False)
     incident_on(node, cluster="another-cluster")
     mine = incident_on(node)
@@ -594,6 +661,41 @@ def test_request_approval_stores_the_token_and_tells_the_reviewers_how_to_answer
     assert f"sdcguard reject {incident_id} --reason" in mine[0]["Message"]
 
 
+def test_the_reviewers_see_the_rollback_before_they_decide(world: World) -> None:
+    # Given checkpoints before and inside the suspect window, and the pointer on the newest,
+    clean = 31_000
+    write_checkpoints(world, [clean - 10, clean + 20])
+    store = open_store(f"s3://{world.seeded['bucket']}/{world.seeded['job']}", client=world.standin.client("s3"))
+    point_at(store, trusted_through_step=clean + 20, reason="latest", written_by="agent")
+    world.messages(wait=0.5)  # drain
+    incident_id = drive(world, alarm_event(world, 0, ring_clean=clean), through="evidence")
+    # when approval is requested,
+    request_approval.handler({"incident_id": incident_id, "task_token": "t-" + uuid.uuid4().hex, "timeout_seconds": 60}, CTX)
+    # the request says where approving takes the job, and how much training it costs,
+    (message,) = [m for m in world.messages() if m.get("MessageAttributes", {}).get("incident_id", {}).get("Value") == incident_id]
+    assert f"Approving rolls the job back: pointer step-{clean + 20:09d} \u2192 step-{clean - 10:09d}, 60 steps lost" in message["Message"]
+    incident = world.ledger.get(incident_id)
+    assert incident.rollback is not None
+    assert (incident.rollback.to_step, incident.rollback.steps_lost) == (clean - 10, 60)
+    # and nothing moved yet.
+    pointer, _ = read_pointer(store)
+    assert pointer is not None
+    assert pointer.step == clean + 20
+
+
+def test_no_safe_checkpoint_stops_before_asking_and_replaces_nothing(world: World) -> None:
+    # Given an alarm whose detectors were never clean (no checkpoint can be trusted),
+    never_clean = {"nonfinite_grad": None, "ring_audit": None, "weight_fingerprint": None, "reduced_grad": None}
+    incident_id = drive(world, alarm_event(world, 0, last_clean=never_clean), through="evidence")
+    # requesting approval raises NoSafeCheckpoint (the machine's Catch stops for attention),
+    with pytest.raises(NoSafeCheckpoint, match="nothing safe to resume from"):
+        request_approval.handler({"incident_id": incident_id, "task_token": "t-" + uuid.uuid4().hex, "timeout_seconds": 60}, CTX)
+    # before any token is stored or any reviewer asked: nobody can approve a replacement.
+    incident = world.ledger.get(incident_id)
+    assert (incident.state, incident.rollback) == (S.EVIDENCE_COLLECTED, None)
+    assert world.ledger.get_token(incident_id) is None
+
+
 def waiting_with_real_token(world: World) -> tuple[str, str]:
     """An incident waiting for approval whose token belongs to a real waiting execution."""
     incident_id = drive(world, alarm_event(world, 0), through="evidence")
@@ -612,11 +714,27 @@ def wait_for_end(world: World, execution: str, timeout: float = 30) -> dict[str,
         time.sleep(0.2)
 
 
+def decision_of(world: World, incident_id: str, decision: str, reason: str, reviewer: str) -> dict[str, Any]:
+    """The decide function's input as the decide machine hands it: a running execution started for this decision."""
+    started = {"incident_id": incident_id, "decision": decision, "reason": reason, "reviewer": reviewer}
+    arn = world.standin.client("stepfunctions").start_execution(
+        stateMachineArn=get_settings().decide_state_machine_arn, name=uuid.uuid4().hex, input=json.dumps(started)
+    )["executionArn"]
+    return {**started, "execution_arn": arn}
+
+
+def approved_in_the_ledger(world: World, incident_id: str, decision: str = "approve") -> None:
+    """Given: the decide function wrote ``decision`` to the ledger (and answered the token)."""
+    world.ledger.update(
+        incident_id,
+        lambda i: adopt_decision(note_decision(i, Decision(decision=decision, reviewer="oncall", reason="as decided"))),
+    )
+
+
 def test_decide_answers_the_token_and_records_who_decided(world: World) -> None:
     incident_id, execution = waiting_with_real_token(world)
     result = decide.handler(
-        {"incident_id": incident_id, "decision": "approve", "reason": "Xid 79 on GPU 1", "reviewer": "arn:aws:iam::123456789012:user/oncall"},
-        CTX,
+        decision_of(world, incident_id, "approve", "Xid 79 on GPU 1", "arn:aws:iam::123456789012:user/oncall"), CTX
     )
     assert result["state"] == "APPROVED"
     incident = world.ledger.get(incident_id)
@@ -628,7 +746,7 @@ def test_decide_answers_the_token_and_records_who_decided(world: World) -> None:
     assert ended["status"] == "SUCCEEDED"
     assert json.loads(ended["output"])["decision"] == "approve"
     with pytest.raises(IncidentNotWaiting, match="APPROVED"):  # a second decision changes nothing
-        decide.handler({"incident_id": incident_id, "decision": "reject", "reason": "late", "reviewer": "someone"}, CTX)
+        decide.handler(decision_of(world, incident_id, "reject", "late", "someone"), CTX)
     assert world.ledger.get(incident_id).decision == incident.decision
 
 
@@ -636,12 +754,81 @@ def test_decide_refuses_unknown_decisions_and_expired_tokens(world: World) -> No
     incident_id = drive(world, alarm_event(world, 0), through="evidence")
     request_approval.handler({"incident_id": incident_id, "task_token": "not-a-real-token", "timeout_seconds": 60}, CTX)
     with pytest.raises(UnknownDecision):
-        decide.handler({"incident_id": incident_id, "decision": "maybe", "reason": "r", "reviewer": "me"}, CTX)
+        decide.handler(decision_of(world, incident_id, "maybe", "r", "me"), CTX)
     with pytest.raises(ApprovalExpired):
-        decide.handler({"incident_id": incident_id, "decision": "approve", "reason": "r", "reviewer": "me"}, CTX)
+        decide.handler(decision_of(world, incident_id, "approve", "r", "me"), CTX)
     incident = world.ledger.get(incident_id)
     assert incident.state == S.AWAITING_APPROVAL
     assert incident.decision is None
+
+
+def test_a_decision_in_a_handlers_input_is_ignored(world: World) -> None:
+    # Given an incident waiting for approval on a real task token,
+    node = world.node(0)
+    incident_id, execution = waiting_with_real_token(world)
+    instances_before = {
+        n["InstanceId"]
+        for n in world.standin.client("sagemaker").list_cluster_nodes(ClusterName=world.seeded["hyperpod_cluster"])["ClusterNodeSummaries"]
+    }
+    forged = {"decision": "approve", "reviewer": "mallory", "reason": "trust me"}
+    # when someone invokes replace or release directly with a decision of their own,
+    with pytest.raises(IncidentNotWaiting, match="no approved decision"):
+        replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"], "decision": forged}, CTX)
+    with pytest.raises(IncidentNotWaiting, match="no rejected decision"):
+        release.handler({"incident_id": incident_id, "decision": {**forged, "decision": "reject"}}, CTX)
+    # nothing is replaced or released, and the incident keeps waiting on its token.
+    instances_after = {
+        n["InstanceId"]
+        for n in world.standin.client("sagemaker").list_cluster_nodes(ClusterName=world.seeded["hyperpod_cluster"])["ClusterNodeSummaries"]
+    }
+    assert instances_after == instances_before
+    incident = world.ledger.get(incident_id)
+    assert (incident.state, incident.decision, incident.replacements) == (S.AWAITING_APPROVAL, None, [])
+    assert read_node(world, node["node_name"]).spec.unschedulable is True
+    assert world.ledger.get_token(incident_id) is not None
+    described = world.standin.client("stepfunctions").describe_execution(executionArn=execution)
+    assert described["status"] == "RUNNING"
+
+
+def test_decide_refuses_an_execution_it_cannot_confirm(world: World) -> None:
+    incident_id, execution = waiting_with_real_token(world)
+    genuine = decision_of(world, incident_id, "reject", "r", "me")
+    for forged in (
+        {**genuine, "execution_arn": genuine["execution_arn"].replace(":decide-", ":other-")},  # made up
+        {**genuine, "decision": "approve"},  # an execution started for another decision
+        {**genuine, "execution_arn": execution},  # an execution of another machine
+    ):
+        with pytest.raises(UnverifiedDecision):
+            decide.handler(forged, CTX)
+    with pytest.raises(MalformedEvent, match="execution_arn"):  # no execution at all
+        decide.handler({k: v for k, v in genuine.items() if k != "execution_arn"}, CTX)
+    incident = world.ledger.get(incident_id)
+    assert (incident.state, incident.decision) == (S.AWAITING_APPROVAL, None)
+    assert world.standin.client("stepfunctions").describe_execution(executionArn=execution)["status"] == "RUNNING"
+
+
+def test_a_decision_is_in_the_ledger_before_the_token_is_answered(world: World) -> None:
+    incident_id, _execution = waiting_with_real_token(world)
+    seen: list[Any] = []
+    sfn = world.standin.client("stepfunctions")
+
+    class Watching:
+        def describe_execution(self, **kwargs: Any) -> Any:
+            return sfn.describe_execution(**kwargs)
+
+        def send_task_success(self, **kwargs: Any) -> Any:
+            seen.append(world.ledger.get(incident_id).decision)
+            return sfn.send_task_success(**kwargs)
+
+    from lambdas.decide import decide as deliver
+
+    request = decision_of(world, incident_id, "approve", "seen first", "oncall")
+    deliver(
+        world.ledger, incident_id, "approve", reviewer="oncall", reason="seen first",
+        execution_arn=request["execution_arn"], decide_machine_arn=get_settings().decide_state_machine_arn, sfn=Watching(),
+    )  # fmt: skip
+    assert [d.reason if d else None for d in seen] == ["seen first"]
+    assert world.ledger.get(incident_id).state == S.APPROVED
 
 
 # -- the approve path: replace, wait, pointer, resume, close -----------------------------------
@@ -669,10 +856,10 @@ def test_the_approve_path_replaces_rolls_back_and_resumes(world: World) -> None:
     assert read_job(world)["spec"]["runPolicy"]["suspend"] is True
     world.ledger.put_token(incident_id, "t", expires_at=time.time() + 60)
     world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
-    decision = {"decision": "approve", "reviewer": "oncall", "reason": "replace it"}
+    approved_in_the_ledger(world, incident_id)
 
-    requested = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"], "decision": decision}, CTX)
-    again = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"], "decision": decision}, CTX)
+    requested = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"]}, CTX)
+    again = replace.handler({"incident_id": incident_id, "instance_id": node["instance_id"]}, CTX)
     assert requested == again
     progress: dict[str, Any] = {}
     for attempt in range(50):
@@ -724,9 +911,12 @@ def test_release_uncordons_resumes_and_records_a_false_alarm(world: World) -> No
     incident_id = drive(world, alarm_event(world, 1), through="evidence")
     assert read_node(world, node["node_name"]).spec.unschedulable is True
     world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
-    decision = {"decision": "reject", "reviewer": "oncall", "reason": "known flaky test data"}
+    world.ledger.update(
+        incident_id,
+        lambda i: note_decision(i, Decision(decision="reject", reviewer="oncall", reason="known flaky test data")),
+    )  # written by decide, whose own last write was lost: release adopts it
 
-    result = release.handler({"incident_id": incident_id, "decision": decision}, CTX)
+    result = release.handler({"incident_id": incident_id}, CTX)
 
     assert result["state"] == "FALSE_ALARM"
     released = read_node(world, node["node_name"])
@@ -744,7 +934,9 @@ def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
         {"incident_id": waiting, "state": "RequestApproval", "error": {"Error": "States.HeartbeatTimeout", "Cause": "no decision"}}, CTX
     )
     broken = drive(world, alarm_event(world, 0), through="resolve")
-    fail.handler({"incident_id": broken, "state": "Pipeline", "error": {"Error": "KubernetesObjectMissing", "Cause": "gone"}}, CTX)
+    lambda_error = json.dumps({"errorMessage": "pytorchjob training/job is gone", "errorType": "KubernetesObjectMissing",
+                               "requestId": "r", "stackTrace": ['  File "/var/task/x.py", line 1, in f\n']})  # fmt: skip
+    fail.handler({"incident_id": broken, "state": "Pipeline", "error": {"Error": "KubernetesObjectMissing", "Cause": lambda_error}}, CTX)
 
     stopped = world.ledger.get(waiting)
     assert stopped.state == S.NEEDS_ATTENTION
@@ -754,12 +946,15 @@ def test_needs_attention_and_fail_record_where_and_why(world: World) -> None:
     failed = world.ledger.get(broken)
     assert failed.state == S.FAILED
     assert failed.failure is not None
-    assert (failed.failure.state, failed.failure.error) == ("after RESOLVED", "KubernetesObjectMissing")
+    # named by the state of the machine that ran, with the error's message and no Lambda JSON or stack trace
+    assert (failed.failure.state, failed.failure.error, failed.failure.cause) == (
+        "Guard", "KubernetesObjectMissing", "pytorchjob training/job is gone"
+    )
     subjects = [m["Subject"] for m in world.messages()]
     assert any(waiting in s and "NEEDS_ATTENTION" in s for s in subjects)
     assert any(broken in s and "FAILED" in s for s in subjects)
     with pytest.raises(ApprovalExpired, match="timed out"):  # a decision after the timeout
-        decide.handler({"incident_id": waiting, "decision": "approve", "reason": "late", "reviewer": "me"}, CTX)
+        decide.handler(decision_of(world, waiting, "approve", "late", "me"), CTX)
     assert world.ledger.get(waiting).state == S.NEEDS_ATTENTION
 
 
@@ -779,6 +974,38 @@ def test_dry_run_decides_and_records_but_touches_nothing(world: World, monkeypat
     assert incident.mode == "dry_run"
     assert "nothing will be touched" in incident.transitions[-1].note
     assert our_taints(read_node(world, node["node_name"])) == taints_before
+
+
+def test_a_contained_incident_whose_notification_failed_sends_it_on_the_retry(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from botocore.exceptions import ClientError
+
+    from lambdas.close import close_incident
+
+    monkeypatch.setenv("MODE", "cordon_only")
+    get_settings.cache_clear()
+    try:
+        incident_id = drive(world, alarm_event(world, 0), through="evidence")
+    finally:
+        get_settings.cache_clear()
+    world.messages(wait=0.3)  # drain
+
+    class Down:
+        def publish(self, **_: Any) -> Any:
+            raise ClientError({"Error": {"Code": "InternalError", "Message": "SNS is down"}}, "Publish")
+
+    # Given a close whose ledger write went through but whose notification did not,
+    with pytest.raises(ClientError):
+        close_incident(world.ledger, incident_id, topic_arn=get_settings().topic_arn, sns=Down())
+    assert world.ledger.get(incident_id).state == S.CONTAINED
+    # the retry (the state machine's) still sends it, once,
+    sns = world.standin.client("sns")
+    close_incident(world.ledger, incident_id, topic_arn=get_settings().topic_arn, sns=sns)
+    close_incident(world.ledger, incident_id, topic_arn=get_settings().topic_arn, sns=sns)
+    mine = [m for m in world.messages() if m.get("MessageAttributes", {}).get("incident_id", {}).get("Value") == incident_id]
+    assert [m["Subject"] for m in mine] == [f"sdcguard: incident {incident_id} CONTAINED"]
+    assert world.ledger.get(incident_id).notified == ["CONTAINED"]
 
 
 def test_cordon_only_contains_and_stops_for_a_human(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -810,6 +1037,43 @@ def test_steps_out_of_order_change_nothing(world: World) -> None:
 
 
 # -- record retried by its own execution ----------------------------------------------------------------
+
+
+def test_the_same_fault_after_a_rejection_contains_again_and_tells_the_reviewer(world: World) -> None:
+    # Given an alarm of one run of the job (its id starts with the agent's run id), rejected and released,
+    node = world.node(1)
+    first = alarm_event(world, 1)
+    first["detail"]["alarm_id"] = f"{uuid.uuid4().int >> 64:016x}-{first['detail']['step']}-ring_audit"
+    rejected = drive(world, first, through="evidence")
+    world.ledger.update(rejected, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
+    approved_in_the_ledger(world, rejected, "reject")
+    release.handler({"incident_id": rejected}, CTX)
+    assert world.ledger.get(rejected).state == S.FALSE_ALARM
+    assert [t for t in our_taints(read_node(world, node["node_name"])) if t.value == rejected] == []
+    # a late copy of that alarm (raised before the rejection: another rank, a re-delivery) counts into it,
+    late = copy.deepcopy(first)
+    late["id"] = str(uuid.uuid4())
+    assert record.handler(late, CTX) | {"duplicate": True} == record.handler(late, CTX)
+    assert record.handler(late, CTX)["incident_id"] == rejected
+    world.messages(wait=0.3)  # drain
+
+    # when the same fault alarms again on the same node after that,
+    again = copy.deepcopy(first)
+    again["id"] = str(uuid.uuid4())
+    again["detail"]["time"] = datetime.now(UTC).isoformat()
+    repeat = drive(world, again, through="evidence")
+
+    # it is a new incident, linked to the rejected one, that contains the node again,
+    assert repeat != rejected
+    incident = world.ledger.get(repeat)
+    assert incident.repeat_of is not None
+    assert (incident.repeat_of.incident_id, incident.repeat_of.state, incident.repeat_of.decided_by) == (rejected, S.FALSE_ALARM, "oncall")
+    assert read_node(world, node["node_name"]).spec.unschedulable is True
+    assert world.ledger.get(rejected).duplicate_alarms == 3  # the late copies only
+    # and the reviewers are told it is a repeat, and of what.
+    request_approval.handler({"incident_id": repeat, "task_token": "t-" + uuid.uuid4().hex, "timeout_seconds": 60}, CTX)
+    (message,) = [m for m in world.messages() if m.get("MessageAttributes", {}).get("incident_id", {}).get("Value") == repeat]
+    assert f"The same fault again: repeat of {rejected}, rejected by oncall at " in message["Message"]
 
 
 def test_a_retried_record_recognises_its_own_write(world: World) -> None:
@@ -1007,3 +1271,109 @@ def test_the_job_resumes_only_when_no_incident_that_suspended_it_is_open(world: 
     job = read_job(world)
     assert not job["spec"]["runPolicy"].get("suspend")
     assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
+
+
+def test_an_operator_releases_a_stopped_incident_and_aborts_a_running_one(world: World) -> None:
+    from contract import Alarm, ResolvedSuspect
+    from lambdas.abort import abort_incident, release_stopped
+    from lambdas.cordon import cordon_node
+    from lambdas.guard import guard_incident
+    from lambdas.job import holders, suspend_job
+
+    ledger = private_ledger(world)
+    limits = {"mode": "normal", "max_quarantined_nodes": 1, "max_replacements_per_day": 10, "kubernetes": world.kube}
+    namespace, job = world.seeded["namespace"], world.seeded["job"]
+
+    def contained(node: str, *, opened_by: str | None = None) -> str:
+        """An incident of this world's job that suspended the job and cordoned ``node``."""
+        detail = copy.deepcopy(alarm_event(world, 0)["detail"])
+        detail["suspects"][0]["node"] = node
+        incident, _ = ledger.open(Alarm.model_validate(detail), mode="normal", opened_by=opened_by)
+        suspect = ResolvedSuspect(global_rank=3, pod="p", node=node, instance_id=node.removeprefix("hyperpod-"))
+        ledger.update(incident.incident_id, resolved_to(suspect))
+        assert guard_incident(ledger, incident.incident_id, **limits).state == S.GUARDED  # type: ignore[arg-type]
+        suspend_job(world.kube(), namespace, job, incident.incident_id)
+        cordon_node(world.kube(), node, incident.incident_id)
+        for state in (S.SUSPENDED, S.CORDONED):
+            ledger.update(incident.incident_id, moved_to(state))
+        return incident.incident_id
+
+    # Given an incident that stopped for attention holding its node and the job,
+    held, later = fresh_node(world), fresh_node(world)
+    stopped = contained(held)
+    ledger.update(stopped, moved_to(S.NEEDS_ATTENTION))
+    assert stopped in holders(read_job(world))
+    # when an operator releases it,
+    released = release_stopped(ledger, world.kube, stopped, operator="arn:aws:iam::123456789012:user/oncall", reason="looked at it")
+    # its node is uncordoned, its hold on the job gone, and it is recorded as RELEASED by the operator,
+    assert read_node(world, held).spec.unschedulable in (None, False)
+    assert our_taints(read_node(world, held)) == []
+    assert stopped not in holders(read_job(world))
+    assert (released.state, released.transitions[-1].actor) == (S.RELEASED, "arn:aws:iam::123456789012:user/oncall")
+    assert stopped not in [i.incident_id for i in ledger.counting(released.alarm.job.hyperpod_cluster)]
+    with pytest.raises(IncidentNotWaiting, match="still running: abort it"):  # release is for stopped incidents
+        release_stopped(ledger, world.kube, resolved_incident(ledger, fresh_node(world)), operator="me", reason="r")
+
+    # Given a running incident whose execution is still running,
+    _token, execution = waiting_token(world.standin)
+    running = contained(later, opened_by=execution)
+    # when an operator aborts it,
+    sfn = world.standin.client("stepfunctions")
+    stops: list[dict[str, Any]] = []
+
+    class Recording:  # moto's executor does not end a task-token wait on StopExecution: record the call
+        def describe_execution(self, **kwargs: Any) -> Any:
+            return sfn.describe_execution(**kwargs)
+
+        def stop_execution(self, **kwargs: Any) -> Any:
+            stops.append(kwargs)
+            return sfn.stop_execution(**kwargs)
+
+    aborted = abort_incident(ledger, world.kube, running, operator="oncall", reason="wrong job", sfn=Recording())
+    # its execution is stopped, its node uncordoned and the job freed, and it no longer counts.
+    assert [(c["executionArn"], c["error"]) for c in stops] == [(execution, "AbortedByOperator")]
+    assert our_taints(read_node(world, later)) == []
+    assert running not in holders(read_job(world))
+    assert (aborted.state, aborted.transitions[-1].actor) == (S.ABORTED, "oncall")
+    assert running not in [i.incident_id for i in ledger.counting(aborted.alarm.job.hyperpod_cluster)]
+    with pytest.raises(IncidentNotWaiting, match="already ended"):
+        abort_incident(ledger, world.kube, stopped, operator="me", reason="r", sfn=world.standin.client("stepfunctions"))
+
+
+def test_a_record_that_wrote_then_failed_is_not_reported_as_nothing_opened(world: World) -> None:
+    from contract import Alarm
+
+    execution = f"arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:{uuid.uuid4().hex}"
+    event = alarm_event(world, 0)
+    world.messages(wait=0.3)  # drain
+    # Given a record that opened the incident and then failed (its Catch sends the refusal to fail),
+    opened, _ = world.ledger.open(Alarm.model_validate(event["detail"]), mode="normal", opened_by=execution)
+    caught = {"Error": "Sandbox.Timedout", "Cause": "the function timed out after its write"}
+    ended = fail.handler({"state": "Record", "error": caught, "execution_id": execution, "event": event}, CTX)
+    # the incident it opened is found and recorded as FAILED, and the reviewers are told about it,
+    assert ended == {"incident_id": opened.incident_id, "state": "FAILED"}
+    subjects = [m["Subject"] for m in world.messages()]
+    assert any(opened.incident_id in s and "FAILED" in s for s in subjects)
+    assert not any("refused" in s for s in subjects)
+    # while a refusal of an execution that wrote nothing still says nothing was opened.
+    other = f"arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:{uuid.uuid4().hex}"
+    refused = fail.handler({"state": "Record", "error": caught, "execution_id": other, "event": alarm_event(world, 0)}, CTX)
+    assert refused == {"incident_id": None, "state": "REFUSED"}
+
+
+def test_uncordon_leaves_a_cordon_someone_else_set_during_the_incident(world: World) -> None:
+    from lambdas.cordon import cordon_node, uncordon_node
+
+    node = fresh_node(world)
+    incident_id = f"sdc-{uuid.uuid4().hex[:20]}"
+    cordon_node(world.kube(), node, incident_id)
+    # Given someone else cordoned the node for their own reasons while the incident held it,
+    core = k8s.CoreV1Api(world.kube())
+    taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in (core.read_node(node).spec.taints or [])]
+    core.patch_node(node, {"spec": {"taints": [*taints, {"key": "ops/maintenance", "value": "disk", "effect": "NoSchedule"}]}})
+    # when the incident releases it,
+    assert uncordon_node(world.kube(), node, incident_id).changed
+    # only sdcguard's taint goes: theirs stays, and so does the cordon.
+    after = core.read_node(node)
+    assert [(t.key, t.value) for t in after.spec.taints] == [("ops/maintenance", "disk")]
+    assert after.spec.unschedulable is True

@@ -1,5 +1,13 @@
 """Least privilege that works: each role grants exactly the actions its code really calls on the stand-in.
 
+Every call is made with the credentials of the role that would make it on
+AWS (the template's policy, rendered for the scenarios' table, topic,
+cluster and bucket: :mod:`tests.functional.template_roles`), and the
+stand-in enforces IAM: a grant missing on any path driven here (failure
+paths included: every handler that runs once, asked out of order, ends with
+its named error after powertools removed its in-progress record) is a
+refusal, and :func:`test_no_role_is_refused_anything` names it.
+
 The calls are recorded (see :mod:`tests.functional.recorded_calls`) while
 the handler scenarios of ``test_handlers_pipeline`` run again, each handler
 attributed to the role the template gives its function; the agent's
@@ -14,9 +22,11 @@ must grant exactly the Kubernetes requests the handlers made.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import inspect
 import json
+import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +41,7 @@ from infra.local.standin import LocalStandIn
 from tests.functional import test_handlers_ops_cli as ops_cli
 from tests.functional import test_handlers_pipeline as pipeline
 from tests.functional.recorded_calls import Recorder, dynamodb_resource, iam_actions, rbac_request
+from tests.functional.template_roles import ACCOUNT, REGION, ActingWithRoles, create_role
 
 if TYPE_CHECKING:
     from mypy_boto3_events import EventBridgeClient
@@ -62,7 +73,12 @@ NOT_EXERCISED: dict[str, dict[str, str]] = {
     "LedgerRole": {**LAMBDA_RUNTIME, **PUBLISHES},
     "KubernetesRole": {**LAMBDA_RUNTIME, **PUBLISHES},
     "EvidenceRole": {**LAMBDA_RUNTIME},
-    "ApprovalRole": {**LAMBDA_RUNTIME, **PUBLISHES},
+    "ApprovalRole": {
+        **LAMBDA_RUNTIME,
+        **PUBLISHES,
+        "s3:GetObjectVersion": _VERSIONED,
+        "s3:GetObjectVersionAttributes": _VERSIONED,
+    },
     "ReplaceRole": {**LAMBDA_RUNTIME},
     "PointerRole": {
         **LAMBDA_RUNTIME,
@@ -149,11 +165,14 @@ def _run_handler_scenarios(world: pipeline.World, recorder: Recorder) -> dict[st
     return ran
 
 
-def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path) -> None:
+def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path, acting: ActingWithRoles) -> None:
     """The agent's checkpoint save, re-save and load, a multipart upload and its abort, the alarm spool."""
+    from datetime import UTC, datetime
+
     import torch
     from torch import nn
 
+    from agent.alarm import job_identity
     from agent.checkpoint import CheckpointWriter
     from agent.config import GuardConfig
     from agent.publisher import Publisher
@@ -165,6 +184,11 @@ def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path) -> N
     bucket = f"inv-{uuid.uuid4().hex[:10]}"
     s3.create_bucket(Bucket=bucket)
     s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    training_values = {
+        "CheckpointBucket": bucket, "CheckpointPrefix": "jobs/inv",
+        "EventBus.Arn": f"arn:aws:events:{REGION}:{ACCOUNT}:event-bus/{bucket}-bus",
+    }  # fmt: skip
+    acting.give("training", create_role(standin, TEMPLATE, "TrainingPolicy", training_values))
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -211,7 +235,9 @@ def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path) -> N
         # put_events is all the publisher calls on its EventBridge client.
         unreachable = cast("EventBridgeClient", _Unreachable())
         outcome = Publisher(config, events_client=unreachable, s3_client=standin.client("s3")).publish(
-            Alarm.model_validate(load_event("alarm_ring_audit")["detail"])
+            # Sent by this job (a start republishes only its own job's alarms).
+            Alarm.model_validate({**load_event("alarm_ring_audit")["detail"], "job": job_identity(config).model_dump(),
+                                  "checkpoint_prefix": prefix, "time": datetime.now(UTC).isoformat()})
         )
     assert not outcome.delivered
     _wait_for(lambda: s3.list_objects_v2(Bucket=bucket, Prefix=spooled).get("KeyCount", 0) == 1)
@@ -262,13 +288,94 @@ def _with_the_templates_indexes(standin: LocalStandIn, table: str) -> None:
             )
 
 
+def _table_arn(name: str) -> str:
+    return f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/{name}"
+
+
+def world_values(world: pipeline.World) -> dict[str, str]:
+    """The template's names for the handler scenarios' resources (the world fixture's settings)."""
+    settings = os.environ  # set by the world fixture for the module
+    return {
+        "LedgerTable": world.ledger.table,
+        "LedgerTable.Arn": _table_arn(world.ledger.table),
+        "IdempotencyTable.Arn": _table_arn(settings["IDEMPOTENCY_TABLE"]),
+        "ReviewerTopic": settings["TOPIC_ARN"],
+        "HyperPodClusterArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:cluster/{world.seeded['hyperpod_cluster']}",
+        "EksClusterName": str(world.seeded["eks_cluster"]),
+        "CheckpointBucket": str(world.seeded["bucket"]),
+        "CheckpointPrefix": settings["CHECKPOINT_PREFIX"],
+        # The scenarios' decide machine is decide-<suffix>, not <stack>-decide.
+        "Resource@ConfirmTheDecideExecution": settings["DECIDE_STATE_MACHINE_ARN"]
+        .replace(":stateMachine:", ":execution:") + ":*",
+    }
+
+
 @pytest.fixture(scope="module")
-def recorded(standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup) -> Recorder:
+def acting(standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup) -> ActingWithRoles:
+    """Each handler acts as its function's role; the reviewer as ReviewerPolicy (the training job's comes later)."""
+    acting = ActingWithRoles(standin)
+    values = world_values(world)
+    roles: dict[str, str] = {}
+    for handler, role in function_roles(TEMPLATE).items():
+        if role not in roles:
+            roles[role] = create_role(standin, TEMPLATE, role, values)
+        acting.give(handler, roles[role])
+    stack = setup.machine.rsplit(":", 1)[1].removesuffix("-decide")
+    reviewer = {"LedgerTable.Arn": _table_arn(setup.table), "DecideStateMachine": setup.machine, "AWS::StackName": stack}
+    acting.give("reviewer", create_role(standin, TEMPLATE, "ReviewerPolicy", reviewer))
+    return acting
+
+
+# The handlers that run once (powertools idempotency), each asked to act on an incident that is not yet
+# where it acts: each must end with its own named error, which powertools lets through after deleting its
+# in-progress record (a role without dynamodb:DeleteItem on the idempotency table ends with
+# IdempotencyPersistenceLayerError instead, and the state machine's Catch never sees the named error).
+ONCE = {
+    "request_approval": lambda ref: {"incident_id": ref["incident_id"], "task_token": "token", "timeout_seconds": 60},
+    "replace": lambda ref: {**ref, "instance_id": ref["instance_id"]},
+    "rewrite_pointer": lambda ref: {"incident_id": ref["incident_id"]},
+    "close": lambda ref: {"incident_id": ref["incident_id"]},
+    "release": lambda ref: {"incident_id": ref["incident_id"]},
+    "resume_job": lambda ref: {"incident_id": ref["incident_id"]},
+    "cordon": lambda ref: {**ref, "instance_id": ref["instance_id"]},
+}
+
+
+def _out_of_order(world: pipeline.World) -> dict[str, str]:
+    """An incident just resolved; the name of the error each run-once handler ends with when asked to act on it."""
+    from lambdas.handlers import record, resolve
+
+    incident_id = record.handler(pipeline.alarm_event(world, 0), pipeline.CTX)["incident_id"]
+    (instance_id, *_) = resolve.handler({"incident_id": incident_id}, pipeline.CTX)["instance_ids"]
+    ref = {"incident_id": incident_id, "instance_id": instance_id}
+    ended: dict[str, str] = {}
+    for name, event in ONCE.items():
+        module = importlib.import_module(f"lambdas.handlers.{name}")
+        try:
+            module.handler(event(ref), pipeline.CTX)
+            ended[name] = "returned"
+        except Exception as exc:  # the outcome is the test's subject
+            ended[name] = type(exc).__name__
+    return ended
+
+
+@pytest.fixture(scope="module")
+def recorded(standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup, acting: ActingWithRoles) -> Recorder:
     _with_the_templates_indexes(standin, world.ledger.table)
-    with Recorder() as recorder, tempfile.TemporaryDirectory() as tmp:
+    with Recorder() as recorder, acting.installed(), tempfile.TemporaryDirectory() as tmp:
         recorder.scenarios = _run_handler_scenarios(world, recorder)
-        _run_training_job(standin, recorder, Path(tmp))
-        _run_reviewer(setup, recorder)
+        _run_training_job(standin, recorder, Path(tmp), acting)
+        try:
+            _run_reviewer(setup, recorder)
+            recorder.scenarios["reviewer"] = "passed"
+        except Exception as exc:  # reported by test_every_scenario_ran_and_every_handler_was_exercised
+            recorder.scenarios["reviewer"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        with pytest.MonkeyPatch.context() as patch:
+            for name in function_roles(TEMPLATE):
+                module = importlib.import_module(f"lambdas.handlers.{name}")
+                patch.setattr(module, "handler", recorder.attributing(name, module.handler))
+            failures = _out_of_order(world)
+        recorder.scenarios.update({f"out of order: {name}": outcome for name, outcome in failures.items()})
     return recorder
 
 
@@ -286,7 +393,9 @@ def used_actions(recorder: Recorder) -> dict[str, set[str]]:
 
 def test_every_scenario_ran_and_every_handler_was_exercised(recorded: Recorder) -> None:
     assert len(recorded.scenarios) >= 15
-    assert {name: outcome for name, outcome in recorded.scenarios.items() if outcome != "passed"} == {}
+    outcomes = {name: outcome for name, outcome in recorded.scenarios.items() if not name.startswith("out of order")}
+    failed = {name: outcome for name, outcome in outcomes.items() if outcome != "passed"}
+    assert failed == {}, json.dumps(failed, indent=1)
     assert set(function_roles(TEMPLATE)) <= set(recorded.aws) | set(recorded.kube)
     assert {"training", "reviewer"} <= set(recorded.aws)
 
@@ -344,7 +453,8 @@ def test_the_handlers_read_the_ledger_only_through_its_indexes(recorded: Recorde
         for table, index in dynamodb_resource(c)
         if table == world.ledger.table
     }
-    assert ledger_reads == {("guard", "Query", OPEN_INDEX), ("evidence", "Query", SUSPECT_INDEX)}
+    # The replacement re-checks the limits under the lock where it acts, from the same index.
+    assert ledger_reads == {("guard", "Query", OPEN_INDEX), ("replace", "Query", OPEN_INDEX), ("evidence", "Query", SUSPECT_INDEX)}
 
 
 def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: Recorder) -> None:
@@ -366,3 +476,70 @@ def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: 
         if r["Type"] == "AWS::EKS::AccessEntry"
     }
     assert kube_roles == entries
+
+
+def test_each_run_once_handler_ends_with_its_named_error_under_enforcement(recorded: Recorder) -> None:
+    from lambdas import errors
+
+    ended = {name.removeprefix("out of order: "): o for name, o in recorded.scenarios.items() if name.startswith("out of order")}
+    assert set(ended) == set(ONCE)
+    assert {name: o for name, o in ended.items() if o not in errors.__all__} == {}
+
+
+# Refusals a scenario provokes on purpose: (actor, action, resource pattern).
+PROVOKED = {
+    # test_decide_refuses_an_execution_it_cannot_confirm: an execution of another machine cannot be read,
+    # so the decision is not confirmed (UnverifiedDecision), as on AWS.
+    ("decide", "states:DescribeExecution", "arn:aws:states:*:*:execution:other-*"),
+    # An execution of the approval machine handed to decide as if it were a decide execution: the same.
+    ("decide", "states:DescribeExecution", "arn:aws:states:*:*:execution:approval-*"),
+}
+
+
+def test_no_role_is_refused_anything(recorded: Recorder, acting: ActingWithRoles) -> None:
+    """0 grants missing per role on every path driven here, happy and failure, with the stand-in enforcing."""
+    refused = {
+        actor: [r for r in refusals if not any(actor == a and r[0] == act and fnmatch.fnmatchcase(r[1], res)
+                                               for (a, act, res) in PROVOKED)]
+        for actor, refusals in acting.refusals().items()
+    }  # fmt: skip
+    refused = {actor: refusals for actor, refusals in refused.items() if refusals}
+    assert refused == {}, json.dumps(refused, indent=1)
+
+
+@pytest.mark.parametrize(
+    ("role", "handler"), [("ApprovalRole", "request_approval"), ("ReplaceRole", "replace"), ("PointerRole", "rewrite_pointer")]
+)
+def test_without_deleting_idempotency_records_a_named_error_is_lost(
+    standin: LocalStandIn, world: pipeline.World, role: str, handler: str
+) -> None:
+    """One grant removed from one role: the handler's named error becomes powertools' persistence error on AWS."""
+    from lambdas.handlers import record, resolve
+
+    values = world_values(world)
+    acting = ActingWithRoles(standin)
+    acting.give("record", create_role(standin, TEMPLATE, "LedgerRole", values))
+    acting.give("resolve", create_role(standin, TEMPLATE, "KubernetesRole", values))
+    acting.give("whole", create_role(standin, TEMPLATE, role, values))
+    acting.give("lacking", create_role(standin, TEMPLATE, role, values, leave_out=("ClearFailedIdempotencyRecords", "dynamodb:DeleteItem")))
+    module = importlib.import_module(f"lambdas.handlers.{handler}")
+    ended: dict[str, str] = {}
+    with acting.installed():
+        with Recorder.acting_as("record"):
+            incident_id = record.handler(pipeline.alarm_event(world, 1), pipeline.CTX)["incident_id"]
+        with Recorder.acting_as("resolve"):
+            (instance_id, *_) = resolve.handler({"incident_id": incident_id}, pipeline.CTX)["instance_ids"]
+        event = ONCE[handler]({"incident_id": incident_id, "instance_id": instance_id})
+        # With the grant, then without it, then the state machine's retry with it: the in-progress record the
+        # refused delete left behind blocks every retry until it expires.
+        for attempt, actor in enumerate(("whole", "lacking", "whole")):
+            with Recorder.acting_as(actor), pytest.raises(Exception) as caught:  # noqa: PT011 - the class is the outcome
+                module.handler(event, pipeline.CTX)
+            ended[f"{attempt}:{actor}"] = type(caught.value).__name__
+
+    assert ended == {
+        "0:whole": "IncidentNotWaiting",
+        "1:lacking": "IdempotencyPersistenceLayerError",
+        "2:whole": "IdempotencyAlreadyInProgressError",
+    }
+    assert [(a, r[0]) for a, refusals in acting.refusals().items() for r in refusals] == [("lacking", "dynamodb:DeleteItem")]

@@ -63,7 +63,11 @@ def package(marker: str) -> bytes:
 def role_arn(standin: LocalStandIn) -> str:
     iam = standin.client("iam")
     name = f"lambda-{uuid.uuid4().hex[:8]}"
-    return str(iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")["Role"]["Arn"])
+    arn = str(iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")["Role"]["Arn"])
+    # The probe lists the buckets, with its role's credentials: the stand-in enforces IAM.
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListAllMyBuckets", "Resource": "*"}]}
+    iam.put_role_policy(RoleName=name, PolicyName="probe", PolicyDocument=json.dumps(policy))
+    return arn
 
 
 def create(standin: LocalStandIn, role_arn: str, code: dict[str, Any], timeout: int = 30) -> str:

@@ -74,6 +74,9 @@ def seeded(standin: LocalStandIn) -> dict[str, Any]:
 def function(standin: LocalStandIn) -> str:
     name = f"kube-probe-{uuid.uuid4().hex[:8]}"
     role = standin.client("iam").create_role(RoleName=name, AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    # The probe finds the cluster's endpoint with its role's credentials: the stand-in enforces IAM.
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": "*"}]}
+    standin.client("iam").put_role_policy(RoleName=name, PolicyName="probe", PolicyDocument=json.dumps(policy))
     standin.client("lambda").create_function(
         FunctionName=name,
         Runtime="python3.11",

@@ -161,5 +161,8 @@ def test_a_second_signal_while_stopping_ends_it_at_once() -> None:
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGTERM)
 
+    # Both usually arrive before the process runs either handler; the SIGTERM still ends it, by SIGTERM
+    # (it used to be taken as a second request to stop, and the process ran on through its teardown).
     code, _ = _finish(proc, within=30)
-    assert code in (0, -signal.SIGTERM)
+    assert code == -signal.SIGTERM
+

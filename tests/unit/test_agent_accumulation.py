@@ -16,7 +16,7 @@ from agent import fingerprint as fp
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
 from agent.publisher import Publisher, PublishOutcome
-from agent.ring_audit import recompute_step
+from agent.recompute import recompute_step
 from agent.train import JobShape, SyntheticData, build, loss_fn
 from contract import Alarm
 

@@ -8,17 +8,30 @@ import pytest
 import torch
 
 from agent import confirm
-from agent.confirm import NONFINITE, Ring, judge_confirmations, persistence, replay_plan
-from agent.ring_audit import loss_bits, preserved, recompute
+from agent.confirm import (
+    CLAIM_LOSS,
+    CLAIM_NORMS,
+    NONFINITE,
+    Ring,
+    judge_confirmations,
+    persistence,
+    replay_plan,
+)
+from agent.recompute import preserved, recompute
+from agent.ring_audit import loss_bits
 from agent.trigger import MagnitudeTrigger
 
+NORM = CLAIM_NORMS
+"""Column of a claim's first norm (the micro-batch digest and the loss come first)."""
 
-def claims(world: int, width: int = 4) -> torch.Tensor:
-    """Distinct honest claims: loss bits of 1+r, a zero mask, norm-like values."""
-    out = torch.zeros(world, width, dtype=torch.int64)
+
+def claims(world: int, norms: int = 2) -> torch.Tensor:
+    """Distinct honest claims: micro-batch digests, loss bits of 1+r, a zero mask, norm-like values."""
+    out = torch.zeros(world, CLAIM_NORMS + norms, dtype=torch.int64)
     for r in range(world):
-        out[r, 0] = loss_bits(torch.tensor(1.0 + r))
-        out[r, 2:] = 1000 * r + torch.arange(width - 2)
+        out[r, :confirm.BATCH_LANES] = 7 * r + torch.arange(confirm.BATCH_LANES) + 1
+        out[r, CLAIM_LOSS] = loss_bits(torch.tensor(1.0 + r))
+        out[r, CLAIM_NORMS:] = 1000 * r + torch.arange(norms)
     return out
 
 
@@ -54,7 +67,7 @@ def test_a_reproduced_claim_blames_nobody() -> None:
 def test_two_confirmers_that_agree_against_the_owner_name_the_owner() -> None:
     ring, c = Ring.of(6, 2), claims(6)
     records = honest_records(c, ring, {3})
-    c[3, 2] += 1  # the owner's claim is wrong; both recomputations agree with each other
+    c[3, NORM] += 1  # the owner's claim is wrong; both recomputations agree with each other
     verdict = judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring)
     assert verdict.suspects == [3]
     assert verdict.localized
@@ -64,29 +77,35 @@ def test_two_confirmers_that_agree_against_the_owner_name_the_owner() -> None:
 def test_a_confirmer_that_disagrees_with_the_other_two_is_the_suspect() -> None:
     ring, c = Ring.of(6, 2), claims(6)
     records = honest_records(c, ring, {3})
-    records[5, 1, 3] += 1  # rank 5 recomputed rank 3's micro-batch wrongly
+    records[5, 1, 1 + NORM] += 1  # rank 5 recomputed rank 3's micro-batch wrongly
     verdict = judge_confirmations(c, records, {3: (confirm.AUDIT,)}, ring)
     assert verdict.suspects == [5]
     assert verdict.localized
 
 
-def test_three_different_answers_name_all_three_not_localised() -> None:
+def test_three_different_answers_are_nonreproducible_and_blame_nobody() -> None:
+    # Given: the owner and both confirmers computed three different results from one micro-batch
+    # (what a non-deterministic kernel does).
     ring, c = Ring.of(6, 2), claims(6)
     records = honest_records(c, ring, {3})
-    records[1, 0, 3] += 1
-    records[5, 1, 3] += 2
+    records[1, 0, 1 + NORM] += 1
+    records[5, 1, 1 + NORM] += 2
     verdict = judge_confirmations(c, records, {3: (confirm.AUDIT,)}, ring)
-    assert verdict.suspects == [1, 3, 5]
+    # Then: the computation is not reproducible, and no rank is a suspect.
+    assert verdict.nonreproducible == [3]
+    assert verdict.suspects == []
+    assert verdict.mismatched == []
     assert not verdict.localized
+    assert verdict.outcomes[0].nonreproducible
     assert replay_plan(verdict) == {}
 
 
 def test_two_nodes_name_both_unless_the_owner_alone_made_a_nan() -> None:
     ring, c = Ring.of(4, 2), claims(4)
     records = honest_records(c, ring, {3})
-    c[3, 2] += 1
+    c[3, NORM] += 1
     assert judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring).suspects == [1, 3]
-    c[3, 0] = loss_bits(torch.tensor(math.nan))
+    c[3, CLAIM_LOSS] = loss_bits(torch.tensor(math.nan))
     verdict = judge_confirmations(c, records, {3: (NONFINITE,)}, ring)
     assert (verdict.suspects, verdict.localized) == ([3], True)
 
@@ -95,7 +114,7 @@ def test_a_replay_that_now_agrees_is_transient_one_that_does_not_persistent() ->
     ring, c = Ring.of(6, 2), claims(6)
     records = honest_records(c, ring, {3})
     right = c[3].clone()
-    c[3, 2] += 1
+    c[3, NORM] += 1
     verdict = judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring)
     plan = replay_plan(verdict)
     assert list(plan) == [3]
@@ -183,3 +202,86 @@ def test_a_recomputation_restores_the_buffers_and_the_random_state() -> None:
         loss_fn(module, batch)
         assert int(module.norm.num_batches_tracked) == 2  # type: ignore[arg-type]
     assert int(module.norm.num_batches_tracked) == 1  # type: ignore[arg-type]
+
+
+def test_a_confirmer_that_rebuilt_another_micro_batch_makes_the_owner_unreplayable_not_a_suspect() -> None:
+    # Given: rank 5 recomputed rank 3's step from a different micro-batch (its digest differs), and so a
+    # different result; rank 1 rebuilt the same micro-batch and agrees.
+    ring, c = Ring.of(6, 2), claims(6)
+    records = honest_records(c, ring, {3})
+    records[5, 1, 1] += 1
+    records[5, 1, 1 + NORM] += 1
+    verdict = judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring)
+    # Then: batch_for did not replay; rank 3's step is judged no further and nobody is blamed.
+    assert verdict.unreplayable == [(3, 5)]
+    assert verdict.outcomes == []
+    assert verdict.suspects == []
+    # The check can fail: the same wrong result from the same micro-batch names rank 5.
+    records[5, 1, 1] -= 1
+    verdict = judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring)
+    assert (verdict.unreplayable, verdict.suspects) == ([], [5])
+
+
+def test_a_suspect_that_cannot_reproduce_its_own_result_is_nonreproducible_not_persistent() -> None:
+    # Given: both confirmers agree against the owner, so the owner replays its micro-batch.
+    ring, c = Ring.of(6, 2), claims(6)
+    records = honest_records(c, ring, {3})
+    c[3, NORM] += 1
+    plan = replay_plan(judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring))
+    replays = torch.zeros(6, 1 + c.shape[1], dtype=torch.int64)
+    replays[3, 0] = 1
+    # When: its replay gives a third result, neither the majority's nor its own first one.
+    replays[3, 1:] = c[3]
+    replays[3, 1 + NORM] += 5
+    verdict = confirm.judge_replays(replays, plan, c, records, ring)
+    # Then: not a fault of either kind; the owner is non-reproducible.
+    assert verdict == confirm.ReplayVerdict("unknown", [3])
+    # The check can fail: its own first result again is persistent.
+    replays[3, 1:] = c[3]
+    assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("persistent", [])
+
+
+def test_the_claim_and_verdict_paths_make_every_tensor_on_the_claims_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FakeTensorMode a CPU build makes fake CUDA tensors; a CPU tensor among them raises, as on a GPU,
+    and so does reading one back to the host (``bool``), which the claim path must not do either."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from agent.nonfinite import BucketPass
+
+    def measure(t: torch.Tensor, *, flag: bool, norm: bool) -> BucketPass:
+        # What nonfinite.measure returns on a GPU: 0-dim results on the bucket's device. (Its own isfinite of a
+        # 0-dim tensor is one of the ops a CPU build cannot fake on CUDA.)
+        return BucketPass(torch.zeros((), dtype=torch.bool, device=t.device) if flag else None,
+                          torch.linalg.vector_norm(t.to(torch.float64)) if norm else None)
+
+    monkeypatch.setattr(confirm, "measure", measure)
+    layout = {0: ["a", "b"], 1: [], 2: ["c"]}
+    with FakeTensorMode():
+        cuda = torch.device("cuda", 0)
+        grads = {n: torch.ones(4, device=cuda) for n in ("a", "b", "c")}
+        recomputation = confirm.Recomputation(torch.ones((), device=cuda), grads)
+        digest = torch.zeros(confirm.BATCH_LANES, dtype=torch.int64, device=cuda)
+        for batch in (None, digest):
+            claim = confirm.claim_from_recomputation(recomputation, layout, cuda, nonfinite=True, norms=True,
+                                                     digests=False, batch=batch)
+            assert claim.device == cuda
+            assert claim.shape == (CLAIM_NORMS + len(layout),)
+        world, width = 6, claim.shape[0]
+        gathered = torch.zeros(world, width, dtype=torch.int64, device=cuda)
+        records = torch.zeros(world, 2, 1 + width, dtype=torch.int64, device=cuda)
+        flags = confirm.confirmation_flags(gathered, records, [1, 3], Ring.of(world, 2))
+        assert flags.device == cuda
+        assert flags.shape == (2, 6)
+        assert confirm.record_of(1, 3, gathered, records, Ring.of(world, 2)).device == cuda
+
+
+def test_pair_rows_name_the_confirmers_the_loss_bits_and_the_parameters_that_differ() -> None:
+    # Given: an audit step's claims (two parameters' digests at the end); rank 5 got parameter "b" wrong.
+    ring, c = Ring.of(6, 2), claims(6)
+    c = torch.cat([c, torch.arange(6 * 6, dtype=torch.int64).reshape(6, 6)], dim=1)
+    records = honest_records(c, ring, {3})
+    records[5, 1, -1] += 1
+    outcome = judge_confirmations(c, records, {3: (confirm.AUDIT,)}, ring).outcomes[0]
+    rows = confirm.pair_rows(outcome, c, records, ring, ["a", "b"])
+    loss = float.hex(4.0)
+    assert rows == [(1, 3, True, loss, loss, []), (5, 3, True, loss, loss, ["b"])]

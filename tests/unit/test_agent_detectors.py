@@ -7,6 +7,7 @@ import torch
 
 from agent import fingerprint as fp
 from agent import native
+from agent.ddp_hook import GradientHook
 from agent.nonfinite import (
     LOCAL_ANY,
     LOCAL_MASK,
@@ -15,7 +16,6 @@ from agent.nonfinite import (
     REDUCED_FP,
     REDUCED_MASK,
     SUMMARY_WIDTH,
-    GradientHook,
     judge_nonfinite,
     nonfinite_flag,
 )

@@ -141,7 +141,7 @@ def test_continue_returns_the_alarm_and_keeps_going(tmp_path: Path) -> None:
 
 def test_a_model_that_is_not_ddp_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^model:"):
-        SDCGuard(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),  # type: ignore[arg-type]
+        SDCGuard(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
                  loss_fn=loss_fn, batch_for=lambda s, r: None, config=GuardConfig())
 
 
@@ -176,11 +176,30 @@ def test_a_restart_restores_the_last_clean_steps_from_its_manifest(tmp_path: Pat
                                 "reduced_grad": None}
 
 
+def test_resume_gives_the_job_back_the_extra_it_saved(tmp_path: Path) -> None:
+    # Given: a job that saves its own state (a loader's epoch) with a checkpoint, and an LR schedule.
+    guard, _ = guard_for(tmp_path, "raise", None)
+    guard.scheduler = torch.optim.lr_scheduler.StepLR(guard.optimizer, step_size=1)
+    for s in range(2):
+        guard.step(s)
+    guard.save_checkpoint(2, extra={"epoch": 7, "seen": [1, 2]})
+    # When: a new start resumes from it.
+    fresh, _ = guard_for(tmp_path, "raise", None)
+    fresh.scheduler = torch.optim.lr_scheduler.StepLR(fresh.optimizer, step_size=1)
+    assert fresh.resumed_extra == {}
+    assert fresh.resume_step() == 2
+    # Then: the job's extra comes back as saved, without the guard's own loop state.
+    assert fresh.resumed_extra == {"epoch": 7, "seen": [1, 2]}
+    assert fresh.resumed is not None
+    assert fresh.resumed.step == 2
+    assert fresh.scheduler.last_epoch == 2  # the guard's own loop state went where it belongs
+
+
 def test_a_spooled_alarm_is_republished_by_the_next_start_before_it_trains(tmp_path: Path) -> None:
     guard, _ = guard_for(tmp_path, "continue", "kind=nan_activation,rank=0,step=0")
     [alarm] = [r.alarm for r in [guard.step(0)] if r.alarm is not None]
     (tmp_path / f"alarm-{alarm.alarm_id}.json").write_text(alarm.model_dump_json())  # as a failed publish leaves it
-    later = Recorder(GuardConfig(spool_dir=str(tmp_path)))
+    later = Recorder(GuardConfig(spool_dir=str(tmp_path), checkpoint_prefix=str(tmp_path / "ckpt")))  # the same job
     restarted, _ = guard_for(tmp_path, "raise", None, recorder=later)
     assert later.sent == [alarm]
     assert restarted.republished[alarm.alarm_id].delivered
@@ -210,3 +229,37 @@ def test_the_run_id_does_not_follow_pythons_random_seed(tmp_path: Path) -> None:
     random.seed(1234)
     second, _ = guard_for(tmp_path, "raise", None)
     assert first.run_id != second.run_id
+
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+"""The ways a tensor's value comes back to the host (each a wait on a GPU)."""
+
+
+def test_a_clean_step_under_the_defaults_waits_on_the_host_once(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a guard with GuardConfig's defaults (trigger on, confirmation on), past the weight-check step.
+    shape = JobShape(dim=16, layers=1, seq=8, batch=2)
+    ddp, optimizer = build(shape, torch.device("cpu"))
+    config = GuardConfig(spool_dir=str(tmp_path), checkpoint_prefix=str(tmp_path / "ckpt"))
+    guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=SyntheticData(shape, torch.device("cpu")),
+                     config=config, publisher=Recorder(config), injection=None)
+    guard.step(0)
+    # When: a clean step runs with every read of a tensor's value counted (the optimizer's own left out).
+    reads: list[str] = []
+    counting = [True]
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
+            if counting[0]:
+                reads.append(_name)
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    optimizer.register_step_pre_hook(lambda *_: counting.__setitem__(0, False))
+    optimizer.register_step_post_hook(lambda *_: counting.__setitem__(0, True))
+    result = guard.step(1)
+    # Then: one read brought the loss, the norm, the trigger's flag and the ranks' agreement back.
+    assert result.updated
+    assert not result.weights_checked
+    assert reads == ["tolist"]

@@ -4,17 +4,33 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from agent import fingerprint as fp
 from benchmarks import bench_device
 
+SMOKE = ["--device", "cpu", "--elements", "64K", "--repeats", "1", "--steps", "2"]
+
 
 def test_the_smoke_run_passes_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_device.main(["--device", "cpu", "--elements", "64K", "--repeats", "1", "--steps", "2"]) == 0
+    assert bench_device.main(SMOKE) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 3
+    for check in ("fingerprints equal on the device and the CPU", "deterministic mode can be set up",
+                  "SDPA attention recomputed bit for bit", "the guard runs on the device (world 1)",
+                  "an injected NaN: no update", "a forced jump fires the magnitude trigger"):
+        assert f"PASS  {check}" in out, check
+    assert "INFO  environment signature" in out
     assert "FAIL" not in out
     assert "float32" in out  # the timing table
+
+
+def test_without_cuda_it_says_so_and_exits_with_its_own_code(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_device.main([]) == bench_device.NO_CUDA_EXIT == 3
+    out = capsys.readouterr().out
+    assert "no CUDA device on this machine" in out
+    assert "PASS" not in out
 
 
 def test_a_device_that_fingerprints_differently_fails(
@@ -27,10 +43,41 @@ def test_a_device_that_fingerprints_differently_fails(
         return lanes + (t.numel() > 1000)  # wrong on larger tensors only
 
     monkeypatch.setattr(fp, "fingerprint_torch", off_by_one)
-    assert bench_device.main(["--device", "cpu", "--elements", "64K", "--repeats", "1", "--steps", "1"]) == 1
+    assert bench_device.main([*SMOKE[:-1], "1"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  fingerprints equal on the device and the CPU" in out
     assert "n=1025" in out
+
+
+def test_attention_that_does_not_recompute_bit_for_bit_fails_only_without_warn_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = iter(range(100))
+
+    def drifting(device: torch.device, repeats: int) -> list[list[str]]:
+        return [[f"{next(calls)}"] for _ in range(repeats)]  # every run different
+
+    monkeypatch.setattr(bench_device, "_attention_bits", drifting)
+    table = bench_device.Table()
+    bench_device.check_attention(torch.device("cpu"), table)
+    assert [status for _, status, _ in table.rows] == ["FAIL", "INFO"]
+    assert table.failed
+
+
+def test_a_guard_that_cannot_run_on_the_device_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import guard
+
+    def refuse(*_: object, **__: object) -> None:
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(guard.SDCGuard, "step", refuse)
+    table = bench_device.Table()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        bench_device.check_guard(torch.device("cpu"), table)
+    finally:
+        dist.destroy_process_group()
+    assert table.rows[0][:2] == ("the guard runs on the device (world 1)", "FAIL")
+    assert "same device" in table.rows[0][2]
 
 
 def test_an_unusable_device_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,10 @@
 - The README's adoption snippet is the text of ``examples/adopt_minimal.py``.
 - Every relative link in the README, the changelog and ``docs/`` names a file
   that exists.
+- The generated parts of the pages (the reference, the template's tables, the
+  example diff, the included example) are committed in the Markdown, so they
+  read whole on the repository page, and are what ``docs/hooks.py`` generates
+  from the code now (``python docs/hooks.py`` rewrites them).
 - ``mkdocs build --strict`` passes, and the generated reference covers every
   command and every schema.
 
@@ -178,10 +182,12 @@ def test_the_snippet_check_notices_a_changed_copy() -> None:
     assert example not in fenced_blocks(changed, "python")
 
 
-def test_the_docs_include_the_examples_rather_than_copy_them() -> None:
+def test_the_docs_show_the_examples_from_the_files() -> None:
     pages = {p.name: p.read_text() for p in (ROOT / "docs").rglob("*.md")}
-    assert '--8<-- "examples/adopt_minimal.py"' in pages["adopting.md"]
-    assert '--8<-- "examples/checkpoint_writer.py"' in pages["checkpoints.md"]
+    assert "<!-- generated: file examples/adopt_minimal.py -->" in pages["adopting.md"]
+    assert (EXAMPLES / "adopt_minimal.py").read_text() in fenced_blocks(pages["adopting.md"], "python")
+    assert "<!-- generated: file examples/checkpoint_writer.py -->" in pages["checkpoints.md"]
+    assert (EXAMPLES / "checkpoint_writer.py").read_text() in fenced_blocks(pages["checkpoints.md"], "python")
     for name, text in pages.items():
         for block in fenced_blocks(text, "python"):
             assert "ddp_model" not in block, name
@@ -260,7 +266,33 @@ def test_the_template_reference_lists_every_output() -> None:
 
 def test_an_unknown_generated_part_fails_the_build() -> None:
     with pytest.raises(ValueError, match="unknown generated part 'clii'"):
-        _hooks().expand("# page\n\n<!-- generated: clii -->\n", ROOT, "page.md")
+        _hooks().expand("# page\n\n<!-- generated: clii -->\n\n<!-- end generated: clii -->\n", ROOT, "page.md")
+
+
+def test_a_marker_without_its_partner_fails_the_build() -> None:
+    hooks = _hooks()
+    with pytest.raises(ValueError, match=r"page.md:3: a generated-part marker without its partner"):
+        hooks.expand("# page\n\n<!-- generated: cli -->\n\ntext\n", ROOT, "page.md")
+    with pytest.raises(ValueError, match=r"page.md:3: a generated-part marker without its partner"):
+        hooks.expand("# page\n\n<!-- end generated: cli -->\n", ROOT, "page.md")
+
+
+def test_the_generated_parts_are_committed_and_fresh() -> None:
+    hooks = _hooks()
+    stale = [str(p.relative_to(ROOT)) for p in hooks.stale_pages(ROOT)]
+    assert stale == [], f"stale generated parts in {stale}: run `{hooks.REGENERATE}` and commit the pages"
+    pages = {str(p.relative_to(ROOT)) for p in hooks.pages(ROOT)}
+    assert {"docs/adopting.md", "docs/deploying.md", "docs/reference/cli.md", "docs/reference/contract.md",
+            "docs/reference/guard-config.md"} <= pages
+
+
+def test_a_stale_part_is_found_and_rewritten() -> None:
+    hooks = _hooks()
+    stale = "# page\n\n<!-- generated: template-outputs -->\n\n| output | what |\n\n<!-- end generated: template-outputs -->\n"
+    fresh = hooks.expand(stale, ROOT, "page.md")
+    assert fresh != stale
+    assert hooks.template_outputs(ROOT).rstrip("\n") in fresh
+    assert hooks.expand(fresh, ROOT, "page.md") == fresh
 
 
 def _mkdocs_build(cwd: Path, site: Path) -> subprocess.CompletedProcess[str]:

@@ -1,10 +1,12 @@
 """The adoption page shows the difference between the plain and the guarded GPT example: the real one.
 
-The page does not copy the diff: it asks for it (``<!-- generated: gpt-example-diff -->``)
-and ``docs/hooks.py`` computes it from the two files when the site is built.
+``docs/hooks.py`` computes the diff from the two files, and the page holds
+what it computed between ``<!-- generated: gpt-example-diff -->`` markers (so it
+reads whole on the repository page; ``python docs/hooks.py`` rewrites it).
 These tests hold the generator to the files: every line it shows changed is a
 changed line, it leaves out only the docstring, imports the guarded file no
-longer needs and help texts, and a change anywhere else is shown.
+longer needs and help texts, and a change anywhere else is shown; and the
+page's copy is the generator's output.
 """
 
 from __future__ import annotations
@@ -51,10 +53,24 @@ def _copy(tmp_path: Path) -> Path:
     return tmp_path / "examples" / GUARDED.name
 
 
-def test_the_adoption_page_asks_for_the_generated_diff_and_copies_none() -> None:
+def _committed_diff(page: str) -> str:
+    match = re.search(r"^<!-- generated: gpt-example-diff -->\n\n(.*?)\n\n<!-- end generated: gpt-example-diff -->$",
+                      page, re.S | re.M)
+    assert match, "the adoption page holds the generated diff between its markers"
+    return match.group(1)
+
+
+def test_the_adoption_page_holds_the_generated_diff_and_no_other() -> None:
     page = (ROOT / "docs" / "adopting.md").read_text()
-    assert "<!-- generated: gpt-example-diff -->" in page
-    assert "```diff" not in page
+    assert _committed_diff(page) == _hooks().gpt_example_diff(ROOT).rstrip("\n")
+    assert page.count("```diff") == 1
+
+
+def test_a_changed_example_makes_the_committed_diff_stale(tmp_path: Path) -> None:
+    guarded = _copy(tmp_path)
+    guarded.write_text(guarded.read_text().replace("import math\n", "import json\nimport math\n", 1))
+    page = (ROOT / "docs" / "adopting.md").read_text()
+    assert _committed_diff(page) != _hooks().gpt_example_diff(tmp_path).rstrip("\n")
 
 
 def test_every_line_shown_changed_is_a_changed_line() -> None:

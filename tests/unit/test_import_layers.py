@@ -27,6 +27,22 @@ def _contract_text() -> str:
     return text[start : text.index("\n[tool.", start + 1)]
 
 
+def _agent_modules() -> list[str]:
+    """The agent's modules the agent's own layers contract names."""
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][1]
+    return [m.strip() for layer in contract["layers"] for m in layer.split("|")]
+
+
+def _tree(root: Path) -> None:
+    """Empty packages of the contract's names (the agent's layered modules included), as the contract sees them."""
+    for name in PACKAGES:
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text("")
+    for module in _agent_modules():
+        (root / "agent" / f"{module}.py").write_text("")
+    (root / "pyproject.toml").write_text(_contract_text())
+
+
 def _lint(cwd: Path) -> subprocess.CompletedProcess[str]:
     """``lint-imports`` as ``./dev check`` runs it: in ``cwd``, with the ``pyproject.toml`` there."""
     env = {**os.environ, "PYTHONPATH": str(cwd)}
@@ -49,7 +65,7 @@ def test_dev_check_runs_the_contract_as_a_labelled_check() -> None:
 def test_the_tree_keeps_the_contract() -> None:
     done = _lint(ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 kept, 0 broken" in done.stdout
+    assert "2 kept, 0 broken" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -67,13 +83,9 @@ def test_the_tree_keeps_the_contract() -> None:
 )
 def test_an_upward_import_breaks_the_contract(tmp_path: Path, importer: str, imported: str) -> None:
     # Given a tree of the same packages with the same contract
-    for name in PACKAGES:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text("")
+    _tree(tmp_path)
     (tmp_path / "sdcguard" / "cli.py").write_text("")
     (tmp_path / "infra" / "deploy.py").write_text("import lambdas\nimport agent\nimport contract\n")
-    config = tmp_path / "pyproject.toml"
-    config.write_text(_contract_text())
     assert _lint(tmp_path).returncode == 0
     # When one module imports a layer above its own
     (tmp_path / importer / "upward.py").write_text(f"import {imported}\n")
@@ -82,3 +94,26 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path, importer: str, imp
     assert done.returncode == 1
     assert "BROKEN" in done.stdout
     assert f"{importer}.upward -> {imported}" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("sharded_checkpoint", "sharded"),  # the circle guard -> sharded -> sharded_checkpoint -> sharded once was
+        ("sharded", "data_parallel"),  # the two parallelisms share nothing but the seam
+        ("data_parallel", "guard"),  # a strategy knows nothing of the step that drives it
+        ("nonfinite", "ddp_hook"),  # a verdict knows nothing of the hook that feeds it
+    ],
+)
+def test_an_upward_import_inside_the_agent_breaks_its_contract(tmp_path: Path, importer: str, imported: str) -> None:
+    # Given the agent's layered modules, with the contract
+    _tree(tmp_path)
+    (tmp_path / "agent" / "guard.py").write_text("import agent.data_parallel\nimport agent.sharded\n")
+    assert _lint(tmp_path).returncode == 0
+    # When one of them imports a module of a layer above its own
+    (tmp_path / "agent" / f"{importer}.py").write_text(f"import agent.{imported}\n")
+    # Then the agent's contract fails and names the import
+    done = _lint(tmp_path)
+    assert done.returncode == 1
+    assert "BROKEN" in done.stdout
+    assert f"agent.{importer} -> agent.{imported}" in done.stdout

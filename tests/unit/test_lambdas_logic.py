@@ -10,8 +10,15 @@ import pytest
 
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Transition
 from lambdas.approval import approval_message
-from lambdas.errors import MalformedEvent, NotInCluster, SuspectUnresolvable
-from lambdas.evidence import CORROBORATED, NO_HARDWARE_SIGNAL, MetricSeries, prior_incidents_of, verdict_for
+from lambdas.errors import MalformedEvent, NotInCluster, StaleAlarm, SuspectUnresolvable
+from lambdas.evidence import (
+    CORROBORATED,
+    NO_HARDWARE_SIGNAL,
+    MetricSeries,
+    confirmed_incidents_of,
+    prior_incidents_of,
+    verdict_for,
+)
 from lambdas.guard import check_blast_radius, quarantined_nodes
 from lambdas.inputs import AlarmEvent, InstanceRef, parse_input
 from lambdas.job import holders
@@ -20,7 +27,15 @@ from lambdas.notify import describe
 from lambdas.pointer import allowed_prefix
 from lambdas.record import check_job, check_scope
 from lambdas.replace import find_successors
-from lambdas.resolve import ClusterNode, Observed, instance_id_from_node_name, mismatch, resolve_suspects
+from lambdas.resolve import (
+    ClusterNode,
+    Observed,
+    check_fresh,
+    instance_id_from_node_name,
+    mismatch,
+    resolve_suspects,
+    stale,
+)
 from lambdas.settings import Settings, SettingsError
 from tests.events import load_event
 
@@ -198,7 +213,7 @@ DCGM = ["DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"]
 def test_healthy_metrics_give_no_hardware_signal() -> None:
     verdict, reasons = verdict_for([series("node_gpu_temperature", 71), series("DCGM_FI_DEV_XID_ERRORS", 0)], DCGM, [])
     assert verdict == NO_HARDWARE_SIGNAL
-    assert reasons == ["no DCGM error counter, thermal excursion or earlier incident for this instance"]
+    assert reasons == ["no DCGM error counter, thermal excursion or earlier approved incident for this instance"]
 
 
 def test_a_nonzero_dcgm_counter_corroborates() -> None:
@@ -213,7 +228,7 @@ def test_a_thermal_excursion_or_an_earlier_incident_corroborates() -> None:
     assert "93 C" in why[0]
     again, why = verdict_for([], DCGM, ["sdc-0001", "sdc-0001"])
     assert again == CORROBORATED
-    assert why == ["suspect in 1 earlier incident(s): sdc-0001"]
+    assert why == ["suspect in 1 earlier incident(s) a reviewer approved: sdc-0001"]
 
 
 def test_a_counter_not_configured_or_without_data_says_nothing() -> None:
@@ -226,6 +241,14 @@ def test_alarm_history_finds_other_incidents_of_the_instance() -> None:
     b = incident("alarm_two_nodes", IncidentState.CORDONED, [(I1, ""), (I2, "")])
     assert prior_incidents_of(I1, [a, b], exclude=b.incident_id) == [a.incident_id]
     assert prior_incidents_of(I3, [a, b], exclude=b.incident_id) == []
+
+
+def test_only_earlier_incidents_a_reviewer_approved_corroborate() -> None:
+    approved = incident("alarm_ring_audit", IncidentState.CLOSED, [(I1, "")], entered={IncidentState.APPROVED: NOW})
+    rejected = incident("alarm_two_nodes", IncidentState.FALSE_ALARM, [(I1, "")], entered={IncidentState.REJECTED: NOW})
+    forged = incident("alarm_nonfinite_grad", IncidentState.NEEDS_ATTENTION, [(I1, "")])
+    assert confirmed_incidents_of(I1, [approved, rejected, forged], exclude="") == [approved.incident_id]
+    assert confirmed_incidents_of(I1, [rejected, forged], exclude="") == []
 
 
 # -- replacement successors ----------------------------------------------------------
@@ -366,8 +389,36 @@ def suspect_of(name: str) -> Any:
 
 def test_the_cluster_agreeing_with_the_alarm_is_no_mismatch() -> None:
     s = suspect_of("alarm_ring_audit")
-    seen = Observed(pod_exists=True, job_name="gpt-pretrain", node=s.node, node_exists=True)
+    seen = Observed(pod_exists=True, job_name="gpt-pretrain", node=s.node, node_exists=True, owner_uid="uid-1")
     assert mismatch(s, seen, namespace="training", job_name="gpt-pretrain") is None
+
+
+def test_a_pod_no_pytorchjob_controls_is_a_mismatch() -> None:
+    s = suspect_of("alarm_ring_audit")
+    seen = Observed(pod_exists=True, job_name="gpt-pretrain", node=s.node, node_exists=True)
+    assert "not controlled by a PyTorchJob" in str(mismatch(s, seen, namespace="training", job_name="gpt-pretrain"))
+
+
+def test_a_pod_of_another_job_uid_or_made_after_the_alarm_is_another_run() -> None:
+    a = alarm("alarm_ring_audit")
+    s = a.suspects[0]
+    raised = a.time if a.time.tzinfo else a.time.replace(tzinfo=UTC)
+    base = Observed(pod_exists=True, job_name="gpt-pretrain", node=s.node, node_exists=True, owner_uid="uid-now",
+                    created=raised - timedelta(hours=1))  # fmt: skip
+    assert stale(s, base, alarm=a, uid="uid-now") is None
+    assert "uid 'uid-now', not to the job's current uid 'uid-then'" in str(stale(s, base, alarm=a, uid="uid-then"))
+    restarted = Observed(**{**base.__dict__, "created": raised + timedelta(minutes=5)})
+    assert "after the alarm" in str(stale(s, restarted, alarm=a, uid="uid-now"))
+    skewed = Observed(**{**base.__dict__, "created": raised + timedelta(seconds=30)})
+    assert stale(s, skewed, alarm=a, uid="uid-now") is None  # clock skew, not a restart
+
+
+def test_an_alarm_older_than_the_setting_is_stale() -> None:
+    a = alarm("alarm_ring_audit")
+    raised = a.time if a.time.tzinfo else a.time.replace(tzinfo=UTC)
+    check_fresh(a, max_age_seconds=3600, now=raised + timedelta(minutes=59))
+    with pytest.raises(StaleAlarm, match="MAX_ALARM_AGE_SECONDS=3600"):
+        check_fresh(a, max_age_seconds=3600, now=raised + timedelta(minutes=61))
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ SETTINGS_ENV = {
     "LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "JOB_NAMESPACE", "JOB_NAME",
     "CHECKPOINT_BUCKET", "CHECKPOINT_PREFIX", "MODE", "MAX_QUARANTINED_NODES", "MAX_REPLACEMENTS_PER_DAY",
     "APPROVAL_TIMEOUT_SECONDS", "DCGM_METRIC_NAMES", "DECIDE_STATE_MACHINE_ARN", "REPLACEMENT_POLL_SECONDS",
-    "REPLACEMENT_MAX_POLLS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
+    "REPLACEMENT_MAX_POLLS", "MAX_ALARM_AGE_SECONDS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
 }  # fmt: skip
 
 
@@ -329,7 +329,9 @@ def test_the_training_role_may_never_decide(template: dict[str, Any]) -> None:
         for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
     }
     assert denied == {
-        ("states:StartExecution", json.dumps({"Ref": "DecideStateMachine"})),
+        ("states:StartExecution", json.dumps([{"Ref": "DecideStateMachine"}, {"Ref": "IncidentStateMachine"}], sort_keys=True)),
+        ("lambda:InvokeFunction", json.dumps(
+            {"Fn::Sub": "arn:${AWS::Partition}:lambda:${AWS::Region}:${AWS::AccountId}:function:${AWS::StackName}-*"})),
         ("states:SendTaskSuccess", '"*"'),
         ("states:SendTaskFailure", '"*"'),
         ("states:SendTaskHeartbeat", '"*"'),
@@ -350,6 +352,73 @@ def test_the_reviewer_policy_may_start_the_decide_machine_and_nothing_that_acts(
     # A reviewer decides through the decide machine only: no task tokens, no writes, no nodes.
     assert actions == {"states:StartExecution", "states:DescribeExecution", "dynamodb:GetItem", "dynamodb:Scan",
                        "cloudformation:DescribeStacks"}  # fmt: skip
+
+
+def test_the_functions_are_named_under_the_prefix_the_training_role_may_not_invoke(template: dict[str, Any]) -> None:
+    for name, function in _resources(template, "AWS::Lambda::Function").items():
+        assert function["Properties"]["FunctionName"]["Fn::Sub"].startswith("${AWS::StackName}-"), name
+
+
+def test_the_pointer_role_writes_the_resume_pointer_and_nothing_else(template: dict[str, Any]) -> None:
+    writes = [
+        statement["Resource"]
+        for where, statement in policy_statements(template)
+        if where.split(".")[1] == "PointerRole" and "s3:PutObject" in (
+            statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        )
+    ]  # fmt: skip
+    assert writes == [{"Fn::Sub": "arn:${AWS::Partition}:s3:::${CheckpointBucket}/${CheckpointPrefix}/RESUME.json"}]
+
+
+def test_the_topic_has_a_policy_of_its_own(template: dict[str, Any]) -> None:
+    (policy,) = _resources(template, "AWS::SNS::TopicPolicy").values()
+    assert policy["Properties"]["Topics"] == [{"Ref": "ReviewerTopic"}]
+    statements = {st["Sid"]: st for st in policy["Properties"]["PolicyDocument"]["Statement"]}
+    assert statements["AlarmsPublish"]["Condition"] == {"StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}}}
+    assert statements["TlsOnly"]["Effect"] == "Deny"
+
+
+def test_only_the_decide_role_deletes_from_the_ledger(template: dict[str, Any]) -> None:
+    deleters = set()
+    for where, statement in policy_statements(template):
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        resources = statement.get("Resource", []) if isinstance(statement.get("Resource"), list) else [statement.get("Resource")]
+        if statement["Effect"] == "Allow" and "dynamodb:DeleteItem" in actions and {"Fn::GetAtt": ["LedgerTable", "Arn"]} in resources:
+            deleters.add(where.split(".")[1])
+    assert deleters == {"DecideRole"}  # an answered task token goes; incidents never do
+
+
+def test_one_approval_timeout_everywhere(template: dict[str, Any]) -> None:
+    from lambdas.settings import Settings
+
+    default = int(template["Parameters"]["ApprovalTimeoutSeconds"]["Default"])
+    assert Settings.model_fields["approval_timeout_seconds"].default == default
+    for page in ("docs/pipeline.md", "docs/deploying.md"):
+        text = (ROOT / page).read_text()
+        assert f"{default}" in text or f"{default:,}" in text, page
+        assert "86400" not in text, page
+        assert "86,400" not in text, page
+
+
+def test_a_reviewer_reads_incidents_and_never_a_task_token(template: dict[str, Any]) -> None:
+    from lambdas.ledger import INCIDENT_ATTRIBUTES
+
+    statements = {s["Sid"]: s for s in template["Resources"]["ReviewerPolicy"]["Properties"]["PolicyDocument"]["Statement"]}
+    read = statements["ReadIncidents"]
+    attributes = read["Condition"]["ForAllValues:StringEquals"]["dynamodb:Attributes"]
+    assert attributes == list(INCIDENT_ATTRIBUTES)
+    assert "token" not in attributes
+    assert read["Condition"]["StringEqualsIfExists"]["dynamodb:Select"] == "SPECIFIC_ATTRIBUTES"
+
+
+def test_the_decide_role_confirms_the_decide_execution(template: dict[str, Any]) -> None:
+    statements = {
+        s["Sid"]: s
+        for s in template["Resources"]["DecideRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+    }
+    confirm = statements["ConfirmTheDecideExecution"]
+    assert confirm["Action"] == "states:DescribeExecution"
+    assert confirm["Resource"]["Fn::Sub"].endswith(":execution:${AWS::StackName}-decide:*")
 
 
 def test_task_tokens_are_answered_by_the_decide_role_alone(template: dict[str, Any]) -> None:
@@ -382,6 +451,7 @@ def test_failed_and_timed_out_executions_and_dead_letters_alarm_to_the_topic(tem
         ("AWS/SQS", "ApproximateNumberOfMessagesVisible", json.dumps({"Fn::GetAtt": ["DeadLetterQueue", "QueueName"]})),
         ("AWS/States", "ExecutionsFailed", machine["IncidentStateMachine"]),
         ("AWS/States", "ExecutionsTimedOut", machine["IncidentStateMachine"]),
+        ("AWS/States", "ExecutionsAborted", machine["IncidentStateMachine"]),  # a StopExecution leaves the ledger open
         ("AWS/States", "ExecutionsFailed", machine["DecideStateMachine"]),
         ("AWS/States", "ExecutionsTimedOut", machine["DecideStateMachine"]),
     }
@@ -470,7 +540,7 @@ def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: d
     props = template["Resources"]["LedgerTable"]["Properties"]
     assert props["GlobalSecondaryIndexes"] == [OPEN_INDEX_DEFINITION, SUSPECT_INDEX_DEFINITION]
     assert all(a in props["AttributeDefinitions"] for a in [*OPEN_INDEX_ATTRIBUTES, *SUSPECT_INDEX_ATTRIBUTES])
-    # The guard's role may query the open incidents, the evidence role an instance's incidents; nothing else
+    # The guard's and replace's roles may query the open incidents, the evidence role an instance's incidents; nothing else
     # queries the ledger, and no pipeline role may scan it.
     queries: dict[str, list[Any]] = {}
     for where, statement in policy_statements(template):
@@ -479,11 +549,12 @@ def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: d
         if role.endswith("Role"):
             assert "dynamodb:Scan" not in actions, where
         if "dynamodb:Query" in actions:
-            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+            resources = statement.get("Resource", []) if isinstance(statement.get("Resource"), list) else [statement.get("Resource")]
             queries.setdefault(role, []).extend(resources)
     index_arn = "${{LedgerTable.Arn}}/index/{}".format
     assert queries == {
         "KubernetesRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],
+        "ReplaceRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],  # the limits again, at replace
         "EvidenceRole": [{"Fn::Sub": index_arn(SUSPECT_INDEX_DEFINITION["IndexName"])}],
     }
 

@@ -3,7 +3,9 @@
 Here an invocation runs the function's real handler from its deployed package
 (the zip uploaded directly or the S3 object named by ``Code``) in a process of
 its own, with the function's environment variables plus the stand-in's
-endpoint and dummy credentials. The process stays warm between invocations
+endpoint and the credentials of the function's execution role (assumed
+through STS, as Lambda does, while the stand-in enforces IAM; see
+``iam_enforcement``). The process stays warm between invocations
 and is replaced when the code, handler or configuration changes. A handler
 exception comes back as Lambda reports it (``X-Amz-Function-Error:
 Unhandled`` and ``{errorType, errorMessage, stackTrace}``), so a state
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from moto.awslambda.models import LambdaFunction
+
+from infra.local.moto_ext import iam_enforcement
 
 WORKER_SCRIPT = Path(__file__).with_name("lambda_worker.py")
 # Lambda's own init phase is limited to 10 s; a shared laptop importing
@@ -286,6 +290,8 @@ def stop_all() -> None:
     with _pools_lock:
         pools = list(_pools.values())
         _pools.clear()
+    with _sessions_lock:
+        _sessions.clear()
     workers = [worker for pool in pools for worker in pool.retire()]
     # All at once: each worker takes a moment to exit.
     for worker in workers:
@@ -312,9 +318,7 @@ def _function_env(fn: LambdaFunction, code_dir: Path, log_stream: str) -> dict[s
             "AWS_LAMBDA_LOG_STREAM_NAME": log_stream,
             "AWS_REGION": fn.region,
             "AWS_DEFAULT_REGION": fn.region,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_SESSION_TOKEN": "testing",
+            **_role_credentials(fn),
             "AWS_ENDPOINT_URL": _endpoint(),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
@@ -322,6 +326,29 @@ def _function_env(fn: LambdaFunction, code_dir: Path, log_stream: str) -> dict[s
     # No X-Ray daemon listens locally; a function may still turn tracing on.
     env.setdefault("POWERTOOLS_TRACE_DISABLED", "true")
     return env
+
+
+# One session per function and role, kept while the stand-in runs: the credentials are part of the
+# worker's environment, so fresh ones per invocation would restart every warm worker.
+_sessions: dict[tuple[str, str], dict[str, str]] = {}
+_sessions_lock = threading.Lock()
+
+
+def _role_credentials(fn: LambdaFunction) -> dict[str, str]:
+    """The function's credentials: its execution role's (assumed, as Lambda does) while IAM is enforced."""
+    if not iam_enforcement.settings.enabled:
+        return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
+    key = (fn.function_arn, str(fn.role))
+    with _sessions_lock:
+        if key not in _sessions:
+            try:
+                _sessions[key] = iam_enforcement.assume(str(fn.role), fn.function_name)
+            except LookupError as exc:
+                raise _NoRole(
+                    f"The role defined for the function {fn.function_name} cannot be assumed by Lambda: {exc} "
+                    "in the stand-in's IAM (create it, with the policies the function needs)"
+                ) from exc
+        return dict(_sessions[key])
 
 
 def _pool_for(fn: LambdaFunction) -> WorkerPool:
@@ -353,14 +380,19 @@ class _NoCode(Exception):
     pass
 
 
+class _NoRole(Exception):
+    pass
+
+
 def invoke_lambda(self: LambdaFunction, event: Any = None) -> tuple[str, bool, str]:
     """Replacement for ``LambdaFunction._invoke_lambda``: (payload, errored, logs)."""
     event_text = event if isinstance(event, str) else json.dumps({} if event is None else event)
     request_id = str(uuid.uuid4())
     try:
         pool = _pool_for(self)
-    except (_NoCode, zipfile.BadZipFile) as exc:
-        error = {"errorType": "Runtime.InvalidEntrypoint", "errorMessage": str(exc), "stackTrace": []}
+    except (_NoCode, _NoRole, zipfile.BadZipFile) as exc:
+        kind = "AccessDeniedException" if isinstance(exc, _NoRole) else "Runtime.InvalidEntrypoint"
+        error = {"errorType": kind, "errorMessage": str(exc), "stackTrace": []}
         self.save_logs(f"{error['errorType']}: {exc}")
         return json.dumps(error), True, str(exc)
     context = {

@@ -1,0 +1,385 @@
+"""Replaying a capsule on this machine's device: does it compute the failing step's healthy bits?
+
+:func:`replay` verifies the capsule (:func:`agent.capsule.load_capsule`),
+picks this machine's device of the capsule's kind, applies the capsule's
+settings (threads, determinism flags, TF32, SDPA backends) for the duration,
+rebuilds the model through the recorded factory and loads the capsule's state
+into it strictly, checks the environment signature
+(:mod:`agent.determinism`), and recomputes the step N times with
+:func:`agent.recompute.recompute_step`, the recomputation the ring audit and
+the confirmation run, comparing every repetition's loss bits and gradient
+fingerprints with the expected ones. What makes a capsule unusable here is a
+:class:`CapsuleUnusable` with a :data:`Problem`, reported, never raised to
+the caller of :func:`replay`. ``sdcguard replay`` is its command line; the
+report's JSON is what the pipeline's Kubernetes Job will read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import torch
+from torch import nn
+
+from agent import replay as seeding
+from agent.capsule import (
+    Capsule,
+    CapsuleCorrupt,
+    CapsuleError,
+    CapsuleNotFound,
+    Expected,
+    ReplaySettings,
+    load_capsule,
+    map_tensors,
+)
+from agent.determinism import environment_signature, signature_differences
+from agent.recompute import recompute_step
+from lineage.errors import LineageError
+from lineage.store import ObjectStore
+
+REPORT_SCHEMA_VERSION: Final = "1"
+"""The version of :meth:`ReplayReport.to_dict`'s object."""
+
+Problem = Literal["missing", "corrupt", "device", "signature", "factory", "model"]
+"""Why a capsule cannot be used here: no capsule at the location, a changed or missing object, no device of
+its kind, another software or hardware signature, a factory that does not import or build, or a model unlike
+the capsule's state."""
+
+
+class CapsuleUnusable(CapsuleError):
+    """A sound capsule that cannot be replayed here (another device, signature, or a factory that fails)."""
+
+    def __init__(self, problem: Problem, reasons: Sequence[str]) -> None:
+        super().__init__(f"{problem}: " + "; ".join(reasons))
+        self.problem: Problem = problem
+        self.reasons = list(reasons)
+
+
+def replay_device(device_type: str) -> torch.device | None:
+    """The device a capsule recorded on ``device_type`` replays on here (None: there is none): the rank's
+    GPU (``LOCAL_RANK``, else 0) for "cuda", the CPU for "cpu"."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return None
+
+
+@contextlib.contextmanager
+def applied(settings: ReplaySettings, device: torch.device) -> Iterator[None]:
+    """Torch's global settings as ``settings`` recorded them, for the duration (restored afterwards)."""
+    before = ReplaySettings.capture(nn.Module(), seed=0, step=0, rank=0)
+    if device.type == "cuda":
+        # Read by cuBLAS when its first handle is made: set before any matrix product on this device.
+        if settings.cublas_workspace and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = settings.cublas_workspace
+        torch.cuda.set_device(device)
+    _set(settings)
+    try:
+        yield
+    finally:
+        _set(before)
+
+
+def _set(s: ReplaySettings) -> None:
+    seeding.pin_threads(s.threads)
+    torch.use_deterministic_algorithms(s.deterministic, warn_only=s.warn_only)
+    torch.backends.cudnn.benchmark = s.cudnn_benchmark
+    torch.backends.cudnn.deterministic = s.cudnn_deterministic
+    if torch.get_float32_matmul_precision() != s.float32_matmul_precision:
+        torch.set_float32_matmul_precision(s.float32_matmul_precision)
+    torch.backends.cuda.enable_flash_sdp(s.sdpa_flash)
+    torch.backends.cuda.enable_mem_efficient_sdp(s.sdpa_mem_efficient)
+    torch.backends.cuda.enable_math_sdp(s.sdpa_math)
+    torch.backends.cuda.enable_cudnn_sdp(s.sdpa_cudnn)
+    # Only when they differ: these setters are deprecated in favour of fp32_precision and warn.
+    if torch.backends.cuda.matmul.allow_tf32 != s.tf32_matmul:
+        torch.backends.cuda.matmul.allow_tf32 = s.tf32_matmul
+    if torch.backends.cudnn.allow_tf32 != s.tf32_cudnn:
+        torch.backends.cudnn.allow_tf32 = s.tf32_cudnn
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """The function ``package.module:function`` names. Raises :class:`CapsuleUnusable` ("factory") when the
+    module does not import or has no such callable."""
+    module_name, _, function_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # whatever stops the import, the reviewer must see it
+        raise CapsuleUnusable("factory", [f"factory {spec!r}: module {module_name!r} cannot be imported here "
+                                          f"({type(exc).__name__}: {exc})"]) from exc
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise CapsuleUnusable("factory", [f"factory {spec!r}: module {module_name!r} has no function "
+                                          f"{function_name!r}"])
+    return factory
+
+
+@dataclass
+class Prepared:
+    """A capsule made ready on a device: the rebuilt module with the capsule's state, and its inputs."""
+
+    capsule: Capsule
+    device: torch.device
+    module: nn.Module
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    names: list[str]
+    params: list[nn.Parameter]
+    batches: list[Any]
+
+
+def prepare(capsule: Capsule, device: torch.device) -> Prepared:
+    """Rebuild the model through the capsule's factory, load its state strictly, and move it and the
+    micro-batches to ``device``. Raises :class:`CapsuleUnusable` ("factory" or "model") naming what failed."""
+    m = capsule.manifest
+    factory = resolve_factory(m.factory)
+    try:
+        built = factory(**m.factory_args)
+    except Exception as exc:
+        raise CapsuleUnusable("factory", [f"factory {m.factory!r}(**{m.factory_args}) raised "
+                                          f"{type(exc).__name__}: {exc}"]) from exc
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1])):
+        raise CapsuleUnusable("factory", [f"factory {m.factory!r} must return (nn.Module, loss_fn), "
+                                          f"got {type(built).__name__}"])
+    module, loss_fn = built
+    try:
+        module.load_state_dict(capsule.state, strict=True)
+    except RuntimeError as exc:
+        raise CapsuleUnusable("model", [f"factory {m.factory!r} builds a model unlike the capsule's state: "
+                                        f"{str(exc).splitlines()[0]}"]) from None
+    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    names = list(m.expected.grads)
+    if sorted(named) != sorted(names):
+        missing = sorted(set(names) - set(named))[:5]
+        extra = sorted(set(named) - set(names))[:5]
+        raise CapsuleUnusable("model", [f"the rebuilt model's trainable parameters differ from the capsule's "
+                                        f"(absent here: {missing}, not in the capsule: {extra})"])
+    module.to(device)
+    module.train(m.settings.training)
+    # Looked up again after the move: a conversion may swap the Parameter objects themselves.
+    named = dict(module.named_parameters())
+    params = [named[n] for n in names]
+    batches = [map_tensors(b, functools.partial(torch.Tensor.to, device=device)) for b in capsule.batches]
+    return Prepared(capsule, device, module, loss_fn, names, params, batches)
+
+
+@dataclass(frozen=True)
+class Repetition:
+    """One recomputation of the capsule and how it compared with the expected bits."""
+
+    index: int
+    loss_match: bool
+    loss: str
+    """The loss it gave (``float.hex``)."""
+    mismatched_params: list[str]
+    seconds: float
+
+    @property
+    def match(self) -> bool:
+        """The loss and every gradient fingerprint are the expected bits."""
+        return self.loss_match and not self.mismatched_params
+
+
+def recompute_once(prepared: Prepared, index: int = 1) -> Repetition:
+    """Recompute the capsule's step once (seeded for its (seed, step, rank), under its autocast and scale)
+    and compare the loss bits and every parameter's gradient fingerprint with the expected ones."""
+    s = prepared.capsule.manifest.settings
+    expected = prepared.capsule.manifest.expected
+    device = prepared.device
+    seed = functools.partial(seeding.seed_micro_batch, s.seed, s.step, s.rank)
+    scale = None
+    if s.grad_scale is not None:
+        # As GradScaler.scale multiplies: by its fp32 scale tensor.
+        factor = torch.full((), float.fromhex(s.grad_scale), dtype=torch.float32, device=device)
+        scale = functools.partial(torch.mul, other=factor)
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if s.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=getattr(torch, s.autocast_dtype))
+
+    started = time.perf_counter()
+    rec = recompute_step(prepared.module, prepared.loss_fn, prepared.batches, prepared.names, prepared.params,
+                         seed, scale=scale, autocast=autocast)
+    found = Expected.from_recomputation(rec)
+    seconds = time.perf_counter() - started
+    mismatched = [n for n in prepared.names if found.grads[n] != expected.grads[n]]
+    return Repetition(index=index, loss_match=found.loss_bits == expected.loss_bits, loss=found.loss,
+                      mismatched_params=mismatched, seconds=round(seconds, 4))
+
+
+@dataclass
+class ReplayReport:
+    """The outcome of replaying a capsule here: per repetition, or why it could not run."""
+
+    capsule: str
+    repeats: int
+    repetitions: list[Repetition] = field(default_factory=list)
+    problem: Problem | None = None
+    reasons: list[str] = field(default_factory=list)
+    device: str = ""
+    step: int | None = None
+    rank: int | None = None
+    expected_loss: str | None = None
+
+    @property
+    def matched(self) -> int:
+        """Repetitions that gave exactly the expected bits."""
+        return sum(r.match for r in self.repetitions)
+
+    @property
+    def reproduced(self) -> int:
+        """Repetitions that did not: the fault reproduced."""
+        return len(self.repetitions) - self.matched
+
+    @property
+    def outcome(self) -> Literal["match", "mismatch", "unusable"]:
+        """match: every repetition matched (exit 0); mismatch: one or more did not (1); unusable: not run (2)."""
+        if self.problem is not None:
+            return "unusable"
+        return "match" if self.reproduced == 0 else "mismatch"
+
+    @property
+    def exit_code(self) -> int:
+        """0 all matched, 1 any mismatch, 2 the capsule cannot be used here."""
+        return {"match": 0, "mismatch": 1, "unusable": 2}[self.outcome]
+
+    @property
+    def verdict(self) -> str:
+        """One line for the ledger and the notification."""
+        n = len(self.repetitions)
+        if self.problem is not None:
+            return f"not replayed: {self.problem}: {self.reasons[0] if self.reasons else 'unknown'}"
+        if self.reproduced == 0:
+            return f"reproduced 0/{n}: every repetition gave the healthy bits"
+        if self.reproduced == n:
+            return f"reproduced {n}/{n}: persistent"
+        return f"reproduced {self.reproduced}/{n}: intermittent"
+
+    def to_dict(self, *, max_params: int = 20) -> dict[str, Any]:
+        """The report as one JSON object (what ``sdcguard replay --json`` prints on its last line)."""
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "capsule": self.capsule,
+            "step": self.step,
+            "rank": self.rank,
+            "node": os.environ.get("NODE_NAME") or None,
+            "host": socket.gethostname(),
+            "device": self.device,
+            "repeats": self.repeats,
+            "matched": self.matched,
+            "reproduced": self.reproduced,
+            "outcome": self.outcome,
+            "exit_code": self.exit_code,
+            "verdict": self.verdict,
+            "problem": self.problem,
+            "reasons": self.reasons,
+            "expected_loss": self.expected_loss,
+            "repetitions": [
+                {"index": r.index, "match": r.match, "loss_match": r.loss_match, "loss": r.loss,
+                 "mismatched_params": r.mismatched_params[:max_params],
+                 "mismatched_count": len(r.mismatched_params), "seconds": r.seconds}
+                for r in self.repetitions
+            ],
+        }
+
+
+def device_label(device: torch.device) -> str:
+    """``cpu`` or ``cuda:0 (NVIDIA H200)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+GPU_KEYS = ("gpu", "gpu.sm_count", "gpu.capability")
+"""Signature keys that name the GPU model: cuBLAS is bit-reproducible only on the same one."""
+
+
+def check_signature(capsule: Capsule, device: torch.device) -> None:
+    """Raises :class:`CapsuleUnusable` when this machine's environment signature differs from the capsule's:
+    "device" for another GPU model (name, SM count, compute capability), else "signature" (software versions,
+    settings). Run it under :func:`applied` and after :func:`prepare` (the factory's imports, flash_attn's
+    among them, are part of the signature), so the capsule's own settings are in force."""
+    recorded = capsule.manifest.signature
+    here = environment_signature(device)
+    differences = signature_differences([recorded, here])
+    if not differences:
+        return
+    note = "rank [0] below is the capsule's environment, rank [1] this machine's"
+    gpu = [k for k in GPU_KEYS if recorded.get(k) != here.get(k)]
+    if gpu:
+        raise CapsuleUnusable("device", [f"another GPU model: {recorded.get('gpu') or 'no GPU'} in the capsule, "
+                                         f"{here.get('gpu') or 'no GPU'} here", note, *differences])
+    raise CapsuleUnusable("signature", ["this machine's software signature differs from the capsule's", note,
+                                        *differences])
+
+
+def replay(
+    location: str | ObjectStore,
+    *,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> ReplayReport:
+    """Verify the capsule at ``location``, make it ready on this machine's device, and recompute it
+    ``repeats`` times, comparing every repetition's bits with the expected ones.
+
+    What makes the capsule unusable here (not found, corrupt, another device
+    kind or signature, a factory that fails) is in the report
+    (``problem``, ``reasons``, exit code 2), never raised. ``progress`` gets
+    one line per stage and repetition. Raises :class:`ValueError` for ``repeats`` < 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    say = progress or (lambda _line: None)
+    name = location if isinstance(location, str) else location.uri()
+    report = ReplayReport(capsule=name, repeats=repeats)
+    try:
+        say(f"verifying {name}")
+        capsule = load_capsule(location)
+    except (CapsuleNotFound, LineageError) as exc:
+        report.problem, report.reasons = "missing", [str(exc)]
+        return report
+    except CapsuleCorrupt as exc:
+        report.problem, report.reasons = "corrupt", [str(exc)]
+        return report
+    m = capsule.manifest
+    report.capsule, report.step, report.rank, report.expected_loss = capsule.location, m.settings.step, \
+        m.settings.rank, m.expected.loss
+    device = replay_device(m.settings.device_type)
+    if device is None:
+        report.problem = "device"
+        report.reasons = [f"the capsule was recorded on {m.settings.device_type!r}; this machine has no such device"]
+        return report
+    report.device = device_label(device)
+    try:
+        with applied(m.settings, device):
+            say(f"step {m.settings.step}, rank {m.settings.rank}'s {len(capsule.batches)} micro-batch(es), "
+                f"{capsule.size_bytes} bytes; rebuilding the model with {m.factory} on {report.device}")
+            prepared = prepare(capsule, device)
+            check_signature(capsule, device)
+            for i in range(1, repeats + 1):
+                repetition = recompute_once(prepared, i)
+                report.repetitions.append(repetition)
+                say(_describe(repetition, repeats))
+    except CapsuleUnusable as exc:
+        report.problem, report.reasons = exc.problem, exc.reasons
+    return report
+
+
+def _describe(r: Repetition, repeats: int) -> str:
+    head = f"repetition {r.index}/{repeats}: "
+    if r.match:
+        return head + f"match ({r.seconds:.2f} s)"
+    parts = [] if r.loss_match else [f"loss {r.loss} differs"]
+    if r.mismatched_params:
+        names = ", ".join(r.mismatched_params[:5]) + (", ..." if len(r.mismatched_params) > 5 else "")
+        parts.append(f"gradients of {len(r.mismatched_params)} parameter(s) differ: {names}")
+    return head + "MISMATCH, " + "; ".join(parts) + f" ({r.seconds:.2f} s)"

@@ -1,0 +1,606 @@
+"""Product checks: every matrix product of a rank's pass verified by checksums (algorithm-based fault tolerance).
+
+For a product ``C = A B`` (``A`` is ``m x p``, ``B`` is ``p x n``) the column
+sums obey ``1ᵀC = (1ᵀA) B``, and the row sums ``C 1 = A (B 1)``. Both sides
+cost a matrix-vector product, not a matrix product, so a fault in the
+product (a flipped bit in one output element, a wrong partial sum) is seen
+at its own micro-batch, on the rank that made it, before the all-reduce
+spreads it to every replica. The same identities hold for the two backward
+products of ``Y = X Wᵀ`` (``dX = dY W``, ``dW = dYᵀ X``) and, summed over
+channels, for a convolution and both of its backward products.
+
+The two sides never agree exactly: the product and the checksums are
+rounded. The check compares their difference against a bound that is
+rigorous for the arithmetic that ran (Higham's ``gamma_n = n u / (1 - n u)``):
+
+    |1ᵀC - (1ᵀA) B|_j  ≤  c · Σ_i Σ_k |A_ik| |B_kj|  +  (underflow)
+
+where ``c`` adds up the product's accumulation error ``gamma_p`` (``p`` the
+accumulation length, ``u`` the accumulation's unit roundoff: fp32 for fp32,
+bf16 and fp16 products), the rounding of the operands on the way in (TF32
+when it is allowed), the rounding of ``C`` into a narrower output dtype
+(bf16/fp16 autocast), and the rounding of the checksums themselves (the sums
+over ``m`` and the matrix-vector product, computed in fp32, fp64 for fp64
+products). ``Σ|A||B|`` comes from the same checksums on absolute values. A
+clean run therefore never trips it, whatever the data; what it cannot see is
+an error below that bound (low mantissa bits of an output element: the
+smallest error seen is measured per dtype in the tests and in
+docs/detectors.md) and any fault after the product (an activation corrupted
+in memory): that is the magnitude trigger's.
+
+Mechanism: a ``TorchDispatchMode`` entered around the rank's own forward and
+backward (:meth:`ProductChecks.watching`), so it sees the products as they
+run, below autograd and autocast: ``mm``, ``addmm``, ``bmm``, ``baddbmm``
+(``nn.Linear``, ``F.linear``, ``torch.matmul``, ``@``, ``torch.bmm``: every
+product they lower to) and ``convolution`` / ``convolution_backward``
+(``nn.Conv1d/2d/3d``, ``F.conv*``; not transposed convolutions), in the
+dtypes that actually ran. Nothing in the model changes: the products run as
+they would, and forward hooks installed on the modules only name the sites.
+A backward product is named after its forward product through the autograd
+node's sequence number. The mode must be entered inside any other dispatch
+mode around the step (the campaign's fault injector), so that it sees the
+results those modes hand on. Flags accumulate per site in a preallocated int64
+tensor on the device: no host synchronisation per product.
+
+Not seen: products inside fused kernels that do not lower to these
+operators (``F.scaled_dot_product_attention``'s fused kernels; ``einsum``
+lowers to ``bmm`` and is seen), products of tensor subclasses (an FSDP2 sharded
+``DTensor`` is skipped; FSDP2's unsharded parameters are plain tensors in the
+forward and backward, so their products are seen), transposed convolutions,
+and 1-D operand products (``mv``, ``dot``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
+_CONVS = {_aten.convolution, _aten.convolution_backward}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+KINDS = ("forward", "backward", "linear", "matmul", "conv")
+"""What ``enabled`` switches: the directions, and the kinds of product (an ``nn.Linear``'s, a bare matmul, a
+convolution)."""
+
+FIRST, COUNT = range(2)
+"""The layout of :meth:`ProductChecks.summary`: the first failing site's index (-1: none), how many failed."""
+
+_ABS_CACHE = 3
+"""Absolute values kept for reuse: enough for a backward node's |dY| and both operands of a product."""
+
+REDUCED_PRECISION_SPLITS = 32
+"""On CUDA with ``allow_bf16/fp16_reduced_precision_reduction`` (torch's default), cuBLAS may add split-K partial
+sums in the output dtype: the bound allows this many partials added in it."""
+
+_UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
+                  torch.float16: 2.0 ** -11}
+_SMALLEST = {torch.float64: 2.0 ** -1074, torch.float32: 2.0 ** -149, torch.bfloat16: 2.0 ** -133,
+             torch.float16: 2.0 ** -24}
+"""The spacing of subnormals: the absolute error of rounding a tiny value (gradual underflow)."""
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``, the relative error bound of ``n`` rounded additions; ``inf`` when
+    ``n u >= 1`` (no bound)."""
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1.0 else math.inf
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """What the bound assumes of one product: its accumulation, input and output rounding, and the checksums'."""
+
+    accumulation: float
+    """Unit roundoff of the product's accumulation."""
+    inputs: float
+    """Relative error of rounding each operand before it is multiplied (TF32: 2^-11; 0 when exact)."""
+    output: float
+    """Unit roundoff of rounding the result into its dtype when that is narrower than the accumulation, else 0."""
+    reduction: float
+    """Relative error of adding partial sums in a narrower dtype (cuBLAS reduced-precision split-K), else 0."""
+    checksum: float
+    """Unit roundoff of the checksums (fp32, fp64 for fp64 products)."""
+    tiny: float
+    """Absolute error of one rounding in the output dtype near zero (gradual underflow)."""
+    largest: float
+    """The output dtype's largest finite value (an infinite output is legitimate only where the bound reaches it)."""
+
+    @staticmethod
+    def of(operand: torch.dtype, output: torch.dtype, device: torch.device, *, conv: bool) -> Arithmetic | None:
+        """The arithmetic of a product of ``operand`` tensors into ``output`` on ``device``; None for a dtype that
+        is not checked (integers, fp8, complex). Reads torch's TF32 and reduced-precision settings as they are
+        now."""
+        precision = torch.get_float32_matmul_precision()
+        flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+                 torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+        return _arithmetic(operand, output, device.type, conv, precision, flags)
+
+    @staticmethod
+    def _of(operand: torch.dtype, output: torch.dtype, device_type: str, conv: bool, precision: str,
+            flags: tuple[bool, ...]) -> Arithmetic | None:
+        cudnn_tf32, matmul_tf32, bf16_reduced, fp16_reduced = flags
+        if operand not in _UNIT_ROUNDOFF or output not in _UNIT_ROUNDOFF:
+            return None
+        wide = operand == torch.float64
+        accumulation = _UNIT_ROUNDOFF[torch.float64 if wide else torch.float32]
+        inputs = 0.0
+        if operand == torch.float32:
+            tf32 = device_type == "cuda" and (cudnn_tf32 if conv else matmul_tf32)
+            if precision == "medium":
+                inputs = 2.0 ** -8  # bf16 operands
+            elif precision == "high" or tf32:
+                inputs = 2.0 ** -11  # TF32 operands
+            if inputs:
+                inputs = (1.0 + inputs) ** 2 - 1.0  # both operands of each product rounded
+        reduction = 0.0
+        if device_type == "cuda" and not conv and (
+                (operand == torch.bfloat16 and bf16_reduced) or (operand == torch.float16 and fp16_reduced)):
+            reduction = gamma(REDUCED_PRECISION_SPLITS, _UNIT_ROUNDOFF[operand])
+        out_u = _UNIT_ROUNDOFF[output]
+        return Arithmetic(accumulation=accumulation, inputs=inputs,
+                          output=out_u if out_u > accumulation else 0.0, reduction=reduction,
+                          checksum=_UNIT_ROUNDOFF[torch.float64 if wide else torch.float32],
+                          tiny=_SMALLEST[output], largest=torch.finfo(output).max)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (a few shapes per model; the instances are few and frozen)
+    def coefficient(self, p: int, m: int) -> float:
+        """``c`` such that ``|checksum difference| <= c · Σ|A||B| + tiny terms``, for accumulation length ``p``
+        and checksum length ``m``, where ``Σ|A||B|`` is itself computed in the checksum's precision."""
+        product = (1 + self.inputs) * (1 + gamma(p, self.accumulation)) * (1 + self.reduction) * (1 + self.output) - 1
+        g_m = gamma(m, self.checksum)
+        # Σ_i C_ij in the checksum's precision, |Σ_i C_ij| <= (1 + product) T; Σ_i A_ik, then its product with B
+        # (rounded operands too when TF32 is on: our own matrix-vector product runs under the same setting).
+        sum_c = g_m * (1 + product)
+        sum_a = g_m
+        gemv = ((1 + self.inputs) * (1 + gamma(p, self.checksum)) - 1) * (1 + g_m)
+        total = product + sum_c + sum_a + gemv
+        # T is computed from absolute values (nonnegative sums: relative error only), and the comparison rounds.
+        computed_low = (1 - gamma(m, self.checksum)) * (1 - gamma(p, self.checksum)) * (1 - self.inputs)
+        if not total < math.inf or computed_low <= 0:
+            return math.inf
+        return total / computed_low * (1 + 8 * self.checksum)
+
+    def absolute(self, p: int, m: int) -> float:
+        """The underflow term: every rounding of the ``m (p + 2)`` additions and the ``m`` outputs near zero."""
+        return 2 * m * self.tiny + m * (p + 4) * _SMALLEST[torch.float32]
+
+
+_arithmetic = functools.lru_cache(maxsize=256)(Arithmetic._of)
+
+
+class ProductChecks:
+    """Checksums on every matrix product of ``model``'s passes run inside :meth:`watching`.
+
+    Build it once around the bare model (under DDP: ``ddp.module``): it
+    installs forward hooks that name the sites and nothing else. Per step:
+    :meth:`begin_step` (zeroes the flags), the rank's own forward and
+    backward inside ``with checks.watching():``, then :meth:`summary` (a
+    2-int64 device tensor: the first failing site, how many failed) joins the
+    step's collective. ``flags`` holds one int64 per site (the failing
+    products counted), ``sites`` their names (``"blocks.0.qkv forward"``,
+    ``"... backward dX"``, ``"... backward dW"``; a bare matmul's operands are
+    ``dA``/``dB``). ``enabled`` switches kinds off (keys in :data:`KINDS`).
+    ``margin`` multiplies the bound (1: the rigorous bound; a test shrinks it
+    to show that a tighter one would fail clean runs). Raises ``ValueError``
+    for an unknown kind, a margin that is not positive or a capacity below 1.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device | None = None,
+                 enabled: Sequence[str] = KINDS, margin: float = 1.0, capacity: int = 4096) -> None:
+        unknown = set(enabled) - set(KINDS)
+        if unknown:
+            raise ValueError(f"enabled: unknown kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
+        if not margin > 0:
+            raise ValueError(f"margin: must be > 0, got {margin}")
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        if device is None:
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = device
+        self.enabled = {kind: kind in enabled for kind in KINDS}
+        self.margin = margin
+        self.capacity = capacity
+        self.flags = torch.zeros(capacity, dtype=torch.int64, device=device)
+        """Failing products per site (index into ``sites``), on the device; the last slot also takes any site
+        past ``capacity``."""
+        self.sites: list[str] = []
+        self.checked = 0
+        """Products checked since the last :meth:`begin_step` (a host-side count; it costs no sync)."""
+        self.unchecked = 0
+        """Products seen but not checkable since the last :meth:`begin_step` (a subclass, a dtype, no bound)."""
+        self._index: dict[str, int] = {}
+        self._stack: list[tuple[str, torch.nn.Module]] = []
+        self._ordinal: dict[str, int] = {}
+        self._forward_sites: dict[int, tuple[str, str]] = {}
+        self._node: tuple[int, int] = (-1, 0)
+        self._handles: list[Any] = []
+        self._abs_cache: list[tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = []
+        self._params = [p for p in model.parameters() if p.is_floating_point()]
+        self._weights: set[int] = set()
+        self._weight_abs: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ones_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._mode = _ProductMode(self)
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
+            self._handles.append(module.register_forward_hook(self._leaving, always_call=True))
+
+    # -- the step's interface -----------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Zero the flags and forget the last step's forward products (call it before the step's passes)."""
+        self.flags.zero_()
+        self._abs_cache.clear()
+        self._weight_abs.clear()
+        # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
+        self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
+        self._forward_sites.clear()
+        self.checked = self.unchecked = 0
+
+    reset = begin_step
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[ProductChecks]:
+        """Check every product computed inside (forward and backward alike): enter it around the rank's own pass.
+
+        Recomputations of other ranks' micro-batches belong outside it: their flags would be charged to this
+        rank's sites."""
+        with self._mode:
+            yield self
+
+    def summary(self) -> torch.Tensor:
+        """``[first failing site or -1, number of failing sites]``, int64 on the device (no host sync)."""
+        hit = self.flags > 0
+        count = hit.sum()
+        first = torch.where(count > 0, hit.to(torch.int8).argmax(), torch.full_like(count, -1))
+        return torch.stack([first, count])
+
+    def findings(self, gathered: torch.Tensor) -> list[tuple[int, str]]:
+        """(rank, site name) of every failing product in ``gathered``: one row per rank, either every rank's
+        :meth:`summary` (the first failing site of each) or its whole ``flags`` (every failing site). Site
+        indices are this rank's: every rank runs the same model, so the same sites in the same order. Raises
+        ``ValueError`` for another width."""
+        rows = gathered.detach().to("cpu", torch.int64)
+        if rows.dim() != 2 or rows.shape[1] not in (2, self.capacity):
+            raise ValueError(f"gathered: expected [world, 2] summaries or [world, {self.capacity}] flags, "
+                             f"got {tuple(rows.shape)}")
+        found: list[tuple[int, str]] = []
+        if rows.shape[1] == 2 and self.capacity != 2:
+            for rank, (first, count) in enumerate(rows.tolist()):
+                if count > 0:
+                    found.append((rank, self.site_name(first)))
+            return found
+        for rank, index in torch.nonzero(rows > 0).tolist():
+            found.append((rank, self.site_name(index)))
+        return found
+
+    def site_name(self, index: int) -> str:
+        """The name of site ``index`` (``"site <index>"`` for one this rank has not seen)."""
+        return self.sites[index] if 0 <= index < len(self.sites) else f"site {index}"
+
+    def remove(self) -> None:
+        """Take the naming hooks off the model again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- naming ---------------------------------------------------------------------------------------------
+
+    def _entering(self, name: str, module: torch.nn.Module, *, root: bool) -> Any:
+        def hook(_module: torch.nn.Module, _inputs: Any) -> None:
+            if root and not self._stack:
+                self._ordinal.clear()  # every pass names its products alike
+            self._stack.append((name, module))
+        return hook
+
+    def _leaving(self, _module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def _site(self, name: str) -> int:
+        index = self._index.get(name)
+        if index is None:
+            index = min(len(self.sites), self.capacity - 1)
+            self._index[name] = index
+            self.sites.append(name)
+        return index
+
+    def _forward_site(self, conv: bool) -> tuple[str, str]:
+        """(the forward product's site base name, its kind), from the module running it."""
+        name, module = self._stack[-1] if self._stack else ("", None)
+        label = name or "<model>"
+        n = self._ordinal.get(label, 0)
+        self._ordinal[label] = n + 1
+        base = label if n == 0 else f"{label} #{n}"
+        if conv:
+            return base, "conv"
+        return base, "linear" if isinstance(module, torch.nn.Linear) and n == 0 else "matmul"
+
+    # -- checking -------------------------------------------------------------------------------------------
+
+    def on_product(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Check one product the mode saw (``func`` ran on ``args`` and returned ``out``)."""
+        packet = func.overloadpacket
+        node = torch._C._current_autograd_node()
+        conv = packet in _CONVS
+        if node is None:
+            if not self.enabled["forward"]:
+                return
+            base, kind = self._forward_site(conv)
+            if not self.enabled[kind]:
+                return
+            # The autograd node of this product was made just before it ran: its sequence number is the last.
+            self._forward_sites[torch._C._autograd._get_sequence_nr() - 1] = (base, kind)
+            self._check(packet, args, kwargs, out, f"{base} forward")
+            return
+        if not self.enabled["backward"]:
+            return
+        seq = node._sequence_nr()
+        forward = self._forward_sites.get(seq)
+        if forward is None:
+            base, kind = f"<{node.name()}>", "conv" if conv else "matmul"
+        else:
+            base, kind = forward
+        if not self.enabled[kind]:
+            return
+        calls = self._node[1] + 1 if self._node[0] == seq else 1
+        self._node = (seq, calls)
+        if packet == _aten.convolution_backward:
+            self._check_conv_backward(args, out, base)
+            return
+        operand = ("dX" if self._left_operand(node, calls) else "dW") if kind == "linear" else (
+            "dA" if self._left_operand(node, calls) else "dB")
+        self._check(packet, args, kwargs, out, f"{base} backward {operand}")
+
+    @staticmethod
+    def _left_operand(node: Any, calls: int) -> bool:
+        """Whether the ``calls``-th product of a backward ``node`` is the gradient of the forward product's left
+        operand. Autograd's formulas (derivatives.yaml) compute the inputs' gradients in argument order, and
+        only those of inputs that need one; the shapes cannot tell (a transposed layout, square operands)."""
+        edges = node.next_functions
+        first = 1 if len(edges) == 3 else 0  # addmm/baddbmm: (bias, left, right); mm/bmm: (left, right)
+        needed = [i for i in (first, first + 1) if i < len(edges) and edges[i][0] is not None]
+        return calls <= len(needed) and needed[calls - 1] == first
+
+    def _check(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, site: str) -> None:
+        if packet == _aten.convolution:
+            self._check_conv(args, out, site)
+            return
+        if packet in (_aten.addmm, _aten.baddbmm):
+            bias, a, b = args[0], args[1], args[2]
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        else:
+            bias, a, b, beta, alpha = None, args[0], args[1], 1, 1
+        if not _plain(a, b, out) or (bias is not None and not _plain(bias)):
+            self.unchecked += 1
+            return
+        self._verify_product(a, b, out, bias, float(alpha), float(beta), site)
+
+    def _verify_product(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+                        alpha: float, beta: float, site: str) -> None:
+        """``c = beta·bias + alpha·(a @ b)`` (batched over leading dims): the cheaper direction's checksums."""
+        if b.numel() > a.numel():
+            # Row sums: the column check of the transposed product (the smaller operand is the one taken whole).
+            a, b, c = b.mT, a.mT, c.mT
+            bias = None if bias is None else bias.expand(c.mT.shape).mT
+        elif bias is not None:
+            bias = bias.expand(c.shape)
+        arithmetic = Arithmetic.of(a.dtype, c.dtype, c.device, conv=False)
+        if arithmetic is None:
+            self.unchecked += 1
+            return
+        m, p = a.shape[-2], a.shape[-1]
+        work = torch.float64 if a.dtype == torch.float64 else torch.float32
+        coefficient = arithmetic.coefficient(p + (2 if bias is not None else 0), m)
+        if not coefficient < math.inf:
+            self.unchecked += 1
+            return
+        abs_a = self._abs(a)
+        if a.dtype == work and c.dtype == work:
+            # Sums over m as matrix-vector products with a vector of ones: BLAS, the fastest pass on every device.
+            ones = self._ones(m, work, c.device)
+            sum_c, sum_a, abs_sum_a = _vecmat(ones, c), _vecmat(ones, a), _vecmat(ones, abs_a)
+        else:
+            sum_c = c.sum(-2, dtype=work, keepdim=True)
+            sum_a = a.sum(-2, dtype=work, keepdim=True)
+            abs_sum_a = abs_a.sum(-2, dtype=work, keepdim=True)
+        wide_b = b if b.dtype == work else b.to(work)
+        expected = _vecmat(sum_a, wide_b)
+        bound = _vecmat(abs_sum_a, self._abs(wide_b))
+        if alpha != 1:
+            expected, bound = expected * alpha, bound * abs(alpha)
+        if bias is not None and beta != 0:
+            if bias.stride(-2) == 0:
+                # A bias broadcast along the summed rows (nn.Linear's): m times its one row.
+                row = bias.select(-2, 0).unsqueeze(-2)
+                expected = torch.add(expected, row, alpha=beta * m)
+                bound = torch.add(bound, row.abs(), alpha=abs(beta) * m)
+            else:
+                sum_bias, abs_bias = _row_sums(bias, work)
+                expected = expected + beta * sum_bias.unsqueeze(-2)
+                bound = bound + abs(beta) * abs_bias.unsqueeze(-2)
+        self._judge(sum_c, expected, bound, coefficient, arithmetic.absolute(p, m), arithmetic, site)
+
+    def _abs(self, t: torch.Tensor) -> torch.Tensor:
+        """``|t|``, reusing recent results: a backward node's two products share ``|dY|``, and a parameter's
+        ``|W|`` serves its forward and backward dX products of every micro-batch. Keyed by storage, layout and
+        version, and each entry holds ``t`` itself, so that its memory cannot be reused by another tensor with
+        the same key while the entry lives (that would hand out a stale value)."""
+        storage = t.untyped_storage().data_ptr()
+        key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        if storage in self._weights:
+            entry = self._weight_abs.get(key)
+            if entry is None:
+                entry = self._weight_abs[key] = (t, t.abs())
+            return entry[1]
+        for i, (seen, _source, value) in enumerate(self._abs_cache):
+            if seen == key:
+                if i:
+                    self._abs_cache.insert(0, self._abs_cache.pop(i))
+                return value
+        value = t.abs()
+        self._abs_cache.insert(0, (key, t, value))
+        del self._abs_cache[_ABS_CACHE:]
+        return value
+
+    def _ones(self, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (m, dtype, device)
+        ones = self._ones_cache.get(key)
+        if ones is None:
+            ones = self._ones_cache[key] = torch.ones(1, m, dtype=dtype, device=device)
+        return ones
+
+    def _judge(self, observed: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, coefficient: float,
+               absolute: float, arithmetic: Arithmetic, site: str) -> None:
+        """Count the checksums of ``site`` whose difference passes the bound, on the device.
+
+        ``|observed - expected| <= coefficient · bound + absolute`` is false for a NaN too: an infinite or NaN
+        checksum from finite operands is a fault, unless the bound reaches the dtype's range (a legitimate
+        overflow, as a GradScaler's fp16 step has); operands that are not finite leave ``bound`` not finite, and
+        such a product is the non-finite check's."""
+        within = torch.sub(observed, expected).abs_().sub_(bound, alpha=coefficient * self.margin) <= absolute
+        representable = bound < arithmetic.largest / (1 + coefficient)
+        self.flags.select(0, self._site(site)).add_((representable > within).sum())
+        self.checked += 1
+
+    # -- convolutions ------------------------------------------------------------------------------------------
+
+    def _check_conv(self, args: tuple[Any, ...], out: torch.Tensor, site: str) -> None:
+        x, w, bias, stride, padding, dilation, transposed, _output_padding, groups = args[:9]
+        if transposed or not _plain(x, w, out) or (bias is not None and not _plain(bias)):
+            self.unchecked += 1
+            return
+        arithmetic = Arithmetic.of(x.dtype, out.dtype, out.device, conv=True)
+        if arithmetic is None:
+            self.unchecked += 1
+            return
+        g = int(groups)
+        c_out = w.shape[0]
+        p = w[0].numel()  # input channels per group x kernel: each output element's accumulation length
+        m = c_out // g
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        # Σ over each group's output channels: conv with the group's filters summed (one output channel per group).
+        w_groups = w.to(work).reshape(g, m, *w.shape[1:])
+        x_work = x.to(work)
+        conv = _conv_of(x.dim())
+        expected = conv(x_work, w_groups.sum(1), None, stride, padding, dilation, g)
+        bound = conv(x_work.abs(), w_groups.abs().sum(1), None, stride, padding, dilation, g)
+        observed = out.reshape(out.shape[0], g, m, *out.shape[2:]).sum(2, dtype=work)
+        if bias is not None:
+            b = bias.to(work).reshape(g, m)
+            shape = (1, g) + (1,) * (out.dim() - 2)
+            expected = expected + b.sum(1).reshape(shape)
+            bound = bound + b.abs().sum(1).reshape(shape)
+        coefficient = arithmetic.coefficient(p + 2, m)
+        if not coefficient < math.inf:
+            self.unchecked += 1
+            return
+        self._judge(observed, expected, bound, coefficient, arithmetic.absolute(p, m), arithmetic, site)
+
+    def _check_conv_backward(self, args: tuple[Any, ...], out: Any, base: str) -> None:
+        dy, x, w, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args[:11]
+        dx, dw = out[0], out[1]
+        if transposed or not _plain(dy, x, w):
+            self.unchecked += 1
+            return
+        g = int(groups)
+        c_out, c_in_g = w.shape[0], w.shape[1]
+        m_out = c_out // g
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        dy_work, x_work, w_work = dy.to(work), x.to(work), w.to(work)
+        spatial = tuple(x.shape[2:])
+        if mask[0] and isinstance(dx, torch.Tensor) and _plain(dx):
+            arithmetic = Arithmetic.of(dy.dtype, dx.dtype, dx.device, conv=True)
+            # Σ over each group's input channels of dX: the input gradient of the filters summed over theirs.
+            w_sum = w_work.sum(1, keepdim=True)
+            w_abs = w_work.abs().sum(1, keepdim=True)
+            shape_only = x_work.new_empty(()).expand(x.shape[0], g, *spatial)
+            expected = _aten.convolution_backward(dy_work, shape_only, w_sum, None, stride, padding, dilation,
+                                                  False, output_padding, g, [True, False, False])[0]
+            bound = _aten.convolution_backward(dy_work.abs(), shape_only, w_abs, None, stride, padding, dilation,
+                                               False, output_padding, g, [True, False, False])[0]
+            observed = dx.reshape(dx.shape[0], g, c_in_g, *spatial).sum(2, dtype=work)
+            p = m_out * math.prod(w.shape[2:])
+            self._judge_if(arithmetic, observed, expected, bound, p, c_in_g, f"{base} backward dX")
+        if mask[1] and isinstance(dw, torch.Tensor) and _plain(dw):
+            arithmetic = Arithmetic.of(dy.dtype, dw.dtype, dw.device, conv=True)
+            # Σ over each group's output channels of dW: the weight gradient of dY summed over them.
+            dy_sum = dy_work.reshape(dy.shape[0], g, m_out, *dy.shape[2:]).sum(2)
+            dy_abs = dy_work.abs().reshape(dy.shape[0], g, m_out, *dy.shape[2:]).sum(2)
+            shape_only = w_work.new_empty(()).expand(g, c_in_g, *w.shape[2:])
+            expected = _aten.convolution_backward(dy_sum, x_work, shape_only, None, stride, padding, dilation,
+                                                  False, output_padding, g, [False, True, False])[1]
+            bound = _aten.convolution_backward(dy_abs, x_work.abs(), shape_only, None, stride, padding, dilation,
+                                               False, output_padding, g, [False, True, False])[1]
+            observed = dw.reshape(g, m_out, c_in_g, *w.shape[2:]).sum(1, dtype=work)
+            p = dy.shape[0] * math.prod(dy.shape[2:])
+            self._judge_if(arithmetic, observed, expected, bound, p, m_out, f"{base} backward dW")
+
+    def _judge_if(self, arithmetic: Arithmetic | None, observed: torch.Tensor, expected: torch.Tensor,
+                  bound: torch.Tensor, p: int, m: int, site: str) -> None:
+        coefficient = arithmetic.coefficient(p + 2, m) if arithmetic is not None else math.inf
+        if arithmetic is None or not coefficient < math.inf:
+            self.unchecked += 1
+            return
+        self._judge(observed, expected, bound, coefficient, arithmetic.absolute(p, m), arithmetic, site)
+
+
+class _ProductMode(TorchDispatchMode):
+    """Runs every operator as it is; hands each matrix product and its result to the checks."""
+
+    def __init__(self, checks: ProductChecks) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in _MATMULS or packet in _CONVS:
+            self.checks.on_product(func, args, kwargs, out)
+        return out
+
+
+def _plain(*tensors: Any) -> bool:
+    """Plain (not subclass: not an FSDP2 DTensor, not a fake tensor) floating tensors with elements."""
+    return all(type(t) in _PLAIN and t.is_floating_point() and t.numel() > 0 for t in tensors)
+
+
+def _vecmat(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``v @ m`` for a row vector ``v`` (``[..., 1, p]``), as ``(mᵀ vᵀ)ᵀ`` when ``m`` is a transposed matrix:
+    a matrix-vector product on the matrix's own layout (the other form took 25x as long on the CPU)."""
+    if m.dim() == 2 and not m.is_contiguous() and m.mT.is_contiguous():
+        return (m.mT @ v.mT).mT
+    return v @ m
+
+
+def _row_sums(t: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over dim -2 of ``t`` and of ``|t|``, reading a broadcast (stride-0) dimension once."""
+    rows = t.shape[-2]
+    if t.stride(-2) == 0:
+        one = t.select(-2, 0).to(work)
+        return one * rows, one.abs() * rows
+    if t.stride(-1) == 0:
+        column = t.select(-1, 0)
+        total = column.sum(-1, dtype=work, keepdim=True).expand(*t.shape[:-2], t.shape[-1])
+        absolute = torch.linalg.vector_norm(column, 1, dim=-1, dtype=work, keepdim=True).expand_as(total)
+        return total, absolute
+    return t.sum(-2, dtype=work), torch.linalg.vector_norm(t, 1, dim=-2, dtype=work)
+
+
+def _conv_of(rank: int) -> Any:
+    """``F.conv1d/2d/3d`` for an input of ``rank`` dimensions (batch and channel included)."""
+    return {3: torch.nn.functional.conv1d, 4: torch.nn.functional.conv2d, 5: torch.nn.functional.conv3d}[rank]
+
+
+__all__ = ["COUNT", "FIRST", "KINDS", "Arithmetic", "ProductChecks", "gamma"]

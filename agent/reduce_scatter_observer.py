@@ -1,0 +1,96 @@
+"""The FSDP2 counterpart of the DDP communication hook: every FSDP group's reduce-scatter input, observed.
+
+Each FSDP module's reduce-scatter goes through :class:`ObservedReduceScatter`
+(set with ``set_custom_reduce_scatter``). Its input is that group's unsharded
+local gradients, laid out by FSDP (``chunk_cat``: S rows of padded shards),
+before any communication: a NaN there names the rank that made it, its norm is
+the magnitude trigger's statistic and part of a confirmation's claim, and on
+audit steps its fingerprint (one per FSDP group) is this rank's record.
+During a recomputation the reduce-scatter is answered locally with zeros, so
+nothing is sent. The DDP counterpart is agent.ddp_hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from agent import fingerprint as fp
+from agent.nonfinite import nonfinite_flag
+
+
+class GroupFindings:
+    """What the reduce-scatter inputs of one pass (the rank's own, or a recomputation) showed, per FSDP group
+    in backward order."""
+
+    def __init__(self, *, record: bool) -> None:
+        self.record = record
+        """Fingerprint each group's input (audit steps, and confirmations on them)."""
+        self.flags: list[torch.Tensor] = []
+        """Each group's non-finite flag (0-dim bool), when the non-finite check is on."""
+        self.rows: list[torch.Tensor] = []
+        """Each group's fingerprint lanes, when ``record``."""
+        self.norms: list[torch.Tensor] = []
+        """Each group's local-gradient norm (fp64), when the observer measures them (trigger, confirmation)."""
+        self.names: list[str] = []
+        """Each group's FSDP module name."""
+
+
+class ReduceScatterObserver:
+    """The observers of every FSDP group's reduce-scatter input, and what they saw in the current pass.
+
+    ``before_reduce`` observers get (group index in backward order, the
+    reduce-scatter input) before it is checked (fault injection);
+    ``after_reduce`` observers get (parameter index, this rank's reduced local
+    shard) after the backward, before it is checked.
+    """
+
+    def __init__(self) -> None:
+        self.before_reduce: list[Callable[[int, torch.Tensor], None]] = []
+        self.after_reduce: list[Callable[[int, torch.Tensor], None]] = []
+        self.check_nonfinite = True
+        self.measure_norms = False
+        self.communicate = True
+        """False during a recomputation: the reduce-scatter is answered locally with zeros."""
+        self.findings = GroupFindings(record=False)
+
+    def begin(self, *, record: bool) -> GroupFindings:
+        """Start a pass; returns the record of what it will see (per-group fingerprints if ``record``)."""
+        self.findings = GroupFindings(record=record)
+        return self.findings
+
+    def on_input(self, name: str, flat: torch.Tensor) -> None:
+        """One FSDP group's reduce-scatter input: observe, flag, measure, and (when recording) fingerprint it."""
+        found = self.findings
+        index = len(found.names)
+        for observer in self.before_reduce:
+            observer(index, flat)
+        found.names.append(name)
+        if self.check_nonfinite:
+            found.flags.append(nonfinite_flag(flat))
+        if self.measure_norms:
+            # The same op on the same bits gives the same norm on the rank that recomputes it (one thread,
+            # as the guard pins): a claim a confirmation compares bit for bit.
+            found.norms.append(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        if found.record:
+            found.rows.append(fp.fingerprint(flat))
+
+
+class ObservedReduceScatter(DefaultReduceScatter):
+    """FSDP's default reduce-scatter, with the unsharded local gradients shown to the observer first."""
+
+    def __init__(self, name: str, observer: ReduceScatterObserver) -> None:
+        self.name = name
+        self.observer = observer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        self.observer.on_input(self.name, input_tensor)
+        if not self.observer.communicate:
+            output_tensor.zero_()
+            return None
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)

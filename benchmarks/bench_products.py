@@ -1,0 +1,145 @@
+"""What the product checks cost: a plain training step against the same step with every product checked.
+
+One gloo rank, one intra-op thread (the CPU ratio needs no all-reduce: the
+checks add no collective of their own). Per model, three rows take turns,
+one step each, in an order rotated every round (benchmarks/interleave.py):
+
+- plain: forward, backward and AdamW's update, nothing else;
+- dispatch mode alone: the same inside a ``TorchDispatchMode`` that only
+  passes every operator through (what intercepting the products costs
+  before any checksum is computed);
+- product checks: the same inside ``ProductChecks.watching()``.
+
+The models: the agent bench's 24 M-parameter TinyGPT (``--dim 576
+--layers 6``, batch 8 x 64 tokens) and the GPT example (examples/gpt_model.py,
+its default sizes). Prints the table and each row's ratio to plain, the
+median and the lower quartile. ``./dev bench products [-- --rounds R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from agent.product_checks import ProductChecks
+from agent.train import SyntheticData, TinyGPT, init_process_group, shutdown
+from agent.train import loss_fn as tiny_loss
+from benchmarks.interleave import launch_timed, ratio_table, timed_rounds, write_timings
+
+ROWS = ("plain", "dispatch mode alone", "product checks")
+WHOLE_SET_ARGS = ["--rounds", "6", "--models", "gpt-example"]
+
+
+class _PassThrough(TorchDispatchMode):
+    """Every operator as it is: the cost of being in the dispatch path, no checks."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _gpt_example() -> ModuleType:
+    """examples/gpt_model.py (the examples are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpt_model.py"
+    spec = importlib.util.spec_from_file_location("sdcguard_example_gpt_model", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _model(name: str, dim: int, layers: int) -> tuple[torch.nn.Module, Callable[..., torch.Tensor],
+                                                       Callable[[int], Any]]:
+    """(model, loss_fn, batch of step) for ``name``, seeded."""
+    torch.manual_seed(0)
+    if name == "tinygpt-24m":
+        from agent.train import JobShape
+
+        shape = JobShape(vocab=256, dim=dim, layers=layers, seq=64, batch=8, heads=8)
+        data = SyntheticData(shape, torch.device("cpu"))
+        model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout)
+        return model, tiny_loss, lambda step: data(step, 0)
+    example = _gpt_example()
+    cfg = example.GPTConfig()
+    sampler = example.TokenSampler(cfg, micro_batch=8, accum=1, device=torch.device("cpu"))
+    return example.GPT(cfg), example.loss_fn, lambda step: sampler(step, 0)[0]
+
+
+def _rank_main(out: str, name: str, dim: int, layers: int, rounds: int, _spool: str) -> None:
+    init_process_group()
+    torch.set_num_threads(1)
+    runners: dict[str, Callable[[int], object]] = {}
+    for row in ROWS:
+        model, loss_fn, batch_of = _model(name, dim, layers)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        checks = ProductChecks(model) if row == "product checks" else None
+        runners[row] = _stepper(model, optimizer, loss_fn, batch_of, row, checks)
+    write_timings(out, timed_rounds(runners, rounds))
+    shutdown()
+
+
+def _stepper(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+             batch_of: Callable[[int], Any], row: str, checks: ProductChecks | None) -> Callable[[int], None]:
+    def step(n: int) -> None:
+        batch = batch_of(n)
+        optimizer.zero_grad(set_to_none=True)
+        if checks is not None:
+            checks.begin_step()
+            with checks.watching():
+                loss_fn(model, batch).backward()
+            # What the step's collective would carry (read here only to keep the benchmark honest about it).
+            checks.summary()
+        elif row == "dispatch mode alone":
+            with _PassThrough():
+                loss_fn(model, batch).backward()
+        else:
+            loss_fn(model, batch).backward()
+        optimizer.step()
+    return step
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark and print one table per model; 0, or 1 when the rank failed."""
+    parser = argparse.ArgumentParser(prog="bench products")
+    parser.add_argument("--rounds", type=int, default=12, help="steps per row (after one warm-up round)")
+    parser.add_argument("--models", default="tinygpt-24m,gpt-example", help="comma-separated: tinygpt-24m, gpt-example")
+    parser.add_argument("--dim", type=int, default=576, help="the TinyGPT's width (576: 24.3 M parameters)")
+    parser.add_argument("--layers", type=int, default=6)
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if unknown := set(models) - {"tinygpt-24m", "gpt-example"}:
+        parser.error(f"--models: unknown {sorted(unknown)}")
+    if args.rounds < 4:
+        parser.error("--rounds: at least 4 (quartiles need data)")
+    status = 0
+    for name in models:
+        measured = launch_timed(1, _rank_main, (name, args.dim, args.layers, args.rounds), name)
+        if measured is None:
+            status = 1
+            continue
+        model, _, _ = _model(name, args.dim, args.layers)
+        params = sum(p.numel() for p in model.parameters())
+        print(f"\n{name} ({params / 1e6:.2f} M parameters), 1 rank, 1 thread, {args.rounds} rounds of 1 step "
+              "(forward, backward, AdamW)")
+        stats = ratio_table(measured, ROWS, "plain", header="row", width=20)
+        for kind, what in (("wall", "wall time"), ("cpu", "CPU time (read this one on a busy machine)")):
+            median = {row: q.median for row, q in stats[kind].items()}
+            mode = median["dispatch mode alone"] / median["plain"] - 1
+            total = median["product checks"] / median["plain"] - 1
+            print(f"{what}: product checks +{100 * total:.1f} % of a plain step; the dispatch path alone "
+                  f"+{100 * mode:.1f} %, the checksums +{100 * (total - mode):.1f} %")
+        print("target: within 5 % on top of the guard's defaults")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

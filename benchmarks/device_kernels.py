@@ -1,0 +1,290 @@
+"""The fused Triton kernels on a GPU: their bits against torch's and the CPU's, and their speed against the
+device's own copy bandwidth (``./dev bench device`` calls ``run``; the GPU-kernels issue).
+
+Checks (each judged): for every dtype the agent fingerprints, sizes either side
+of a block and a chunk and a strided view, the Triton fingerprint equals the
+torch implementation's on the device and the CPU's (C kernel) bit for bit; the
+bucket passes give the CPU's sum of squares (``agent.grad_norm``), the same
+flag and, before the all-reduce, torch's CPU division bit for bit (a NaN only
+has to stay a NaN), for clean buckets and ones with a NaN or an infinity.
+
+Timings (CUDA events, medians): on bucket-sized (25 MB) and 256 MB tensors of
+fp32 and bf16, a device-to-device copy (read + write, the reference), then each
+kernel and the torch code it replaces, as GB/s of the bytes the work must move
+(a read for the fingerprint and the pass after the all-reduce; a read and a
+write for the pass before it) and as a fraction of the copy's GB/s. The
+target is at least 0.8x; nothing here asserts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from agent import fingerprint as fp
+from agent import grad_norm, native
+
+MEGABYTES = (25, 256)
+"""Tensor sizes timed: a DDP bucket (25 MB, DDP's default) and a large one."""
+TIMED_DTYPES = (torch.float32, torch.bfloat16)
+CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+                  torch.int8, torch.uint8, torch.bool)
+CHECKED_SIZES = (0, 1, 1023, 1025, 4095, 4097, 5 * 4096 + 1037, (1 << 20) + 13)
+TARGET = 0.8
+"""The kernels' target as a fraction of the copy bandwidth (a target, reported, not asserted)."""
+
+
+class Rows(Protocol):
+    """What ``run`` adds its findings to: ``benchmarks.bench_device.Table``'s ``add``."""
+
+    def add(self, name: str, problems: list[str] | None, detail: str = "") -> None: ...
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed kernel on one tensor."""
+
+    kernel: str
+    dtype: str
+    megabytes: int
+    ms: float
+    moved_bytes: int
+    """Bytes the work must move (reads plus writes)."""
+    copy_gbps: float
+    """The device's copy bandwidth on the same tensor (read + write bytes per second), GB/s."""
+
+    @property
+    def gbps(self) -> float:
+        return self.moved_bytes / (self.ms * 1e-3) / 1e9 if self.ms > 0 else math.inf
+
+    @property
+    def x_copy(self) -> float:
+        """This kernel's GB/s over the copy's: 1.0 is as fast as memory allows."""
+        return self.gbps / self.copy_gbps if self.copy_gbps > 0 else math.nan
+
+
+@dataclass
+class Report:
+    """Everything ``measure`` found: judged checks, timings, and whether any check failed."""
+
+    checks: list[tuple[str, list[str]]] = field(default_factory=list)
+    timings: list[Timing] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(problems for _, problems in self.checks)
+
+
+def differs(label: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """A problem line when ``got`` and ``want`` differ in shape, dtype or any bit (compared on the CPU; a NaN
+    only has to meet a NaN), else None."""
+    got, want = got.detach().cpu(), want.detach().cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{label}: {got.dtype} {list(got.shape)} vs {want.dtype} {list(want.shape)}"
+    if got.is_floating_point():
+        nan = torch.isnan(got)
+        if not torch.equal(nan, torch.isnan(want)):
+            return f"{label}: NaN in different places"
+        got, want = fp.bit_view(got)[~nan], fp.bit_view(want)[~nan]
+    if torch.equal(got, want):
+        return None
+    where = (got != want).reshape(-1).nonzero()
+    return f"{label}: {where.numel()} of {got.numel()} values differ (first at {int(where[0])})"
+
+
+def format_timings(timings: Sequence[Timing]) -> str:
+    """The timings as a fixed-width table, one line per kernel and tensor, the copy's GB/s alongside."""
+    lines = [f"{'kernel':<34} {'dtype':<9} {'MB':>5} {'ms':>8} {'GB/s':>8} {'copy GB/s':>9} {'x copy':>7}"]
+    for t in timings:
+        lines.append(f"{t.kernel:<34} {t.dtype:<9} {t.megabytes:>5} {t.ms:8.3f} {t.gbps:8.1f} "
+                     f"{t.copy_gbps:9.1f} {t.x_copy:7.2f}")
+    return "\n".join(lines)
+
+
+def _sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return torch.randint(max(info.min, -(2**62)), min(info.max, 2**62), (n,), generator=g, dtype=dtype)
+    finfo = torch.finfo(dtype)
+    limit = min(finfo.max, torch.finfo(torch.float32).max)  # finite in the dtype: only NaN/inf cases flag
+    t = (torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))).clamp(-limit, limit)
+    t = t.to(dtype)
+    for k, value in enumerate((-0.0, finfo.smallest_normal / 8, -finfo.max)):  # a negative zero, a subnormal
+        if k < n:
+            t[(k * 7919) % n] = value
+    return t
+
+
+def cpu_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """The CPU's fingerprint of ``t`` (copied to the CPU): the C kernel when it is in use, else torch's, whatever
+    ``SDCGUARD_FINGERPRINT_KERNEL`` sends elsewhere."""
+    t = t.cpu()
+    kernel = native.kernel()
+    return fp.fingerprint_native(t, kernel) if kernel is not None else fp.fingerprint_torch(t)
+
+
+def check_fingerprints(device: torch.device, sizes: Sequence[int] = CHECKED_SIZES) -> list[str]:
+    """Triton, torch (on ``device``) and the CPU's fingerprint of every checked dtype and size, a strided view
+    included: problem lines (empty: all equal)."""
+    from agent.kernels import triton_fingerprint as tf
+
+    problems = []
+    for dtype in CHECKED_DTYPES:
+        for n in sizes:
+            t = _sample(dtype, n, seed=n)
+            views = [t, t[::3]] if n > 3 else [t]
+            for view in views:
+                here = view.to(device)
+                cpu = cpu_fingerprint(view)
+                for name, lanes in (("triton", tf.fingerprint(here)), ("torch", fp.fingerprint_torch(here))):
+                    problem = differs(f"{dtype} n={view.numel()} {name} vs cpu", lanes, cpu)
+                    if problem:
+                        problems.append(problem)
+    rows = [_sample(torch.float32, n, seed=n).to(device) for n in (7, 5000, 1 << 16)]
+    problem = differs("fingerprint_many vs cpu", tf.fingerprint_many(rows),
+                      torch.stack([cpu_fingerprint(r) for r in rows]))
+    if problem:
+        problems.append(problem)
+    return problems
+
+
+def check_bucket_passes(device: torch.device, sizes: Sequence[int] = CHECKED_SIZES) -> list[str]:
+    """The bucket passes on ``device`` against the CPU's definitions (sum of squares, flag, torch's division,
+    fingerprint), clean and with a NaN or an infinity: problem lines (empty: all equal)."""
+    from agent.kernels import triton_fingerprint as tf
+
+    problems = []
+    for dtype in tf.BUCKET_DTYPES:
+        for n in (s for s in sizes if s):
+            clean = _sample(dtype, n, seed=n + 1)
+            cases = [("clean", clean)]
+            for bad in (math.nan, math.inf):
+                probe = clean.clone()
+                probe[n // 2] = bad
+                cases.append((f"{bad} at {n // 2}", probe))
+            for label, t in cases:
+                name = f"{dtype} n={n} {label}"
+                total = torch.tensor(grad_norm.sum_of_squares(t), dtype=torch.float64)
+                flag = torch.tensor(not math.isfinite(float(total)))
+                after = tf.reduced_pass(t.to(device))
+                buffer = t.to(device, copy=True)
+                before = tf.local_pass(buffer, 3)
+                assert after.fingerprint is not None
+                for problem in (differs(f"{name} sum of squares after", after.sum_of_squares, total),
+                                differs(f"{name} sum of squares before", before.sum_of_squares, total),
+                                differs(f"{name} flag after", after.nonfinite, flag),
+                                differs(f"{name} flag before", before.nonfinite, flag),
+                                differs(f"{name} fingerprint", after.fingerprint, cpu_fingerprint(t)),
+                                differs(f"{name} division by 3", buffer, t.clone().div_(3))):
+                    if problem:
+                        problems.append(problem)
+    return problems
+
+
+def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``fn`` on the current stream by CUDA events (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _cases(t: torch.Tensor, buffer: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[str, Callable[[], object], int]]:
+    """(kernel, call, bytes the work must move) for one tensor ``t``, its scratch ``buffer`` and ``t`` cut
+    into ``pieces``: each Triton kernel, then the torch code it replaces."""
+    from agent.kernels import triton_fingerprint as tf
+    from agent.nonfinite import nonfinite_flag
+
+    nbytes = t.numel() * t.element_size()
+
+    def torch_before() -> None:
+        nonfinite_flag(buffer)
+        grad_norm.bucket_norm(buffer)
+        buffer.div_(1)
+
+    def torch_after() -> None:
+        nonfinite_flag(t)
+        grad_norm.bucket_norm(t)
+        fp.fingerprint_torch(t)
+
+    return [
+        ("triton fingerprint", lambda: tf.fingerprint(t), nbytes),
+        ("torch fingerprint", lambda: fp.fingerprint_torch(t), nbytes),
+        ("triton before all-reduce (divides)", lambda: tf.local_pass(buffer, 1), 2 * nbytes),
+        ("torch before all-reduce (divides)", torch_before, 2 * nbytes),
+        ("triton after all-reduce", lambda: tf.reduced_pass(t), nbytes),
+        ("torch after all-reduce", torch_after, nbytes),
+        (f"triton many ({len(pieces)} tensors)", lambda: tf.fingerprint_many(pieces), nbytes),
+        (f"torch many ({len(pieces)} tensors)", lambda: fp.fingerprint_many(pieces), nbytes),
+    ]
+
+
+def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[int] = MEGABYTES) -> list[Timing]:
+    """The copy, each kernel and the torch code it replaces, on ``megabytes``-sized fp32 and bf16 tensors
+    (CUDA only: timed by CUDA events)."""
+    timings: list[Timing] = []
+    for dtype in TIMED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for mb in megabytes:
+            size = torch.empty((), dtype=dtype).element_size()
+            n = mb * 10**6 // size
+            t = torch.randn(n, device=device).to(dtype)
+            buffer = t.clone()
+            nbytes = n * size
+            copy_ms = _cuda_ms(functools.partial(buffer.copy_, t), repeats)
+            copy_gbps = 2 * nbytes / (copy_ms * 1e-3) / 1e9
+            timings.append(Timing("copy (read + write: the reference)", name, mb, copy_ms, 2 * nbytes, copy_gbps))
+            # Weights and optimizer state: many tensors of one dtype.
+            for kernel, fn, moved in _cases(t, buffer, list(t.split(-(-n // 64)))):
+                timings.append(Timing(kernel, name, mb, _cuda_ms(fn, repeats), moved, copy_gbps))
+            del t, buffer
+    return timings
+
+
+def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHECKED_SIZES) -> Report:
+    """The checks (tensors of ``sizes`` elements), then on a GPU the timings, on ``device``. Without Triton,
+    or off a GPU without Triton's interpreter, a single failed check saying why (nothing runs in its place)."""
+    from agent.kernels import triton_fingerprint as tf
+
+    report = Report()
+    reason = tf.unavailable_reason(device)
+    if reason is not None:
+        report.checks.append(("the Triton kernels can run", [reason]))
+        return report
+    report.checks.append(("triton, torch and cpu fingerprints equal bit for bit", check_fingerprints(device, sizes)))
+    report.checks.append(("triton bucket passes have the cpu's bits", check_bucket_passes(device, sizes)))
+    if device.type == "cuda":
+        report.timings = time_kernels(device, repeats)
+    return report
+
+
+def run(table: Rows, device: torch.device, repeats: int = 10) -> bool:
+    """``./dev bench device``'s part for these kernels: adds the checks to ``table`` (a row each; on a CUDA
+    device without Triton a failed row saying why), prints the timing table, returns whether a check failed.
+    Off a GPU (the CPU smoke run) one INFO row: the unit tests check these kernels in Triton's interpreter."""
+    if device.type != "cuda":
+        table.add("GPU kernels (Triton)", None,
+                  "not run: GPU only (tests/unit/test_fingerprint_triton.py checks them in Triton's interpreter)")
+        return False
+    report = measure(device, repeats)
+    for name, problems in report.checks:
+        table.add(name, problems)
+    if report.timings:
+        print(f"GPU kernels against the copy bandwidth (target {TARGET}x, not asserted):")
+        print(format_timings(report.timings))
+    return report.failed

@@ -1,0 +1,88 @@
+"""``sdcguard replay CAPSULE``: recompute a replay capsule on this device and compare the bits.
+
+The adapter of :func:`agent.capsule_replay.replay`: it imports torch only when it
+runs, prints progress on stderr and the result on stdout (with ``--json``,
+one object on the last line: what the pipeline's Kubernetes Job reads from
+the pod's log), and exits 0 when every repetition matched the healthy bits,
+1 when any did not, 2 when the capsule cannot be used here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DESCRIPTION = """\
+Recompute the step a replay capsule holds (the weights it started from, the suspect's
+micro-batches, the settings that make it bit-exact) on this machine's device, N times, and
+compare each repetition's loss bits and every parameter's gradient fingerprint with the
+healthy recomputation's bits that the capsule records.
+
+The capsule is verified first (every object's sha256 and the manifest's own digest): a
+corrupt capsule is never replayed. It is refused, too, on another kind of device or GPU
+model, where the software signature differs (versions, determinism settings), and when its
+factory does not import here.
+
+Exit status: 0 every repetition matched (this device computes the step correctly); 1 one or
+more did not (the fault reproduced here: 'reproduced k/N'); 2 the capsule cannot be used
+here (the reason is printed)."""
+
+EPILOG = """\
+On the suspect node, 'reproduced N/N: persistent' is the fault again, on demand;
+'reproduced 0/N' is a transient fault, or a healthy suspect. A replacement qualifies only
+with 0/N (exit 0). With --json the last line of stdout is one JSON object (schema_version,
+capsule, step, rank, node, host, device, repeats, matched, reproduced, outcome, exit_code,
+verdict, problem, reasons, expected_loss, repetitions); progress goes to stderr (--quiet
+silences it)."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add CAPSULE, ``--repeat``, ``--json`` and ``--quiet``."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("capsule", metavar="CAPSULE",
+                        help="the capsule's folder: s3://bucket/prefix/capsules/step-S-rank-R, a local folder, "
+                             "or its CAPSULE.json")
+    parser.add_argument("--repeat", type=_positive, default=5, metavar="N",
+                        help="recompute it N times (default: 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the last line of stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--repeat: {text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--repeat: must be >= 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the capsule; print the report; return its exit status (0 match, 1 mismatch, 2 unusable)."""
+    from agent.capsule_replay import replay
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    report = replay(args.capsule, repeats=args.repeat, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_dict(), separators=(",", ":")), flush=True)
+        return report.exit_code
+    if report.problem is not None:
+        print(f"capsule {report.capsule} cannot be used here ({report.problem}):")
+        for reason in report.reasons:
+            print(f"  {reason}")
+    else:
+        print(f"capsule {report.capsule}: step {report.step}, rank {report.rank}, on {report.device}")
+        for r in report.repetitions:
+            print(f"  repetition {r.index}: {'match' if r.match else 'MISMATCH'}"
+                  + ("" if r.loss_match else f", loss {r.loss} (expected {report.expected_loss})")
+                  + (f", {len(r.mismatched_params)} gradient(s) differ: {', '.join(r.mismatched_params[:10])}"
+                     if r.mismatched_params else ""))
+    print(report.verdict)
+    return report.exit_code
