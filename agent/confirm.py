@@ -68,6 +68,8 @@ CLAIM_NORMS = BATCH_LANES + 2
 
 # Why a rank's micro-batch is confirmed.
 NONFINITE, AUDIT, MAGNITUDE = "nonfinite", "audit", "magnitude"
+PRODUCT = "product"
+"""A matrix product of the rank's own pass failed its checksums (agent.product_checks)."""
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,13 @@ and reduced gradients, the loss flag, the reduced-gradient fingerprint lanes),
 the magnitude trigger's flag and whether this rank's audit pair disagreed.
 
 - :func:`agreement_vector` packs what the step's one all-reduce (MAX) needs:
-  the five flags, then one slot of reduced lanes per vote group (this rank's
+  the six flags, then one slot of reduced lanes per vote group (this rank's
   lanes in its own group's slot, the lowest int64 elsewhere), then their
   complements (a MAX of ~x is the complement of the MIN, with no overflow);
   :func:`agreed` reads the reduced vector: no flag anywhere, and within every
   group the highest lanes equal the lowest.
 - :func:`pack_row` packs the row every rank contributes when something
-  disagreed: the summary, the two flags, then the rank's claim
+  disagreed: the summary, the two flags, the product checks' summary, then the rank's claim
   (agent.confirm's layout); :meth:`GatheredFindings.unpack` reads the
   gathered ``[world, width]`` rows.
 """
@@ -29,13 +29,15 @@ from agent import fingerprint as fp
 from agent.nonfinite import LOCAL_ANY, LOSS_NONFINITE, REDUCED_ANY, REDUCED_FP, SUMMARY_WIDTH
 
 # The agreement vector: these flags, then the lanes of every vote group, then their complements.
-FLAG_NAMES = ("local", "reduced", "loss", "trigger", "audit")
+FLAG_NAMES = ("local", "reduced", "loss", "trigger", "audit", "product")
 FLAG_COUNT = len(FLAG_NAMES)
 
-# A gathered row: the summary, then these, then the claim.
+# A gathered row: the summary, then these, then the product checks' summary (first failing site, count), then
+# the claim.
 ROW_TRIGGER = SUMMARY_WIDTH
 ROW_AUDIT_BAD = SUMMARY_WIDTH + 1
-ROW_CLAIM = SUMMARY_WIDTH + 2
+ROW_PRODUCTS = slice(SUMMARY_WIDTH + 2, SUMMARY_WIDTH + 4)
+ROW_CLAIM = SUMMARY_WIDTH + 4
 
 _LOWEST = torch.iinfo(torch.int64).min
 
@@ -56,6 +58,9 @@ class StepFindings:
     """Audit steps: 0-dim bool, the record this rank's auditor sent differs from its own."""
     trigger: torch.Tensor | None = None
     """0-dim bool, the magnitude trigger fired (None when the trigger is off)."""
+    products: torch.Tensor | None = None
+    """int64 ``[2]``: agent.product_checks' summary (first failing site or -1, how many failed); None when the
+    product checks are off."""
 
 
 def _flag(value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,23 @@ def agreement_vector(found: StepFindings, *, nonfinite: bool, reduced: bool, slo
         lowest = torch.full((slots, fp.LANES), _LOWEST, dtype=torch.int64, device=s.device)
         here = (torch.arange(slots, device=s.device) == slot).unsqueeze(1)
         lanes = torch.where(here, mine.unsqueeze(0), lowest).reshape(-1)
-    return torch.cat([flags, _flag(found.trigger, s), _flag(found.audit_bad, s), lanes, torch.bitwise_not(lanes)])
+    return torch.cat([flags, _flag(found.trigger, s), _flag(found.audit_bad, s), _flag(_product_hit(found), s),
+                      lanes, torch.bitwise_not(lanes)])
+
+
+def _product_hit(found: StepFindings) -> torch.Tensor | None:
+    # A view and a clamp (the count is >= 0): 1 where some product failed, with no scalar from the host.
+    return found.products.narrow(0, 1, 1).clamp(max=1) if found.products is not None else None
+
+
+def _products(found: StepFindings) -> torch.Tensor:
+    """The product checks' summary, or "none failed" ([-1, 0]) when they are off."""
+    if found.products is not None:
+        return found.products.to(torch.int64).reshape(2)
+    # Filled on the device: no copy from the host.
+    device = found.summary.device
+    return torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device),
+                      torch.zeros(1, dtype=torch.int64, device=device)])
 
 
 def agreed(vector: Sequence[int]) -> bool:
@@ -101,9 +122,10 @@ def float_of_bits(bits: int) -> float:
 
 
 def pack_row(found: StepFindings, claim: torch.Tensor) -> torch.Tensor:
-    """This rank's row for the gather on disagreement: summary, trigger flag, audit flag, claim (on its device)."""
+    """This rank's row for the gather on disagreement: summary, trigger flag, audit flag, the product checks'
+    summary, claim (on its device)."""
     s = found.summary
-    return torch.cat([s, _flag(found.trigger, s), _flag(found.audit_bad, s), claim.to(s.device)])
+    return torch.cat([s, _flag(found.trigger, s), _flag(found.audit_bad, s), _products(found), claim.to(s.device)])
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,13 @@ class GatheredFindings:
     """Some audit pair disagreed."""
     claims: torch.Tensor
     """``[world, claim width]``: every rank's claim about its own pass."""
+    products: torch.Tensor
+    """``[world, 2]``: every rank's product-check summary (first failing site or -1, how many failed)."""
+
+    @property
+    def product_ranks(self) -> list[int]:
+        """Ranks whose product checks fired."""
+        return torch.nonzero(self.products[:, 1] > 0).reshape(-1).tolist()
 
     @property
     def reduced_nonfinite(self) -> bool:
@@ -135,4 +164,5 @@ class GatheredFindings:
         rows = rows.cpu()
         return cls(summaries=rows[:, :SUMMARY_WIDTH],
                    triggered=torch.nonzero(rows[:, ROW_TRIGGER]).reshape(-1).tolist(),
-                   audit_failed=bool(rows[:, ROW_AUDIT_BAD].any()), claims=rows[:, ROW_CLAIM:])
+                   audit_failed=bool(rows[:, ROW_AUDIT_BAD].any()), claims=rows[:, ROW_CLAIM:],
+                   products=rows[:, ROW_PRODUCTS])

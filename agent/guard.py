@@ -16,11 +16,14 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
    observer (DDP's communication hook, FSDP2's reduce-scatter) checks the
    local and reduced gradients (detector 1), takes the local-gradient norms,
    fingerprints the reduced gradients and, on audit steps, records digests of
-   the local gradients.
+   the local gradients. With ``product_checks`` on, every matrix product of
+   this pass (and of no recomputation) is checked by checksums
+   (agent.product_checks); its flag joins the step's all-reduce.
 3. On audit steps, recompute the audited rank's whole step, all K
    micro-batches (detector 2), and send the record to its owner, who compares.
 4. The magnitude trigger compares this rank's loss and gradient norm with its
-   own history.
+   own history (restored from the checkpoint on a resume); during a fresh
+   job's warm-up, also with the other ranks' (an all-gather on those steps).
 5. One small all-reduce (agent.findings: flags, and the min and max of each
    vote group's reduced-gradient fingerprint) tells every rank whether all
    agree: O(1) in the world size; its result, the loss, the gradient norm and
@@ -74,13 +77,22 @@ from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
 from agent.inject import from_env as injection_from_env
 from agent.nonfinite import NonFiniteVerdict, judge_nonfinite
 from agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
+from agent.product_checks import ProductChecks
 from agent.publisher import Publisher, PublishOutcome
 from agent.ring_audit import AuditVerdict, loss_bits
 from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
-from agent.trigger import MagnitudeTrigger
+from agent.trigger import MagnitudeTrigger, cross_rank_outliers
 from agent.weights import vote_in_groups
-from contract import Alarm, Detector, LastClean, NonFiniteEvidence, RingPair
+from contract import (
+    Alarm,
+    Detector,
+    LastClean,
+    NonFiniteEvidence,
+    ProductCheckEvidence,
+    ProductSite,
+    RingPair,
+)
 from contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
@@ -89,7 +101,12 @@ __all__ = ["LOOP_STATE", "BatchFor", "DataFaultLimit", "GuardAlarm", "LossFn", "
            "StepResult"]
 
 LOOP_STATE = "sdcguard_loop"
-"""The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state."""
+"""The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state
+and every rank's magnitude-trigger history."""
+
+
+_RECOMPUTED = (Detector.RING_AUDIT, Detector.NONFINITE_GRAD, Detector.MAGNITUDE_TRIGGER, Detector.PRODUCT_CHECK)
+"""The detectors whose localised alarms rest on a recomputation on another node (they get a replay capsule)."""
 
 
 class GuardAlarm(RuntimeError):
@@ -253,6 +270,10 @@ class SDCGuard:
         optimizer.register_step_post_hook(self._on_optimizer_step)
         self.trigger = (MagnitudeTrigger(cfg.trigger_ratio, cfg.trigger_window, cfg.trigger_warmup, self.device)
                         if cfg.trigger_ratio > 0 else None)
+        # Built after the settling pass (which it must not watch), around the bare module (under FSDP2 the
+        # fully_shard model itself): forward hooks that name the sites, nothing else.
+        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.products = ProductChecks(bare, device=self.device) if cfg.product_checks else None
         if isinstance(injection, str):
             injection = injection_from_env()
         self.injector = Injector(injection, self.topology.rank, self.topology.node)
@@ -342,11 +363,11 @@ class SDCGuard:
             if alarm is not None:
                 return self._handle(alarm, result)
         result.audited = self.audit_enabled and step % cfg.audit_every == 0
-        found = self.parallel.forward_backward(step, audited=result.audited)
+        found = self._own_pass(step, audited=result.audited)
         if result.audited:
             self._audit(step, found)
         if self.trigger is not None:
-            found.trigger = self.trigger.fires(found.loss, self._unscaled(self.parallel.local_norm(found)))
+            found.trigger = self._trigger_fires(found)
         if self._agree(found, result):
             return self._update(step, result)
         alarm = self._resolve(step, found, result)
@@ -360,6 +381,36 @@ class SDCGuard:
             self._apply_update(overflow=True)
             return result
         return self._update(step, result)
+
+    def _own_pass(self, step: int, *, audited: bool) -> StepFindings:
+        """The rank's own forward and backward, with every matrix product checked when product checks are on.
+
+        Only the own pass is watched: recomputations (audit, confirmation, replay) and the update run
+        outside, so a flag is always this rank's own product's."""
+        if self.products is None:
+            return self.parallel.forward_backward(step, audited=audited)
+        self.products.begin_step()
+        with self.products.watching():
+            found = self.parallel.forward_backward(step, audited=audited)
+        found.products = self.products.summary()
+        return found
+
+    def _trigger_fires(self, found: StepFindings) -> torch.Tensor:
+        """The magnitude trigger's flag (0-dim bool on the device). While it has too little history of its
+        own (a fresh job's first ``trigger_warmup`` steps, or a resume from a checkpoint without its state),
+        also the cross-rank test: a loss or local-gradient norm orders of magnitude away from the other ranks'
+        (an all-gather of two numbers per rank on those steps only; nothing is read back)."""
+        assert self.trigger is not None
+        norm = self._unscaled(self.parallel.local_norm(found))
+        fired = self.trigger.fires(found.loss, norm)
+        world = self.topology.world_size
+        if not self.trigger.warming_up or world < 2:
+            return fired
+        mine = torch.stack([found.loss.detach().reshape(()).to(torch.float64),
+                            norm.detach().reshape(()).to(torch.float64)])
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine, group=self.group)
+        return fired | cross_rank_outliers(torch.stack(rows))[self.topology.rank]
 
     def _audit(self, step: int, found: StepFindings) -> None:
         """Detector 2: recompute the audited rank's step, send the record to its owner, compare ours."""
@@ -417,7 +468,10 @@ class SDCGuard:
             self.last_clean[Detector.REDUCED_GRAD.value] = step
         if result.audited:
             self.last_clean[Detector.RING_AUDIT.value] = step
+        if self.products is not None:
+            self.last_clean[Detector.PRODUCT_CHECK.value] = step
         if self.trigger is not None:
+            self.last_clean[Detector.MAGNITUDE_TRIGGER.value] = step
             self.trigger.observe()
         result.updated = self._apply_update(overflow=False, result=result)
         if result.updated and self.scheduler is not None:
@@ -496,12 +550,23 @@ class SDCGuard:
                 owners.setdefault(r, []).append(confirm.NONFINITE)
         for r in rows.triggered:
             owners.setdefault(r, []).append(confirm.MAGNITUDE)
+        products = self._product_sites(rows)
+        for site in products:
+            owners.setdefault(site.rank, []).append(confirm.PRODUCT)
         audit = None
         if found.own_record is not None and rows.audit_failed:
             audit = self._judge_audit(found)
             for pair in audit.mismatched:
                 owners.setdefault(pair.audited, []).append(confirm.AUDIT)
-        return self._confirm_and_decide(step, result, rows.claims, owners, nonfinite, audit)
+        return self._confirm_and_decide(step, result, rows.claims, owners, nonfinite, audit, products)
+
+    def _product_sites(self, rows: GatheredFindings) -> list[ProductSite]:
+        """The first failing product of each rank whose product checks fired (named from this rank's sites:
+        every rank runs the same model, so the same sites in the same order)."""
+        if self.products is None:
+            return []
+        return [ProductSite(rank=rank, site=site[:256])
+                for rank, site in self.products.findings(rows.products)][:4096]
 
     def _scaler_overflow(self, step: int, result: StepResult, nonfinite: NonFiniteVerdict) -> Alarm | None:
         """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
@@ -555,7 +620,7 @@ class SDCGuard:
 
     def _confirm_and_decide(self, step: int, result: StepResult, claims: torch.Tensor,
                             owners: dict[int, list[str]], nonfinite: NonFiniteVerdict | None,
-                            audit: AuditVerdict | None) -> Alarm | None:
+                            audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
         """Confirm before blame (the same on every rank): recompute each owner's micro-batch on other nodes and
         decide, or without a confirmation (``confirm`` off, or no other node) take the detectors' own verdicts.
 
@@ -566,12 +631,12 @@ class SDCGuard:
             return None
         result.confirmed = sorted(owners)
         if not (self.config.confirm and self.ring.possible):
-            return self._unconfirmed(step, nonfinite, audit)
+            return self._unconfirmed(step, nonfinite, audit, products or [])
         confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=result.audited)
-        return self._decide(step, result, confirmation, nonfinite, audit)
+        return self._decide(step, result, confirmation, nonfinite, audit, products or [])
 
     def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: NonFiniteVerdict | None,
-                audit: AuditVerdict | None) -> Alarm | None:
+                audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
         """What the confirmations say: an alarm (the suspects' hardware, or a failed audit's auditors'), or None
         with ``result.data_fault`` set (the NaN/Inf reproduced), or None alone (a jump the recomputations
         reproduced). Raises DataFaultLimit past ``max_data_faults``."""
@@ -603,16 +668,26 @@ class SDCGuard:
                            f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
                 return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
                                    persistence)
+            mismatched = sorted(o.owner for o in verdict.mismatched)
+            sites = [s for s in products or [] if s.rank in mismatched]
+            if confirm.PRODUCT in reasons and sites:
+                named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
+                message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
+                           f"disagree with rank(s) {mismatched}; suspects {suspects} ({where})")
+                return self._alarm(step, Detector.PRODUCT_CHECK, suspects, localized,
+                                   ProductCheckEvidence(sites=sites, confirmation=pairs), message, persistence)
             disagreed = [p for p in pairs if p.audited in {o.owner for o in verdict.mismatched}
                          and not self._pair_agrees(p, verdict)]
             audit_pairs = self._ring_pairs(audit) if audit is not None and not audit.clean else []
             trigger = "audit" if confirm.AUDIT in reasons else "magnitude"
+            # Asked by the magnitude trigger (no audit step): its own detector, ring_audit's evidence layout.
+            detector = Detector.RING_AUDIT if trigger == "audit" else Detector.MAGNITUDE_TRIGGER
             evidence = ring_evidence(audit_pairs or disagreed or pairs).model_copy(
-                update={"trigger": trigger, "confirmation": pairs})
+                update={"kind": detector.value, "trigger": trigger, "confirmation": pairs})
             what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
-            message = (f"rank(s) {sorted(o.owner for o in verdict.mismatched)} {what} and other nodes' "
+            message = (f"rank(s) {mismatched} {what} and other nodes' "
                        f"recomputations disagree; suspects {suspects} ({where})")
-            return self._alarm(step, Detector.RING_AUDIT, suspects, localized, evidence, message, persistence)
+            return self._alarm(step, detector, suspects, localized, evidence, message, persistence)
         if audit is not None and not audit.clean:
             # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
             auditors = sorted({p.auditor for p in audit.mismatched})
@@ -623,7 +698,11 @@ class SDCGuard:
         data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
         if data_owners:
             return self._data_fault(step, result, data_owners)
-        log.info("step %d: the magnitude trigger of rank(s) %s fired; the recomputations reproduced it", step,
+        if products:
+            log.warning("step %d: product checks fired (%s); the recomputations on other nodes reproduced the "
+                        "micro-batch's loss and gradients, so the fault did not reach them: the update goes ahead",
+                        step, ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8]))
+        log.info("step %d: the check(s) of rank(s) %s fired; the recomputations reproduced it", step,
                  [o.owner for o in verdict.outcomes])
         return None
 
@@ -680,8 +759,10 @@ class SDCGuard:
             raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
         return None
 
-    def _unconfirmed(self, step: int, nonfinite: NonFiniteVerdict | None, audit: AuditVerdict | None) -> Alarm | None:
-        """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts."""
+    def _unconfirmed(self, step: int, nonfinite: NonFiniteVerdict | None, audit: AuditVerdict | None,
+                     products: list[ProductSite] | None = None) -> Alarm | None:
+        """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts (the product
+        checks' bound is rigorous, so their mismatch alone is an alarm, localised to the rank that made it)."""
         if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
             # The ranks whose own pass went non-finite: their local gradients, or only their loss.
             named = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
@@ -692,6 +773,11 @@ class SDCGuard:
             where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
             return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
                                ring_evidence(self._ring_pairs(audit)), f"rank(s) {audit.suspects} {where}")
+        if products:
+            ranks = sorted({s.rank for s in products})
+            sites = ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8])
+            return self._alarm(step, Detector.PRODUCT_CHECK, ranks, True, ProductCheckEvidence(sites=products),
+                               f"a matrix product failed its checksums ({sites}); no other node recomputed it")
         return None  # the magnitude trigger alone never raises an alarm
 
     # -- detector 3 -----------------------------------------------------------------------------------
@@ -748,8 +834,9 @@ class SDCGuard:
         Every rank calls it at the same ``step`` (the state after the updates
         of steps ``0 .. step-1``); ``extra`` (the job's own state: a data
         loader's position, counters) comes back as :attr:`resumed_extra` after
-        :meth:`resume_step`. The LR scheduler's and the GradScaler's state
-        go with the model and the optimizer (under ``extra[LOOP_STATE]``). The
+        :meth:`resume_step`. The LR scheduler's and the GradScaler's state, and
+        every rank's magnitude-trigger history (gathered: a collective), go
+        with the model and the optimizer (under ``extra[LOOP_STATE]``). The
         weight fingerprint all replicas agreed on goes into the manifest. If they disagree, nothing is saved: the
         alarm is published and the policy applies (None is returned under
         "continue"). A save that fails to store (an S3 outage) is tried
@@ -796,7 +883,8 @@ class SDCGuard:
         The job's own ``extra`` dict, as given to :meth:`save_checkpoint`, is
         then :attr:`resumed_extra` (``{}`` when nothing was loaded), and the
         loaded checkpoint itself :attr:`resumed` (its ``data_position``, its
-        manifest). The LR scheduler's and the GradScaler's state come back with
+        manifest). The trigger's history comes back to each rank, so it watches
+        from the first resumed step. The LR scheduler's and the GradScaler's state come back with
         the model and the optimizer (a warning when the checkpoint holds none),
         so the resumed run is the one that stopped, learning rate included. The
         last clean audit and fingerprint steps come back from the manifest, so
@@ -826,13 +914,28 @@ class SDCGuard:
         return {k: v for k, v in self.resumed.extra.items() if k != LOOP_STATE}
 
     def _loop_state(self) -> dict[str, Any]:
-        """The schedule's and the GradScaler's state, for the checkpoint (under the extra key LOOP_STATE)."""
+        """The schedule's and the GradScaler's state and every rank's trigger state, for the checkpoint (under the
+        extra key LOOP_STATE; a collective when the trigger is on)."""
         state: dict[str, Any] = {}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self.trigger is not None:
+            state["trigger"] = self._trigger_states()
         return {LOOP_STATE: state} if state else {}
+
+    def _trigger_states(self) -> list[dict[str, Any]]:
+        """Every rank's magnitude-trigger state, indexed by rank (a collective: rank 0 alone writes the
+        checkpoint's extra, and each rank's history is its own loss and gradient norm)."""
+        assert self.trigger is not None
+        history = self.trigger.history.detach().to(torch.float64)
+        mine = torch.cat([history.reshape(-1), torch.tensor([float(self.trigger.seen)], dtype=torch.float64,
+                                                              device=history.device)])
+        rows = self._all_gather(mine)
+        window = history.shape[0]
+        return [{"history": row[:-1].reshape(window, 2).clone(), "seen": int(row[-1]), "window": window,
+                 "warmup": self.trigger.warmup} for row in rows]
 
     def _restore_loop_state(self, loaded: LoadedCheckpoint) -> None:
         """Put the schedule and the GradScaler back where the checkpoint left them (a warning when it lacks one)."""
@@ -845,6 +948,20 @@ class SDCGuard:
             else:
                 log.warning("%s holds no %s state: the %s starts afresh, so this run will not be the one that "
                             "saved it", loaded.uri, name, name)
+        if self.trigger is not None:
+            self._restore_trigger(loaded, state.get("trigger"))
+
+    def _restore_trigger(self, loaded: LoadedCheckpoint, states: Any) -> None:
+        """Give this rank's trigger its saved history, so the resumed job watches from its first step. Saved by
+        a world of another size: the history of rank ``rank mod saved world`` (the ranks train the same model
+        on like data, so their losses and norms are of one magnitude). None saved (an older checkpoint): a
+        warning, and the trigger warms up again with the cross-rank test."""
+        assert self.trigger is not None
+        if not isinstance(states, list) or not states:
+            log.warning("%s holds no magnitude-trigger state: the trigger warms up again (the cross-rank test "
+                        "watches meanwhile)", loaded.uri)
+            return
+        self.trigger.load_state_dict(states[self.topology.rank % len(states)])
 
     # -- alarms ---------------------------------------------------------------------------------------
 
@@ -866,8 +983,15 @@ class SDCGuard:
         )
 
     def _handle(self, alarm: Alarm, result: StepResult) -> StepResult:
-        """Skip the update, publish from one rank, wait for it, then apply the policy."""
+        """Skip the update, publish from one rank (after writing a replay capsule where one applies: its
+        location goes into the message), wait for it, then apply the policy."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.topology.rank == alarm.publisher_rank:
+            note = self._capsule_note(alarm)
+            if note:
+                # The alarm's message is capped (1024 characters): the capsule's sentence is kept whole.
+                head = alarm.message[:max(0, 1022 - len(note))]
+                alarm = alarm.model_copy(update={"message": f"{head}; {note}" if head else note[:1024]})
         result.alarm = alarm
         result.updated = False
         self.alarms.append(alarm)
@@ -886,6 +1010,67 @@ class SDCGuard:
             sys.stderr.flush()
             raise SystemExit(ALARM_EXIT_CODE)
         return result
+
+    def _capsule_note(self, alarm: Alarm) -> str:
+        """On the publishing rank, before publishing: write a replay capsule (agent.capsule) of each localised
+        suspect whose own step a recomputation on another node disagreed with; the sentence for the alarm's
+        message ("" when none applies). Runs no collective and never raises: a capsule that fails to be
+        written is logged and said in the message, never a reason not to publish.
+
+        Only under DDP, where the alarm skipped the update, so the module's weights are still the ones the
+        failing step started from; the healthy result is this (non-suspect) rank's recomputation of the
+        suspect's step."""
+        cfg = self.config
+        evidence = alarm.evidence
+        pairs = [*getattr(evidence, "pairs", []), *getattr(evidence, "confirmation", [])]
+        if not (alarm.localized and alarm.detector in _RECOMPUTED and pairs):
+            return ""  # not a recomputation-based, localised alarm
+        disagreed = {p.audited for p in pairs if not p.loss_match or p.mismatched_params}
+        rank_of = {ident.global_rank: r for r, ident in enumerate(self.identities)}
+        nodes = {rank_of.get(s.global_rank, s.global_rank): s.node for s in alarm.suspects}
+        suspects = [r for r in sorted(nodes) if r in disagreed and r != self.topology.rank]
+        if not suspects:
+            return ""  # e.g. an auditor blamed for its recomputation of another rank's step
+        if not cfg.capsule_factory:
+            # Said once per guard in the log, not in every alarm (the flags live here, beside their only use).
+            if not getattr(self, "_capsule_unset_logged", False):
+                self._capsule_unset_logged = True
+                log.warning("no replay capsule for localised alarms: capsule_factory (SDCGUARD_CAPSULE_FACTORY) "
+                            "is unset; see docs/replay.md")
+            return ""
+        parallel = self.parallel
+        if not isinstance(parallel, DataParallel):
+            if not getattr(self, "_capsule_sharded_logged", False):
+                self._capsule_sharded_logged = True
+                log.warning("no replay capsule: sharded training (FSDP2, HSDP) is not supported yet "
+                            "(docs/replay.md)")
+            return "no replay capsule: not supported under sharded training yet"
+        from agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
+        from agent.determinism import environment_signature
+
+        notes = []
+        for suspect in suspects:
+            try:
+                batches = parallel.job.micro_batches(alarm.step, suspect)
+                healthy = parallel._recompute(alarm.step, suspect, batches)
+                module = parallel.model.module
+                written = write_capsule(
+                    cfg.checkpoint_prefix, module=module, batches=batches,
+                    settings=ReplaySettings.capture(
+                        module, seed=cfg.seed, step=alarm.step, rank=suspect, autocast_dtype=cfg.autocast_dtype,
+                        grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None)),
+                    expected=Expected.from_recomputation(healthy), signature=environment_signature(self.device),
+                    factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes,
+                    origin={"alarm_id": alarm.alarm_id, "detector": alarm.detector.value,
+                            "suspect_rank": str(suspect), "node": nodes[suspect],
+                            "written_by_rank": str(self.topology.rank)})
+                note = written.describe()
+            except Exception as exc:  # the alarm is published whatever became of its capsule
+                log.exception("step %d: the replay capsule of rank %d was not written", alarm.step, suspect)
+                note = f"no replay capsule: writing it failed ({type(exc).__name__}: {exc})"
+            (log.warning if note.startswith("no ") else log.info)("step %d, rank %d: %s", alarm.step, suspect, note)
+            notes.append(f"rank {suspect}: {note}" if len(suspects) > 1 else note)
+        return "; ".join(notes) + "."
 
     # -- collectives ----------------------------------------------------------------------------------
 

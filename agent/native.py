@@ -56,6 +56,10 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,54 @@ SQ_CHUNK = 4096
 
 class NativeKernelError(RuntimeError):
     """The C kernel could not be built, loaded or trusted (the message says which and why)."""
+
+
+# -- whether the Triton kernels can run (here, not in agent.kernels, which imports this module) --------------
+
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+class TritonKernelError(NativeKernelError):
+    """The Triton kernels cannot run here (the message says why and what to change)."""
+
+
+def triton_interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter."""
+    return os.environ.get(TRITON_INTERPRET_ENV, "").strip() not in ("", "0")
+
+
+def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` (None: on this machine's GPU), or None when they can.
+
+    Imports Triton (and torch, which this module otherwise does not need) only when called."""
+    import importlib
+
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        return (f"Triton is not importable ({exc}); install it with the agent's gpu extra "
+                "(pip install 'sdcguard[gpu]') or choose another SDCGUARD_FINGERPRINT_KERNEL")
+    if triton_interpreting():
+        return None
+    env = TRITON_INTERPRET_ENV
+    if device is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return (f"no CUDA device is visible and {env} is not set: Triton compiles for GPUs "
+                    f"({env}=1 runs its CPU interpreter, slowly, for tests)")
+        return None
+    if device.type != "cuda":
+        return (f"a tensor on {device}: Triton compiles for CUDA devices "
+                f"({env}=1 runs its CPU interpreter, slowly, for tests)")
+    return None
+
+
+def require_triton(device: torch.device | None = None) -> None:
+    """Raise TritonKernelError with the reason unless the Triton kernels can run on ``device`` (None: the GPU)."""
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        raise TritonKernelError(f"SDCGUARD_FINGERPRINT_KERNEL=triton: {reason}")
 
 
 @dataclass(frozen=True)
@@ -209,10 +261,8 @@ def kernel() -> Kernel | None:
     if chosen == "torch":
         return None
     if chosen == "triton":
-        # Imported only in this mode (it imports torch). Checked on every call, as a bad setting is.
-        from agent.kernels import triton_fingerprint
-
-        triton_fingerprint.require()
+        # Checked on every call, as a bad setting is.
+        require_triton()
     limit = isa_limit()  # a bad setting is refused on every call, not only the first
     with _lock:
         if not _tried:

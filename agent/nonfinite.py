@@ -22,6 +22,7 @@ import torch
 
 from agent import fingerprint as fp
 from agent import grad_norm, native
+from agent.kernels import triton_fingerprint as tf  # imports Triton only when a kernel runs
 
 # Bucket masks are one int64 word each; buckets beyond this still count in the
 # any-flags, they are only left out of the per-bucket evidence.
@@ -80,11 +81,16 @@ def measure(t: torch.Tensor, *, flag: bool, norm: bool) -> BucketPass:
 def local_pass(buffer: torch.Tensor, divisor: int, *, flag: bool, norm: bool) -> BucketPass:
     """Before the all-reduce: ``measure(buffer)``, then ``buffer.div_(divisor)`` (the all-reduce sums, the hook
     wants the mean), with the same bits; one pass on the CPU for fp32 (halves: the kernel's pass, then torch's
-    division, which rounds through fp32)."""
+    division, which rounds through fp32), and one fused pass under ``SDCGUARD_FINGERPRINT_KERNEL=triton``
+    (``agent.kernels.triton_fingerprint.local_pass``) where its kernels take the bucket's device."""
     return _local(buffer, divisor, flag=flag, norm=norm)
 
 
 def _local(t: torch.Tensor, divisor: int | None, *, flag: bool, norm: bool) -> BucketPass:
+    if (flag or norm) and tf.chosen_for_bucket(t):
+        # SDCGUARD_FINGERPRINT_KERNEL=triton on this device: one fused read and write, the same bits.
+        fused = tf.local_pass(t, divisor)
+        return BucketPass(fused.nonfinite if flag else None, fused.norm if norm else None)
     readable = grad_norm.kernel_for(t) if flag or norm else None
     if readable is None:
         found = BucketPass(nonfinite_flag(t) if flag else None, grad_norm.bucket_norm(t) if norm else None)
@@ -103,7 +109,11 @@ def _local(t: torch.Tensor, divisor: int | None, *, flag: bool, norm: bool) -> B
 
 def reduced_pass(reduced: torch.Tensor, *, flag: bool, fingerprint: bool, norm: bool) -> BucketPass:
     """After the all-reduce: ``nonfinite_flag``, ``fingerprint.fingerprint`` and ``grad_norm.bucket_norm`` of
-    ``reduced``, as asked; one pass where the C kernel reads it, with the bits of the separate ones."""
+    ``reduced``, as asked; one pass where the C kernel (or, under ``SDCGUARD_FINGERPRINT_KERNEL=triton``,
+    the Triton kernel) reads it, with the bits of the separate ones."""
+    if (flag or norm or fingerprint) and tf.chosen_for_bucket(reduced):
+        fused = tf.reduced_pass(reduced, fingerprint=fingerprint)
+        return BucketPass(fused.nonfinite if flag else None, fused.norm if norm else None, fused.fingerprint)
     readable = grad_norm.kernel_for(reduced) if flag or norm else None
     if readable is None:
         return BucketPass(nonfinite_flag(reduced) if flag else None,

@@ -60,11 +60,19 @@ def packed_fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     rows: list[torch.Tensor] = []
     small: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     device = tensors[0].device if tensors else torch.device("cpu")
+    big = [t for t in tensors if t.numel() >= PACK_BELOW]
     for t in tensors:
-        if t.numel() >= PACK_BELOW:
-            rows.append(fp.fingerprint(t).to(device))
-        else:
+        if t.numel() < PACK_BELOW:
             small.setdefault((t.dtype, t.device), []).append(t)
+    fused = fp.triton_kernels_for(device) if tensors else None
+    if fused is not None and all(t.device == device for t in tensors):
+        # SDCGUARD_FINGERPRINT_KERNEL=triton: every row in one launch per element width (its metadata kept on
+        # the device per layout), the same rows in the same order.
+        out = torch.empty(len(big) + len(small), fp.LANES, dtype=torch.int64, device=device)
+        result: torch.Tensor = fused.layout_for([[t] for t in big] + list(small.values()))(out)
+        return result
+    for t in big:
+        rows.append(fp.fingerprint(t).to(device))
     for group in small.values():
         rows.append(fp.fingerprint_concat(group).to(device))
     if not rows:

@@ -57,6 +57,13 @@ class Detector(enum.StrEnum):
     """Replicas hold different weights or optimizer state."""
     REDUCED_GRAD = "reduced_grad"
     """The all-reduce delivered different gradients to different ranks."""
+    PRODUCT_CHECK = "product_check"
+    """A matrix product's checksums did not match (``GuardConfig.product_checks``), and other nodes'
+    recomputations of the micro-batch disagree with the rank's own pass."""
+    MAGNITUDE_TRIGGER = "magnitude_trigger"
+    """A rank's loss or gradient norm jumped (the magnitude trigger, or the cross-rank test of a fresh job's
+    first steps), and other nodes' recomputations of its micro-batch disagree. Older agents reported this as
+    ``ring_audit`` with ``evidence.trigger == "magnitude"``."""
 
 
 class JobIdentity(Strict):
@@ -117,13 +124,33 @@ class RingPair(Strict):
 class RingAuditEvidence(Strict):
     """Detector 2: the ring pairs of the audit step."""
 
-    kind: Literal["ring_audit"] = "ring_audit"
+    kind: Literal["ring_audit", "magnitude_trigger"] = "ring_audit"
+    """``magnitude_trigger`` when the magnitude trigger asked for the recomputation (detector
+    ``magnitude_trigger``)."""
     pairs: Annotated[list[RingPair], Field(min_length=1, max_length=MAX_EVIDENCE_ITEMS)]
     """The recomputations that disagreed: the audit's pairs, or (trigger "magnitude") the confirmations'."""
     trigger: Literal["audit", "magnitude"] = "audit"
     """What asked for the recomputation: a scheduled audit step, or the magnitude trigger on any step."""
     confirmation: Annotated[list[RingPair], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
     """Every confirmation recomputation of the step (other nodes recomputing the suspicious micro-batches)."""
+
+
+class ProductSite(Strict):
+    """One matrix product whose checksums did not match."""
+
+    rank: Rank
+    site: Annotated[str, Field(min_length=1, max_length=256)]
+    """The product: the module's name and the direction (``"blocks.0.qkv forward"``, ``"... backward dW"``)."""
+
+
+class ProductCheckEvidence(Strict):
+    """Product checks: which rank's products failed their checksums, and the recomputations that judged it."""
+
+    kind: Literal["product_check"] = "product_check"
+    sites: Annotated[list[ProductSite], Field(min_length=1, max_length=MAX_EVIDENCE_ITEMS)]
+    """The first failing product of each rank whose checks fired."""
+    confirmation: Annotated[list[RingPair], Field(max_length=MAX_EVIDENCE_ITEMS)] = []
+    """Other nodes' recomputations of those ranks' micro-batches in the same step (empty without confirmation)."""
 
 
 class FingerprintGroup(Strict):
@@ -144,7 +171,7 @@ class FingerprintEvidence(Strict):
 
 
 Evidence = Annotated[
-    NonFiniteEvidence | RingAuditEvidence | FingerprintEvidence,
+    NonFiniteEvidence | RingAuditEvidence | FingerprintEvidence | ProductCheckEvidence,
     Field(discriminator="kind"),
 ]
 
@@ -156,6 +183,8 @@ class LastClean(Strict):
     ring_audit: Step | None = None
     weight_fingerprint: Step | None = None
     reduced_grad: Step | None = None
+    product_check: Step | None = None
+    magnitude_trigger: Step | None = None
 
 
 class Alarm(Strict):
@@ -252,7 +281,9 @@ class Alarm(Strict):
         clean (no checkpoint qualifies).
         """
         own = getattr(self.last_clean, self.detector.value)
-        if self.detector in (Detector.NONFINITE_GRAD, Detector.REDUCED_GRAD):
+        # The per-step checks (the product checks and the magnitude trigger too) see the fault at its own step.
+        if self.detector in (Detector.NONFINITE_GRAD, Detector.REDUCED_GRAD, Detector.PRODUCT_CHECK,
+                             Detector.MAGNITUDE_TRIGGER):
             own = self.step
         candidates = [own if own is not None else -1]
         for sampled in (self.last_clean.ring_audit, self.last_clean.weight_fingerprint):

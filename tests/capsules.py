@@ -35,6 +35,12 @@ def reference_model(vocab: int = 64, dim: int = 32, heads: int = 2, layers: int 
     return TinyGPT(vocab, dim, heads, layers, seq, dropout), next_token_loss
 
 
+def tiny_model() -> tuple[nn.Module, Any]:
+    """A capsule factory without arguments (the guard gives none): :func:`reference_model` of the tiny shape
+    ``ARGS``, the model of tests/functional/test_agent_capsule.py."""
+    return reference_model(**ARGS)  # type: ignore[arg-type]
+
+
 def model() -> tuple[nn.Module, Any]:
     """The tiny reference model with fixed weights, and its loss."""
     torch.manual_seed(0)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import torch
 from agent import fingerprint as fp
 from agent import native
 
-INTERPRET_ENV = "TRITON_INTERPRET"
+INTERPRET_ENV = native.TRITON_INTERPRET_ENV
 ROWS = 4
 """Fingerprint blocks per tile of the fingerprint kernels (4,096 elements, one sum-of-squares chunk)."""
 RUN = 16
@@ -58,39 +57,11 @@ PACKED = 6
 """int64 words of a bucket pass's result: lane 0-2, flag, sum of squares (fp64 bits), norm (fp64 bits)."""
 
 
-class TritonKernelError(native.NativeKernelError):
-    """The Triton kernels cannot run here (the message says why and what to change)."""
-
-
-def _interpreting() -> bool:
-    return os.environ.get(INTERPRET_ENV, "").strip() not in ("", "0")
-
-
-def unavailable_reason(device: torch.device | None = None) -> str | None:
-    """Why the Triton kernels cannot run on ``device`` (None: on this machine's GPU), or None when they can."""
-    try:
-        importlib.import_module("triton")
-    except ImportError as exc:
-        return (f"Triton is not importable ({exc}); install it with the agent's gpu extra "
-                "(pip install 'sdcguard[gpu]') or choose another SDCGUARD_FINGERPRINT_KERNEL")
-    if _interpreting():
-        return None
-    if device is None:
-        if not torch.cuda.is_available():
-            return (f"no CUDA device is visible and {INTERPRET_ENV} is not set: Triton compiles for GPUs "
-                    f"({INTERPRET_ENV}=1 runs its CPU interpreter, slowly, for tests)")
-        return None
-    if device.type != "cuda":
-        return (f"a tensor on {device}: Triton compiles for CUDA devices "
-                f"({INTERPRET_ENV}=1 runs its CPU interpreter, slowly, for tests)")
-    return None
-
-
-def require(device: torch.device | None = None) -> None:
-    """Raise TritonKernelError with the reason unless the kernels can run on ``device`` (None: the GPU)."""
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise TritonKernelError(f"SDCGUARD_FINGERPRINT_KERNEL=triton: {reason}")
+# Defined in agent.native (which chooses the kernels and refuses a setting that cannot be honoured), so that
+# the two modules do not import each other; the names stay this module's API.
+TritonKernelError = native.TritonKernelError
+unavailable_reason = native.triton_unavailable_reason
+require = native.require_triton
 
 
 @functools.cache

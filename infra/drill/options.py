@@ -10,7 +10,8 @@ Decision = Literal["approve", "reject", "ask"]
 
 # The agent's injection kinds the drill offers, and the detector that should catch each.
 EXPECTED_DETECTOR = {
-    "finite_activation": "ring_audit",
+    # The activation error moves the rank's loss: the magnitude trigger asks before the next audit.
+    "finite_activation": "magnitude_trigger",
     "nan_activation": "nonfinite_grad",
     "weight_bitflip": "weight_fingerprint",
     "grad_bitflip": "ring_audit",

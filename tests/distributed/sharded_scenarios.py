@@ -97,6 +97,7 @@ def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: in
                          audit_every=scenario.get("audit_every", 2),
                          fingerprint_every=scenario.get("fingerprint_every", 2),
                          confirm=scenario.get("confirm", True),
+                         product_checks=scenario.get("product_checks", False),
                          trigger_warmup=scenario.get("trigger_warmup", GuardConfig.trigger_warmup),
                          checkpoint_prefix=scenario.get("prefix", str(out / "unused-checkpoints")),
                          spool_dir=str(out / "spool"), job_name="gpt-sharded-test")
@@ -161,6 +162,8 @@ def _train(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) 
             if stop:
                 break
     result["final"] = guard.local_fingerprint_hex()
+    # Products the checks saw in the last step's own pass (None: product checks off).
+    result["products_checked"] = guard.products.checked if guard.products is not None else None
     return result
 
 

@@ -48,7 +48,8 @@ FAULTS = [
 ]
 # The magnitude trigger (after a warm-up of 3 steps) asks for a confirmation at step 5, which is no audit step.
 TRIGGER_FAULTS = [
-    ("trigger", "kind=finite_activation,rank=3,step=5,factor=1e4,repeat=2", "ring_audit", 5, [3], "persistent"),
+    ("trigger", "kind=finite_activation,rank=3,step=5,factor=1e4,repeat=2", "magnitude_trigger", 5, [3],
+     "persistent"),
 ]
 # Gradient accumulation (K=2): FSDP accumulates unsharded, the audit recomputes both micro-batches.
 ACCUM_FAULTS = [
@@ -87,6 +88,7 @@ def scenarios(tmp: Path) -> list[dict[str, Any]]:
                {"name": "data_fault", "poison": [DATA_FAULT], "steps": 3, "stop_at_alarm": False}]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "accum": 2} for n, i, *_ in ACCUM_FAULTS]
     listed += [{"name": "accum_clean", "steps": 4, "accum": 2}]
+    listed += [{"name": "products_clean", "steps": 4, "product_checks": True}]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "mesh": [2, 3]} for n, i, *_ in TWO_REPLICAS]
     listed += [{"name": "fsdp_clean", "mesh": [6], "steps": 4}]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "mesh": [6]} for n, i, *_ in FSDP_FAULTS]

@@ -223,3 +223,12 @@ def test_a_clean_run_with_dropout_raises_no_alarm(six: tuple[Path, list[dict[str
         assert run["data_faults"] == []
     losses = six[1][0]["clean"]["losses"]
     assert sum(losses[-20:]) < sum(losses[:20]), "it learns"
+
+
+def test_product_checks_under_hsdp_check_the_unsharded_products_and_stay_silent(
+        six: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in six[1]:
+        run = r["products_clean"]
+        assert run["alarms"] == 0, run["alarm"]
+        assert run["updated"] == 4
+        assert run["products_checked"] > 0

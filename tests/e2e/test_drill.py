@@ -77,7 +77,7 @@ def _phases_in_order(phase_seconds: dict[str, float | None] | None, names: list[
 # The finite activation error moves that rank's loss far enough for the magnitude trigger: its
 # confirmation (a recomputation on another node) catches it at the fault step, not at the next audit.
 APPROVED = [
-    ("finite_activation", 3, "ring_audit", 12, 10),
+    ("finite_activation", 3, "magnitude_trigger", 12, 10),
     ("nan_activation", 1, "nonfinite_grad", 12, 10),
     ("weight_bitflip", 4, "weight_fingerprint", 15, 10),
     ("grad_bitflip", 2, "ring_audit", 15, 10),
@@ -151,7 +151,7 @@ def test_under_hsdp_an_approved_incident_recovers_bit_exactly_from_sharded_check
     # the magnitude trigger's confirmation (ranks 1 and 5 recompute rank 3's micro-batch) caught it at its own
     # step, naming rank 3 alone,
     assert (summary.verdict, summary.sharding) == ("PASSED", "hsdp")
-    assert (summary.detector, summary.alarm_step, summary.suspect_ranks) == ("ring_audit", 12, [3])
+    assert (summary.detector, summary.alarm_step, summary.suspect_ranks) == ("magnitude_trigger", 12, [3])
     assert summary.suspect_instances == [before[1].removeprefix("hyperpod-")]
     # the pipeline replaced its node and moved the pointer back to the sharded checkpoint of step 10,
     assert summary.incident_state == "CLOSED"

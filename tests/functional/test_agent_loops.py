@@ -43,7 +43,7 @@ FAULTS = [
     ("weight_bitflip", "kind=weight_bitflip,rank=2,step=3,bit=22", "weight_fingerprint", 4, [2]),
 ]
 # Between audits: bit 30 of one gradient element of micro-batch 0 (~1e-2 -> ~1e36), caught by the trigger.
-TRIGGER = ("trigger", "kind=grad_bitflip,rank=3,step=13,bit=30", "ring_audit", 13, [3])
+TRIGGER = ("trigger", "kind=grad_bitflip,rank=3,step=13,bit=30", "magnitude_trigger", 13, [3])
 
 
 def node_name(node: int) -> str:

@@ -296,11 +296,11 @@ def test_a_one_step_finite_fault_between_audits_is_caught_at_its_step_and_is_tra
     # Then: the trigger asked, two other nodes recomputed, rank 3 alone is named, at that step.
     alarm = alarms[0]
     assert {a.alarm_id for a in alarms} == {alarm.alarm_id}
-    assert alarm.detector.value == "ring_audit"
+    assert alarm.detector.value == "magnitude_trigger"
     assert alarm.step == 13
     assert alarm.suspect_ranks == [3]
     assert alarm.localized
-    assert alarm.evidence.kind == "ring_audit"
+    assert alarm.evidence.kind == "magnitude_trigger"
     assert alarm.evidence.trigger == "magnitude"
     assert {(p.auditor, p.audited) for p in alarm.evidence.confirmation} == {(1, 3), (5, 3)}
     assert all(p.loss_match for p in alarm.evidence.confirmation)  # a gradient fault: the loss is right

@@ -36,11 +36,12 @@ def fake() -> Iterator[None]:
         yield
 
 
-def _findings(*, trigger: bool, audit: bool) -> StepFindings:
+def _findings(*, trigger: bool, audit: bool, products: bool = False) -> StepFindings:
     return StepFindings(loss=torch.zeros((), device=CUDA),
                         summary=torch.zeros(SUMMARY_WIDTH, dtype=torch.int64, device=CUDA),
                         trigger=torch.zeros((), dtype=torch.bool, device=CUDA) if trigger else None,
-                        audit_bad=torch.zeros((), dtype=torch.bool, device=CUDA) if audit else None)
+                        audit_bad=torch.zeros((), dtype=torch.bool, device=CUDA) if audit else None,
+                        products=torch.zeros(2, dtype=torch.int64, device=CUDA) if products else None)
 
 
 def test_the_harness_refuses_a_cpu_tensor_among_cuda_ones(fake: None) -> None:
@@ -51,9 +52,10 @@ def test_the_harness_refuses_a_cpu_tensor_among_cuda_ones(fake: None) -> None:
 
 @pytest.mark.parametrize(("trigger", "audit"), [(True, False), (False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("products", [False, True], ids=["products-off", "products-on"])
 def test_the_agreement_vector_and_the_gathered_row_stay_on_the_device(fake: None, trigger: bool, audit: bool,
-                                                                       slots: int) -> None:
-    found = _findings(trigger=trigger, audit=audit)
+                                                                       slots: int, products: bool) -> None:
+    found = _findings(trigger=trigger, audit=audit, products=products)
     vector = findings.agreement_vector(found, nonfinite=True, reduced=True, slot=slots - 1, slots=slots)
     assert vector.device == CUDA
     assert vector.numel() == findings.FLAG_COUNT + 2 * slots * fp.LANES

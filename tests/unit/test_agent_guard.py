@@ -20,7 +20,7 @@ from agent.inject import Injection
 from agent.publisher import Publisher, PublishOutcome
 from agent.train import JobShape, SyntheticData, build, loss_fn
 from agent.weights import state_fingerprint_hex
-from contract import Alarm
+from contract import Alarm, ProductCheckEvidence
 from lineage.store import ObjectStore, open_store
 
 
@@ -173,7 +173,7 @@ def test_a_restart_restores_the_last_clean_steps_from_its_manifest(tmp_path: Pat
     assert fresh.resume_step() == 4
     # Then: it claims no more than the manifest does, and nothing for the every-step detectors yet.
     assert fresh.last_clean == {"nonfinite_grad": None, "ring_audit": 2, "weight_fingerprint": 4,
-                                "reduced_grad": None}
+                                "reduced_grad": None, "product_check": None, "magnitude_trigger": None}
 
 
 def test_resume_gives_the_job_back_the_extra_it_saved(tmp_path: Path) -> None:
@@ -235,12 +235,15 @@ _HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int
 """The ways a tensor's value comes back to the host (each a wait on a GPU)."""
 
 
-def test_a_clean_step_under_the_defaults_waits_on_the_host_once(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given: a guard with GuardConfig's defaults (trigger on, confirmation on), past the weight-check step.
+@pytest.mark.parametrize("product_checks", [False, True], ids=["defaults", "product-checks"])
+def test_a_clean_step_under_the_defaults_waits_on_the_host_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 product_checks: bool) -> None:
+    # Given: a guard with GuardConfig's defaults (trigger on, confirmation on), past the weight-check step;
+    # and the same with every matrix product checked (their flags travel in the same copy).
     shape = JobShape(dim=16, layers=1, seq=8, batch=2)
     ddp, optimizer = build(shape, torch.device("cpu"))
-    config = GuardConfig(spool_dir=str(tmp_path), checkpoint_prefix=str(tmp_path / "ckpt"))
+    config = GuardConfig(spool_dir=str(tmp_path), checkpoint_prefix=str(tmp_path / "ckpt"),
+                         product_checks=product_checks)
     guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=SyntheticData(shape, torch.device("cpu")),
                      config=config, publisher=Recorder(config), injection=None)
     guard.step(0)
@@ -261,5 +264,69 @@ def test_a_clean_step_under_the_defaults_waits_on_the_host_once(tmp_path: Path,
     result = guard.step(1)
     # Then: one read brought the loss, the norm, the trigger's flag and the ranks' agreement back.
     assert result.updated
+    if product_checks:
+        assert guard.products is not None
+        assert guard.products.checked > 0
     assert not result.weights_checked
     assert reads == ["tolist"]
+
+
+def test_a_resumed_guard_s_trigger_watches_from_its_first_step(tmp_path: Path) -> None:
+    # Given: a job past the trigger's warm-up, checkpointed through the guard.
+    guard, _ = guard_for(tmp_path, "raise", None, config={"trigger_warmup": 3, "trigger_window": 8})
+    for s in range(5):
+        guard.step(s)
+    assert guard.trigger is not None
+    assert not guard.trigger.warming_up
+    saved_history, saved_seen = guard.trigger.state()
+    guard.save_checkpoint(5)
+    # When: a new start resumes from it.
+    fresh, _ = guard_for(tmp_path, "raise", None, config={"trigger_warmup": 3, "trigger_window": 8})
+    assert fresh.trigger is not None
+    assert fresh.trigger.warming_up
+    assert fresh.resume_step() == 5
+    # Then: its trigger holds the saved history and fires from the first resumed step on.
+    assert not fresh.trigger.warming_up
+    history, seen = fresh.trigger.state()
+    assert seen == saved_seen
+    assert torch.equal(history[:seen].isnan(), saved_history[:seen].isnan())
+    assert torch.allclose(history[:seen].nan_to_num(), saved_history[:seen].nan_to_num(), rtol=0, atol=0)
+    assert fresh.resumed_extra == {}
+    fresh.step(5)
+    loss = torch.tensor(1e30, dtype=torch.float64)
+    assert bool(fresh.trigger.fires(loss, torch.tensor(1.0, dtype=torch.float64)))
+
+
+def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Path) -> None:
+    # Given: one rank (no other node to recompute on) with product checks on, and one exponent flip in the
+    # output of the third forward product of step 2.
+    from campaign.injectors import ProductMode, flip
+
+    guard, recorder = guard_for(tmp_path, "continue", None, config={"product_checks": True})
+    count = [0]
+
+    def corrupt(out: torch.Tensor, direction: str) -> None:
+        if direction == "fwd":
+            if count[0] == 2:
+                flip(out, 1, 26)
+            count[0] += 1
+
+    results = []
+    for step in range(4):
+        if step == 2:
+            with ProductMode(corrupt):
+                results.append(guard.step(step))
+        else:
+            results.append(guard.step(step))
+    # Then: that step alone raised a product-check alarm naming rank 0 and the product, and skipped the update.
+    assert [r.alarm is not None for r in results] == [False, False, True, False]
+    alarm = results[2].alarm
+    assert alarm is not None
+    assert alarm.detector.value == "product_check"
+    assert alarm.suspect_ranks == [0]
+    assert isinstance(alarm.evidence, ProductCheckEvidence)
+    assert guard.products is not None
+    assert [(s.rank, s.site) for s in alarm.evidence.sites] == [(0, guard.products.sites[2])]
+    assert alarm.evidence.sites[0].site.endswith(" forward")
+    assert not results[2].updated
+    assert recorder.sent == [alarm]

@@ -17,6 +17,7 @@ from contract import (
     IncidentState,
     ObjectDigest,
     PointerEntry,
+    ProductCheckEvidence,
     ResumePointer,
     checkpoint_dir,
     step_of_dir,
@@ -202,3 +203,25 @@ def test_decision_needs_a_reviewer_and_a_reason() -> None:
         Decision(decision="approve", reviewer="", reason="ok")
     with pytest.raises(ValidationError, match="decision"):
         Decision.model_validate({"decision": "maybe", "reviewer": "alice", "reason": "ok"})
+
+
+def test_the_product_check_and_the_magnitude_trigger_name_themselves_and_older_alarms_still_validate() -> None:
+    # An older agent's trigger-asked alarm (detector ring_audit, trigger "magnitude") still validates.
+    older = _with(_detail(), "evidence.trigger", "magnitude")
+    assert Alarm.model_validate(older).detector.value == "ring_audit"
+    # Today's: the magnitude trigger's own detector with the ring pairs' evidence, and the product check's.
+    trigger = _with(_with(_detail(), "detector", "magnitude_trigger"), "evidence.kind", "magnitude_trigger")
+    assert Alarm.model_validate(_with(trigger, "evidence.trigger", "magnitude")).evidence.kind == "magnitude_trigger"
+    product = _with(_with(_detail(), "detector", "product_check"), "evidence",
+                    {"kind": "product_check", "sites": [{"rank": 3, "site": "blocks.0.fc forward"}]})
+    alarm = Alarm.model_validate(product)
+    assert isinstance(alarm.evidence, ProductCheckEvidence)
+    assert alarm.evidence.sites[0].site == "blocks.0.fc forward"
+    # A per-step check: its own step, bounded by the sampled checks that ran, as for the non-finite check.
+    assert alarm.trusted_through_step() == min(alarm.step, 100)
+    # The evidence must still match the detector.
+    with pytest.raises(ValidationError) as exc:
+        Alarm.model_validate(_with(_detail(), "detector", "product_check"))
+    assert "evidence.kind" in _error_locations(exc.value)
+    with pytest.raises(ValidationError):
+        Alarm.model_validate(_with(product, "evidence.sites", []))

@@ -9,7 +9,7 @@ import os
 import shutil
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -325,3 +325,85 @@ def test_the_hook_is_told_which_buckets_the_kernels_take(monkeypatch: pytest.Mon
     assert not tf.chosen_for_bucket(torch.zeros(64, 64)[:, 0])
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not tf.chosen_for_bucket(bucket_)  # a CPU tensor without the interpreter: the CPU's passes
+
+
+def _passes(t: torch.Tensor, world: int) -> tuple[object, ...]:
+    """What the hook's bucket passes say of ``t`` (a copy, divided by ``world`` before it is read again), by
+    whichever implementation the setting chooses: flag, norm bits, divided bits, reduced flag, norm and
+    fingerprint."""
+    from agent import nonfinite
+
+    buffer = t.clone()
+    before = nonfinite.local_pass(buffer, world, flag=True, norm=True)
+    after = nonfinite.reduced_pass(buffer, flag=True, fingerprint=True, norm=True)
+    assert before.nonfinite is not None
+    assert before.norm is not None
+    assert after.nonfinite is not None
+    assert after.norm is not None
+    assert after.fingerprint is not None
+    return (bool(before.nonfinite), double_bits(float(before.norm)), fp.to_hex(fp.fingerprint_torch(buffer)),
+            bool(after.nonfinite), double_bits(float(after.norm)), fp.to_hex(after.fingerprint))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
+def test_the_hooks_bucket_passes_take_the_kernels_with_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype) -> None:
+    from agent.kernels import triton_fingerprint as tf
+
+    finite = bucket(dtype, 4097 + 300, seed=5)
+    broken = finite.clone()
+    broken[4100] = math.inf
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(native.KERNEL_ENV, "auto")  # the CPU's passes (the C kernel, or torch without one)
+    want = [_passes(t, 3) for t in (finite, broken)]
+    calls: list[str] = []
+
+    def counted(name: str) -> Callable[..., object]:
+        real = getattr(tf, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("local_pass", "reduced_pass"):
+        monkeypatch.setattr(tf, name, counted(name))
+    monkeypatch.setenv(native.KERNEL_ENV, "triton")
+    assert [_passes(t, 3) for t in (finite, broken)] == want
+    assert calls == ["local_pass", "reduced_pass"] * 2  # the fused kernels did the work
+    assert want[1][0]
+    assert want[1][3]
+    assert not want[0][0]
+    # A bucket they do not read (fp64) keeps the separate passes, with the flag and norm all the same.
+    wide = finite.double()
+    fused = _passes(wide, 3)
+    assert calls == ["local_pass", "reduced_pass"] * 2
+    monkeypatch.setenv(native.KERNEL_ENV, "auto")
+    assert _passes(wide, 3) == fused
+
+
+@needs_triton
+def test_the_weight_check_packs_its_rows_with_the_kernels_in_the_same_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import weights
+    from agent.kernels import triton_fingerprint as tf
+
+    monkeypatch.setattr(weights, "PACK_BELOW", 2048)  # small enough for the interpreter
+    tensors = [sample(torch.float32, (3000,), 1), sample(torch.float32, (7,), 2), sample(torch.bfloat16, (100,), 3),
+               sample(torch.int64, (2500,), 4), sample(torch.float32, (1500,), 5), torch.tensor(2.0)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(native.KERNEL_ENV, "auto")
+    want = [fp.to_hex(r) for r in weights.packed_fingerprints(tensors)]
+    assert len(want) == 4  # two large rows, then the small ones per dtype (float32, bfloat16)
+    built: list[int] = []
+    real = tf.layout_for
+
+    def layout_for(rows: list[list[torch.Tensor]]) -> tf.FingerprintLayout:
+        built.append(len(rows))
+        return real(rows)
+
+    monkeypatch.setattr(tf, "layout_for", layout_for)
+    monkeypatch.setenv(native.KERNEL_ENV, "triton")
+    assert [fp.to_hex(r) for r in weights.packed_fingerprints(tensors)] == want
+    assert built == [4]

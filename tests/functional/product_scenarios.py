@@ -1,0 +1,113 @@
+"""What each rank runs in the product-check and warm-up tests (tests/functional/test_product_checks_guard.py).
+
+3 simulated nodes of 1 rank each; one launch runs every scenario in sequence,
+each with a fresh model and guard under ``GuardConfig``'s defaults (audit
+every 100 steps, so no audit sees these steps), and writes what it saw to
+``rank-R.json``. Faults: a bit flip in one output element of one forward or
+backward matrix product of the faulty rank's own pass (the campaign's product
+fault, entered outside the checks' mode as a faulty kernel would be), or a
+loss multiplied by a huge factor in the faulty rank's own pass only (a
+transient fault that no recomputation reproduces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.config import GuardConfig
+from agent.guard import SDCGuard
+from agent.publisher import Publisher, PublishOutcome
+from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
+from campaign.injectors import ProductMode, flip
+from contract import Alarm
+
+SHAPE = JobShape(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=8, dropout=0.1)
+
+
+class Recorder(Publisher):
+    """Keeps the alarms instead of sending them (no bus in these tests)."""
+
+    def publish(self, alarm: Alarm) -> PublishOutcome:
+        return PublishOutcome(delivered=True, event_id="recorded")
+
+    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
+        return {}
+
+
+def run(out_dir: str, scenarios: list[dict[str, Any]]) -> None:
+    """Every rank: run ``scenarios`` in order, then write ``out_dir/rank-R.json``."""
+    init_process_group()
+    rank = dist.get_rank()
+    results = {s["name"]: _train(s, rank, Path(out_dir)) for s in scenarios}
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(results))
+    shutdown()
+
+
+def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
+    ddp, optimizer = build(SHAPE, torch.device("cpu"))
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    config = GuardConfig(on_alarm="continue", ranks_per_node=1, seed=SHAPE.seed,
+                         product_checks=scenario.get("product_checks", False),
+                         spool_dir=str(out / f"spool-{scenario['name']}-{rank}"),
+                         checkpoint_prefix=str(out / f"ckpt-{scenario['name']}"),
+                         hyperpod_cluster="ml-cluster", eks_cluster="ml-eks", namespace="training",
+                         job_name="gpt-test")
+    fault = scenario.get("fault") or {}
+    mine = fault.get("rank") == rank
+    state = {"step": -1, "forwards": 0}
+
+    def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        value = loss_fn(module, batch)
+        state["forwards"] += 1
+        # The own pass is the step's first forward: a recomputation on another node (or the replay) is right.
+        if mine and fault.get("kind") == "loss" and state["step"] == fault["step"] and state["forwards"] == 1:
+            value = value * fault["factor"]
+        return value
+
+    guard = SDCGuard(ddp, optimizer, loss_fn=loss, batch_for=data, config=config, publisher=Recorder(config),
+                     injection=None)
+    result: dict[str, Any] = {"alarm": None, "alarm_count": 0, "updated": 0, "confirmed_steps": [],
+                              "product_flags": 0, "flipped": 0}
+    for step in range(scenario["steps"]):
+        state["step"], state["forwards"] = step, 0
+        with _product_fault(fault, step, result) if mine and fault.get("kind") == "product" else \
+                contextlib.nullcontext():
+            outcome = guard.step(step)
+        result["updated"] += outcome.updated
+        if guard.products is not None:
+            result["product_flags"] += int(guard.products.summary()[1])
+        if outcome.confirmed:
+            result["confirmed_steps"].append(step)
+        if outcome.alarm is not None:
+            result["alarm_count"] += 1
+            if result["alarm"] is None:
+                result["alarm"] = outcome.alarm.model_dump(mode="json")
+                result["alarm_step_updated"] = outcome.updated
+    return result
+
+
+@contextlib.contextmanager
+def _product_fault(fault: dict[str, Any], step: int, result: dict[str, Any]) -> Any:
+    """At ``fault["step"]``: flip ``fault["bit"]`` of one element of the ``fault["product"]``-th product in
+    ``fault["direction"]`` ("fwd"/"bwd") of the step, once (a transient fault: the own pass runs first)."""
+    if step != fault["step"]:
+        yield
+        return
+    count = [0]
+
+    def corrupt(out: torch.Tensor, direction: str) -> None:
+        if direction != fault["direction"]:
+            return
+        if count[0] == fault["product"]:
+            flip(out, 5 % out.numel(), fault["bit"])
+            result["flipped"] += 1
+        count[0] += 1
+
+    with ProductMode(corrupt):
+        yield
