@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import math
 import os
 import shutil
@@ -65,21 +64,13 @@ from agent.determinism import DeterminismUnavailable, environment_signature, req
 from agent.nonfinite import nonfinite_flag
 from agent.publisher import PublishOutcome
 from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from benchmarks import device_kernels
 from benchmarks.bench_fingerprint import _counts, _label, _median_seconds
+from benchmarks.device_kernels import sample
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool]
 SIZES = [0, 1, 1023, 1025, 3 * fp.BLOCK + 7, (1 << 20) + 13]
-
-
-def _sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, (n,), generator=g).bool()
-    if not dtype.is_floating_point:
-        info = torch.iinfo(dtype)
-        return torch.randint(max(info.min, -(2**62)), min(info.max, 2**62), (n,), generator=g, dtype=dtype)
-    return (torch.randn(n, generator=g) * 3).to(dtype)
 
 
 def check_fingerprints(device: torch.device) -> list[str]:
@@ -87,7 +78,7 @@ def check_fingerprints(device: torch.device) -> list[str]:
     problems = []
     for dtype in DTYPES:
         for n in SIZES:
-            t = _sample(dtype, n, seed=n)
+            t = sample(dtype, n, seed=n)
             views = [t] + ([t[::3]] if n > 3 else [])
             for view in views:
                 # On a CPU-only smoke run the other side is the torch implementation (what GPUs run).
@@ -102,7 +93,7 @@ def check_nonfinite(device: torch.device) -> list[str]:
     """Problems found comparing the non-finite flag on the device and the CPU (empty: PASS)."""
     problems = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        base = _sample(dtype, 100_003, seed=1)
+        base = sample(dtype, 100_003, seed=1)
         cases: list[tuple[str, torch.Tensor]] = [("clean", base)]
         for bad in (float("nan"), float("inf"), float("-inf")):
             for where in (0, base.numel() - 1):
@@ -340,13 +331,7 @@ def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
 
 
 def run_kernels(device: torch.device, table: Table) -> None:
-    """GPU kernel timings and checks of the GPU-kernels issue (``benchmarks/device_kernels.py``), when present."""
-    # -- the GPU-kernels issue's part of this script: benchmarks/device_kernels.py adds its rows here ----------
-    if importlib.util.find_spec("benchmarks.device_kernels") is None:
-        table.add("GPU kernels (benchmarks/device_kernels.py)", None, "not present in this tree")
-        return
-    from benchmarks import device_kernels
-
+    """The fused kernels' timings and bit checks (``benchmarks/device_kernels.py``)."""
     device_kernels.run(table, device)
 
 

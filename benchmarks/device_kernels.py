@@ -107,7 +107,8 @@ def format_timings(timings: Sequence[Timing]) -> str:
     return "\n".join(lines)
 
 
-def _sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+def sample(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    """``n`` seeded values of ``dtype`` spread over many binades, all finite (both device scripts check bits on them)."""
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=g).bool()
@@ -140,7 +141,7 @@ def check_fingerprints(device: torch.device, sizes: Sequence[int] = CHECKED_SIZE
     problems = []
     for dtype in CHECKED_DTYPES:
         for n in sizes:
-            t = _sample(dtype, n, seed=n)
+            t = sample(dtype, n, seed=n)
             views = [t, t[::3]] if n > 3 else [t]
             for view in views:
                 here = view.to(device)
@@ -149,7 +150,7 @@ def check_fingerprints(device: torch.device, sizes: Sequence[int] = CHECKED_SIZE
                     problem = differs(f"{dtype} n={view.numel()} {name} vs cpu", lanes, cpu)
                     if problem:
                         problems.append(problem)
-    rows = [_sample(torch.float32, n, seed=n).to(device) for n in (7, 5000, 1 << 16)]
+    rows = [sample(torch.float32, n, seed=n).to(device) for n in (7, 5000, 1 << 16)]
     problem = differs("fingerprint_many vs cpu", tf.fingerprint_many(rows),
                       torch.stack([cpu_fingerprint(r) for r in rows]))
     if problem:
@@ -165,7 +166,7 @@ def check_bucket_passes(device: torch.device, sizes: Sequence[int] = CHECKED_SIZ
     problems = []
     for dtype in tf.BUCKET_DTYPES:
         for n in (s for s in sizes if s):
-            clean = _sample(dtype, n, seed=n + 1)
+            clean = sample(dtype, n, seed=n + 1)
             cases = [("clean", clean)]
             for bad in (math.nan, math.inf):
                 probe = clean.clone()

@@ -22,22 +22,13 @@ import torch.distributed as dist
 
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
-from agent.publisher import Publisher, PublishOutcome
 from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 from campaign.injectors import ProductMode, flip
-from contract import Alarm
+from tests.outbox import Outbox
 
 SHAPE = JobShape(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=8, dropout=0.1)
 
 
-class Recorder(Publisher):
-    """Keeps the alarms instead of sending them (no bus in these tests)."""
-
-    def publish(self, alarm: Alarm) -> PublishOutcome:
-        return PublishOutcome(delivered=True, event_id="recorded")
-
-    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
-        return {}
 
 
 def run(out_dir: str, scenarios: list[dict[str, Any]]) -> None:
@@ -70,7 +61,7 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
             value = value * fault["factor"]
         return value
 
-    guard = SDCGuard(ddp, optimizer, loss_fn=loss, batch_for=data, config=config, publisher=Recorder(config),
+    guard = SDCGuard(ddp, optimizer, loss_fn=loss, batch_for=data, config=config, publisher=Outbox(config),
                      injection=None)
     result: dict[str, Any] = {"alarm": None, "alarm_count": 0, "updated": 0, "confirmed_steps": [],
                               "product_flags": 0, "flipped": 0}

@@ -29,13 +29,12 @@ import torch.distributed as dist
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
 from agent.inject import Injection
-from agent.publisher import Publisher, PublishOutcome
 from agent.train import SyntheticData, init_process_group, shutdown
 from agent.train import loss_fn as next_token_loss
-from contract import Alarm
 from sdcguard.cli import main
 from tests.capsules import SHAPE, faulty_device, tiny_model
 from tests.forked import launch_forked
+from tests.outbox import Outbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -52,19 +51,6 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-class _Outbox(Publisher):
-    """Keeps the alarms (no EventBridge here)."""
-
-    def __init__(self, config: GuardConfig) -> None:
-        super().__init__(config)
-        self.sent: list[Alarm] = []
-
-    def publish(self, alarm: Alarm) -> PublishOutcome:
-        self.sent.append(alarm)
-        return PublishOutcome(delivered=True)
-
-    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
-        return {}
 
 
 def _run(work: str, case: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +66,7 @@ def _run(work: str, case: dict[str, Any]) -> dict[str, Any]:
                          trigger_ratio=0.0, spool_dir=os.path.join(work, "spool"),
                          checkpoint_prefix=os.path.join(work, "ckpt"), job_name="capsule-test",
                          capsule_factory=case["factory"], capsule_max_bytes=case.get("cap", 10**8))
-    outbox = _Outbox(config)
+    outbox = Outbox(config)
     guard = SDCGuard(ddp, optimizer, loss_fn=next_token_loss, batch_for=data, config=config, publisher=outbox,
                      injection=Injection.parse(case["inject"]) if case["inject"] else None)
     for step in range(3):

@@ -26,29 +26,15 @@ from torch import nn
 from agent.batches import BatchNotReplayable
 from agent.config import GuardConfig
 from agent.guard import SDCGuard
-from agent.publisher import Publisher, PublishOutcome
 from agent.train import init_process_group, shutdown
-from contract import Alarm
 from tests.forked import launch_forked
+from tests.outbox import Outbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 3
 
 
-class _Outbox(Publisher):
-    """Keeps the alarms (no EventBridge here)."""
-
-    def __init__(self, config: GuardConfig) -> None:
-        super().__init__(config)
-        self.sent: list[Alarm] = []
-
-    def publish(self, alarm: Alarm) -> PublishOutcome:
-        self.sent.append(alarm)
-        return PublishOutcome(delivered=True)
-
-    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
-        return {}
 
 
 def _unseeded() -> float:
@@ -78,7 +64,7 @@ def _run(work: str, noise: float, loader: str) -> dict[str, Any]:
     config = GuardConfig(on_alarm="continue", on_nonreproducible="continue", ranks_per_node=1, audit_every=1,
                          fingerprint_every=1, trigger_ratio=0.0, spool_dir=os.path.join(work, "spool"),
                          checkpoint_prefix=os.path.join(work, "ckpt"), job_name="nonreproducible-test")
-    outbox = _Outbox(config)
+    outbox = Outbox(config)
     try:
         guard = SDCGuard(ddp, optimizer, loss_fn=loss_fn, batch_for=batch_for, config=config, publisher=outbox,
                          injection=None)
