@@ -63,12 +63,19 @@ class ReduceScatterObserver:
         self.findings = GroupFindings(record=record)
         return self.findings
 
-    def on_input(self, name: str, flat: torch.Tensor) -> None:
-        """One FSDP group's reduce-scatter input: observe, flag, measure, and (when recording) fingerprint it."""
-        found = self.findings
-        index = len(found.names)
+    def observe(self, flat: torch.Tensor) -> None:
+        """Show one FSDP group's reduce-scatter input to the ``before_reduce`` observers (fault injection),
+        before it is sent."""
         for observer in self.before_reduce:
-            observer(index, flat)
+            observer(len(self.findings.names), flat)
+
+    def on_input(self, name: str, flat: torch.Tensor) -> None:
+        """One FSDP group's reduce-scatter input: flag, measure, and (when recording) fingerprint it.
+
+        Called once the reduce-scatter is issued (:class:`ObservedReduceScatter`): it reads the input, which
+        the reduce-scatter leaves as it is, so on a GPU these kernels are queued on the reduce-scatter
+        stream behind the collective's launch and run while it communicates, rather than in front of it."""
+        found = self.findings
         found.names.append(name)
         if self.check_nonfinite:
             found.flags.append(nonfinite_flag(flat))
@@ -89,8 +96,14 @@ class ObservedReduceScatter(DefaultReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Any:
-        self.observer.on_input(self.name, input_tensor)
-        if not self.observer.communicate:
+        observer = self.observer
+        observer.observe(input_tensor)
+        if not observer.communicate:
             output_tensor.zero_()
+            observer.on_input(self.name, input_tensor)
             return None
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        # Issue the collective first, then check its input (read-only for both): the checks never delay
+        # the reduce-scatter. The input is FSDP's, allocated on this stream, so it outlives these kernels.
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        observer.on_input(self.name, input_tensor)
+        return work

@@ -12,7 +12,7 @@ when the two ratios agree, the figure is not an artefact of the noise.
 the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the
 same FSDP2 loop without the guard (benchmarks/agent_sharded.py).
 
-Five more parts (``--only`` picks among verdict, overhead, loop, big, trigger, fusion):
+Six more parts (``--only`` picks among verdict, overhead, loop, big, trigger, memory, fusion):
 
 - verdict: the Python verdict alone at simulated worlds of 8, 1,024 and
   16,384 ranks, for a step where all agree (the all-reduced flags) and for one
@@ -24,6 +24,8 @@ Five more parts (``--only`` picks among verdict, overhead, loop, big, trigger, f
   parameters, where the fixed per-step cost no longer dominates;
 - trigger: the magnitude trigger's rate on clean steps of the reference job
   in the drill's shape (3 nodes x 2 ranks, audits every 10, weights every 5);
+- memory: the audit step's peak extra memory on the big model, with 1 and 4
+  micro-batches per step, against the parameters' size (benchmarks/audit_memory.py);
 - fusion (only when named): on the big model, the communication hook's fused
   bucket passes against one pass per result (benchmarks/agent_fusion.py).
 """
@@ -51,6 +53,7 @@ from agent.train import JobShape, SyntheticData, build, init_process_group, laun
 from agent.weights import vote
 from benchmarks.agent_fusion import fusion_table
 from benchmarks.agent_loop import loop_table
+from benchmarks.audit_memory import memory_table
 from benchmarks.interleave import (
     Quartiles,
     launch_timed,
@@ -118,13 +121,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trigger-steps", type=int, default=2000, help="clean steps for the trigger's rate")
     parser.add_argument("--loop-k", type=int, default=4, help="micro-batches per step in the loop part")
     parser.add_argument("--loop-rounds", type=int, default=40)
-    parser.add_argument("--only", default="verdict,overhead,loop,big,trigger", help="comma-separated parts to run")
+    parser.add_argument("--only", default="verdict,overhead,loop,big,trigger,memory", help="comma-separated parts to run")
     parser.add_argument("--sharding", choices=("ddp", "hsdp"), default="ddp",
                         help="hsdp: the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the same "
                              "FSDP2 loop without the guard (benchmarks/agent_sharded.py)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger", "fusion"}:
+    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger", "memory", "fusion"}:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}")
     if args.steps < 1 or min(args.rounds, args.big_rounds, args.loop_rounds) < 4 or args.loop_k < 1:
         parser.error("--steps and --loop-k must be at least 1, --rounds, --big-rounds and --loop-rounds at least 4 "
@@ -146,6 +149,9 @@ def main(argv: list[str]) -> int:
         shape = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch,
                          heads=8)
         status |= overhead_table(shape, 1, args.big_rounds, BIG)
+    if "memory" in parts:
+        status |= memory_table(JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq,
+                                        batch=args.batch, heads=8))
     if "fusion" in parts:
         shape = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch,
                          heads=8)

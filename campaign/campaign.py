@@ -15,7 +15,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,98 +22,16 @@ import torch
 
 from agent.train import JobShape, launch
 from campaign import baselines, detectors, options, report
-from campaign.faults import (
-    CAMPAIGN_MODELS,
-    MODELS,
-    PERSISTENCES,
-    FaultSpec,
-    draw,
-    parse_row_id,
-    row_id,
-)
-from campaign.job import REFERENCE_JOB, JobProblem, module_and_function, resolve
+from campaign.faults import PERSISTENCES, FaultSpec, draw, parse_row_id, row_id
+from campaign.job import REFERENCE_JOB, JobProblem, resolve
 from campaign.outcome import Detection, FaultOutcome, clean_firings, judge, table
+from campaign.rank_plan import Phase, RankPlan
+from campaign.settings import QUICK, Settings
 from campaign.worker import rank_main
 
 
 class CampaignFailed(RuntimeError):
     """The ranks did not finish (a crash or the time limit), or the clean run was not reproducible."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """How big the campaign is. Bad values raise ``ValueError`` naming the field."""
-
-    faults_per_model: int = 51
-    """Faults drawn per fault model (persistence cycles transient, intermittent, persistent)."""
-    models: tuple[str, ...] = CAMPAIGN_MODELS
-    horizon: int = 12
-    """Steps a faulted run trains from the fault's first step (also a fault's window)."""
-    lead: int = 2
-    """Clean steps a faulted run trains before its fault (the magnitude trigger starts it with the clean run's
-    history up to there: its full window from step 32 on)."""
-    first_step: int = 24
-    """The earliest fault step (the baselines' running statistics warm up before it)."""
-    span: int = 20
-    """Fault steps are drawn uniformly from ``first_step .. first_step + span - 1``."""
-    audit_every: int = 10
-    fingerprint_every: int = 5
-    checkpoint_every: int = 10
-    """The job's checkpoint cadence, for the rollback each alarm would lead to."""
-    checkpoint_gap: int = 5
-    """checkpoint faults: the steps between the two checkpoints written."""
-    soak_steps: int = 33_334
-    """Clean steps of the soak (times 3 ranks: >= 100,000 rank-steps)."""
-    world: int = 3
-    worlds: int = 2
-    """Process groups of ``world`` ranks that share the faults (the first runs the clean checks, the last the
-    soak). On 2 cores 3 ranks leave a core idle whenever two wait for the third in a collective; a second
-    group fills it (the throughput measured, with its date: docs/coverage.md, "The job"). The outcomes do not
-    depend on it."""
-    derive: bool = True
-    """Skip training a detector's run where the run without detectors already proves it silent (the non-finite
-    check alone when every loss and gradient stayed finite, the reduced-gradient comparison alone when every
-    rank received the same reduced gradients); ``--no-derive`` trains them all. A replay trains them all."""
-    seed: int = 0
-    device: str = "cpu"
-    """``cpu`` (gloo), or ``cuda``: one GPU per rank (``world`` GPUs), NCCL."""
-    job: str = REFERENCE_JOB
-    """The job to train: a factory ``package.module:function``, called as ``function(job_seed)`` and returning
-    a ``campaign.job.CampaignJob`` (``--job``; default: the reference TinyGPT job)."""
-    job_seed: int = 0
-    """The seed handed to the job's factory and to the guard's replays."""
-    timeout_s: float = 4 * 3600.0
-
-    def __post_init__(self) -> None:
-        for name in ("faults_per_model", "horizon", "first_step", "span", "checkpoint_every", "checkpoint_gap",
-                     "world", "worlds", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("lead", "audit_every", "fingerprint_every", "soak_steps", "seed", "job_seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device: must be cpu or cuda, got {self.device!r}")
-        unknown = [m for m in self.models if m not in MODELS]
-        if unknown:
-            raise ValueError(f"models: unknown fault model(s) {unknown}; known: {', '.join(MODELS)}")
-        if self.world < 3:
-            raise ValueError(f"world: the ring audit localises only with 3 or more nodes, got {self.world}")
-        if self.first_step <= max(self.checkpoint_gap, self.lead):
-            raise ValueError(f"first_step: must exceed checkpoint_gap and lead, got {self.first_step}")
-        module_and_function(self.job)
-
-    @property
-    def last_step(self) -> int:
-        """The clean reference runs to here: the last fault's window ends at it."""
-        return self.first_step + self.span + self.horizon
-
-
-QUICK = Settings(faults_per_model=1, models=(*CAMPAIGN_MODELS, "null"), horizon=8, span=10, soak_steps=150,
-                 first_step=12, timeout_s=1800.0)
-"""The short form the test runs: one fault per model (the models take turns at transient, intermittent and
-persistent) and the null control, an 8-step window, a 450-rank-step soak; faults from step 12, where the
-trigger has its warm-up (10 steps) of history, not yet its full window."""
 
 
 def plan(settings: Settings, replay: str | None = None) -> list[FaultSpec]:
@@ -152,16 +69,16 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
     configs = detectors.configs(settings.audit_every, settings.fingerprint_every)
     fault_configs = [n for n in configs if n not in ("none", "defaults")]
     # A replay re-runs one row of a campaign whose clean checks have passed: the reference run, then the row.
-    phases = (["clean"] if replay is None else []) + ["faults"] + (
-        ["soak"] if soak and replay is None and settings.soak_steps else [])
+    clean: list[Phase] = ["clean"] if replay is None else []
+    soaked: list[Phase] = ["soak"] if soak and replay is None and settings.soak_steps else []
+    phases: list[Phase] = [*clean, "faults", *soaked]
     work = Path(tempfile.mkdtemp(prefix="sdcguard-coverage-"))
     try:
         (work / "claims").mkdir()
-        plan_doc = {"settings": {**dataclasses.asdict(settings), "last_step": settings.last_step},
-                    "configs": configs, "fault_configs": fault_configs, "phases": phases, "worlds": worlds,
-                    "derive": settings.derive and replay is None,
-                    "faults": [f.to_dict() for f in faults], "out": str(work)}
-        (work / "plan.json").write_text(json.dumps(plan_doc))
+        rank_plan = RankPlan(settings=settings, configs=configs, fault_configs=fault_configs, phases=phases,
+                             worlds=worlds, derive=settings.derive and replay is None, faults=faults,
+                             out=str(work))
+        (work / "plan.json").write_text(json.dumps(rank_plan.to_dict()))
         if echo:
             print(f"coverage: {len(faults)} fault(s) on {worlds} group(s) of {settings.world} ranks; a line per "
                   f"fault done follows", file=sys.stderr, flush=True)

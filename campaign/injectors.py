@@ -5,9 +5,9 @@ Nothing here is known to the guard: products are corrupted by a
 hooks, local gradients by tensor hooks on the parameters, weights and updates
 by the optimizer's step hooks, one rank's all-reduce result by a wrapper of
 ``torch.distributed.all_reduce`` that corrupts the future it returns (float
-tensors only: the gradient buckets), and checkpoint objects by the checkpoint
-writer's ``corrupt`` callback. Every injector counts what it corrupted in
-``fired``.
+tensors only: the gradient buckets; in place until the fault is removed,
+``all_reduce_wrap.py``), and checkpoint objects by the checkpoint writer's
+``corrupt`` callback. Every injector counts what it corrupted in ``fired``.
 
 A micro-batch *pass* starts at each forward of the bare module (the DDP pass
 and each recomputation): a transient fault corrupts only pass 0 of its step,
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
 from campaign.faults import FaultSpec
 
 _aten = torch.ops.aten
@@ -320,35 +320,35 @@ class _CorruptingWork:
 def _allreduce(inst: Installed, shape: ModelShape) -> None:
     fault = inst.fault
     target = fault.target % max(shape.allreduces, 1)
-    original = dist.all_reduce
     seen = {"step": -1, "n": 0}
 
     def corrupt(t: torch.Tensor) -> None:
         flip(t, fault.element % t.numel(), fault.bit)
         inst.fired += 1
 
-    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        work = original(tensor, *args, **kwargs)
-        if not (tensor.is_floating_point() and tensor.dtype == torch.float32 and inst.mine
-                and fault.fires(inst.step)):
+    def corrupting(original: AllReduce) -> AllReduce:
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            work = original(tensor, *args, **kwargs)
+            if not (tensor.is_floating_point() and tensor.dtype == torch.float32 and inst.mine
+                    and fault.fires(inst.step)):
+                return work
+            if seen["step"] != inst.step:
+                seen["step"], seen["n"] = inst.step, 0
+            n = seen["n"]
+            seen["n"] += 1
+            if n != target:
+                return work
+            if kwargs.get("async_op") or (len(args) >= 3 and args[2]):
+                return _CorruptingWork(work, corrupt)
+            corrupt(tensor)
             return work
-        if seen["step"] != inst.step:
-            seen["step"], seen["n"] = inst.step, 0
-        n = seen["n"]
-        seen["n"] += 1
-        if n != target:
-            return work
-        if kwargs.get("async_op") or (len(args) >= 3 and args[2]):
-            return _CorruptingWork(work, corrupt)
-        corrupt(tensor)
-        return work
 
-    dist.all_reduce = all_reduce
+        return all_reduce
 
-    def undo() -> None:
-        dist.all_reduce = original
-
-    inst._undo.append(undo)
+    # Wrapped from here until ``inst.remove()``: the installed fault's lifetime, not a ``with`` block.
+    scope = contextlib.ExitStack()
+    scope.enter_context(wrapped_all_reduce(corrupting))
+    inst._undo.append(scope.close)
 
 
 def checkpoint_corrupter(fault: FaultSpec, rank: int, counter: list[int],

@@ -1,6 +1,6 @@
 """From the runs' records to outcomes: benign or silent, its size, and per detector caught / when / whom.
 
-Everything here is computed from what the runs recorded (``worker.py``):
+Everything here is computed from what the runs recorded (``records.py``):
 a fault is **benign** when the faulted run's final state (weights and
 optimizer state, every rank) is bit-identical to the clean run's at the same
 step; otherwise it is a **silent corruption**, sized **catastrophic**
