@@ -326,6 +326,15 @@ def batch_digests(batch: Any) -> list[str]:
     return out
 
 
+def estimated_bytes(state_bytes: int, batches: Sequence[Any]) -> int:
+    """What a capsule of a state of ``state_bytes`` bytes and these micro-batches would hold, before
+    anything is serialised: the size :func:`write_capsule` compares with the cap first. Under a mesh the
+    state is not gathered yet when this is asked (agent.sharded_capsule), so its size comes from the global
+    shapes. Raises :class:`ValueError` for a micro-batch a capsule cannot store."""
+    stored = _compacted(batches)
+    return state_bytes + _storage_bytes([t for b in stored for t in _leaves(b)])
+
+
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes ``torch.save`` writes for these tensors' data, each storage once (views share theirs)."""
     return sum({_storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -401,13 +410,13 @@ def write_capsule(
     # Refused before serialising: a model far over the cap is never copied into memory.
     estimate = _storage_bytes(list(state.values())) + _storage_bytes([t for b in stored for t in _leaves(b)])
     if estimate > cap_bytes:
-        return CapsuleResult(False, where, estimate, _over_cap(estimate, cap_bytes))
+        return CapsuleResult(False, where, estimate, over_cap(estimate, cap_bytes))
     objects = {STATE_NAME: _serialise({k: v.cpu() for k, v in state.items()})}
     for i, batch in enumerate(stored):
         objects[batch_name(i)] = _serialise(batch)
     size = sum(len(data) for data in objects.values())
     if size > cap_bytes:
-        return CapsuleResult(False, where, size, _over_cap(size, cap_bytes))
+        return CapsuleResult(False, where, size, over_cap(size, cap_bytes))
     manifest = CapsuleManifest(
         created=datetime.now(UTC).isoformat(timespec="seconds"), factory=factory,
         factory_args=dict(factory_args or {}), settings=settings, signature=dict(signature), expected=expected,
@@ -426,7 +435,8 @@ def write_capsule(
     return CapsuleResult(True, where, size, manifest=manifest)
 
 
-def _over_cap(size: int, cap: int) -> str:
+def over_cap(size: int, cap: int) -> str:
+    """Why a capsule of ``size`` bytes was not written (the sentence the alarm carries)."""
     return (f"it would be {size} bytes, above capsule_max_bytes ({cap}); nothing was written "
             f"(raise SDCGUARD_CAPSULE_MAX_BYTES to keep one)")
 

@@ -11,7 +11,9 @@ the confirmation run, comparing every repetition's loss bits and gradient
 fingerprints with the expected ones. What makes a capsule unusable here is a
 :class:`CapsuleUnusable` with a :data:`Problem`, reported, never raised to
 the caller of :func:`replay`. ``sdcguard replay`` is its command line; the
-report's JSON is what the pipeline's Kubernetes Job will read.
+report's JSON is what the pipeline's Kubernetes Job will read. A simulated
+fault in ``SDCGUARD_INJECT`` acts on the replay as on the training rank it
+names (:func:`injected`), so drills and tests see a faulty node reproduce.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 import importlib
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ from agent.capsule import (
     map_tensors,
 )
 from agent.determinism import environment_signature, signature_differences
+from agent.inject import ENV_VAR, Injector, from_env
 from agent.recompute import recompute_step
 from lineage.errors import LineageError
 from lineage.store import ObjectStore
@@ -48,10 +52,10 @@ from lineage.store import ObjectStore
 REPORT_SCHEMA_VERSION: Final = "1"
 """The version of :meth:`ReplayReport.to_dict`'s object."""
 
-Problem = Literal["missing", "corrupt", "device", "signature", "factory", "model"]
+Problem = Literal["missing", "corrupt", "device", "signature", "factory", "model", "injection"]
 """Why a capsule cannot be used here: no capsule at the location, a changed or missing object, no device of
-its kind, another software or hardware signature, a factory that does not import or build, or a model unlike
-the capsule's state."""
+its kind, another software or hardware signature, a factory that does not import or build, a model unlike
+the capsule's state, or a malformed ``SDCGUARD_INJECT``."""
 
 
 class CapsuleUnusable(CapsuleError):
@@ -229,6 +233,8 @@ class ReplayReport:
     step: int | None = None
     rank: int | None = None
     expected_loss: str | None = None
+    injection: str | None = None
+    """The simulated fault this replay ran under (``SDCGUARD_INJECT``, described), None on real hardware only."""
 
     @property
     def matched(self) -> int:
@@ -283,6 +289,7 @@ class ReplayReport:
             "problem": self.problem,
             "reasons": self.reasons,
             "expected_loss": self.expected_loss,
+            "injection": self.injection,
             "repetitions": [
                 {"index": r.index, "match": r.match, "loss_match": r.loss_match, "loss": r.loss,
                  "mismatched_params": r.mismatched_params[:max_params],
@@ -350,6 +357,9 @@ def replay(
     except CapsuleCorrupt as exc:
         report.problem, report.reasons = "corrupt", [str(exc)]
         return report
+    except _read_errors() as exc:  # no such bucket, access denied, the store unreachable: nothing replayed
+        report.problem, report.reasons = "missing", [f"{name}: cannot be read here ({type(exc).__name__}: {exc})"]
+        return report
     m = capsule.manifest
     report.capsule, report.step, report.rank, report.expected_loss = capsule.location, m.settings.step, \
         m.settings.rank, m.expected.loss
@@ -365,13 +375,55 @@ def replay(
                 f"{capsule.size_bytes} bytes; rebuilding the model with {m.factory} on {report.device}")
             prepared = prepare(capsule, device)
             check_signature(capsule, device)
-            for i in range(1, repeats + 1):
-                repetition = recompute_once(prepared, i)
-                report.repetitions.append(repetition)
-                say(_describe(repetition, repeats))
+            injector = injected(prepared, report)
+            try:
+                for i in range(1, repeats + 1):
+                    repetition = recompute_once(prepared, i)
+                    report.repetitions.append(repetition)
+                    say(_describe(repetition, repeats))
+            finally:
+                if injector is not None:
+                    injector.remove()
     except CapsuleUnusable as exc:
         report.problem, report.reasons = exc.problem, exc.reasons
     return report
+
+
+def injected(prepared: Prepared, report: ReplayReport) -> Injector | None:
+    """The simulated faulty hardware of ``SDCGUARD_INJECT``, installed on the replay's module as on a training
+    rank's: this replay runs as the capsule's rank, at its step, on node ``NODE_NAME``. A persistent fault
+    (``repeat`` > 1) whose steps cover the capsule's step and bound to that rank or node corrupts every
+    repetition; a transient one corrupts none (see :meth:`agent.inject.Injector.install_on_module`). Says so
+    loudly on stderr; records the fault in ``report.injection``. None when it is off. Raises
+    :class:`CapsuleUnusable` ("injection") for a malformed value or a model the fault cannot hook."""
+    try:
+        injection = from_env()
+    except ValueError as exc:
+        raise CapsuleUnusable("injection", [f"{ENV_VAR}: {exc}"]) from exc
+    if injection is None:
+        return None
+    s = prepared.capsule.manifest.settings
+    node = os.environ.get("NODE_NAME", "")
+    injector = Injector(injection, s.rank, node)  # announces itself on stderr
+    try:
+        fires = injector.install_on_module(prepared.module, s.step)
+    except ValueError as exc:
+        injector.remove()
+        raise CapsuleUnusable("injection", [f"{ENV_VAR}: {exc}"]) from exc
+    report.injection = injection.describe()
+    print(f"!!! SDCGUARD FAULT INJECTION: replaying step {s.step} as rank {s.rank} on node {node or '(unset)'}: "
+          f"the simulated fault {'corrupts every repetition' if fires else 'does not fire here'} !!!",
+          file=sys.stderr, flush=True)
+    return injector
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a capsule's store can raise besides the lineage errors: the S3 client's, and the OS's."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # no S3 support installed: only local capsules
+        return (OSError,)
+    return (BotoCoreError, ClientError, OSError)
 
 
 def _describe(r: Repetition, repeats: int) -> str:

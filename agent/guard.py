@@ -986,12 +986,12 @@ class SDCGuard:
         """Skip the update, publish from one rank (after writing a replay capsule where one applies: its
         location goes into the message), wait for it, then apply the policy."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.topology.rank == alarm.publisher_rank:
-            note = self._capsule_note(alarm)
-            if note:
-                # The alarm's message is capped (1024 characters): the capsule's sentence is kept whole.
-                head = alarm.message[:max(0, 1022 - len(note))]
-                alarm = alarm.model_copy(update={"message": f"{head}; {note}" if head else note[:1024]})
+        # Every rank: under a mesh the capsule's state is gathered by all (the note is the publisher's alone).
+        note = self._capsule_note(alarm)
+        if self.topology.rank == alarm.publisher_rank and note:
+            # The alarm's message is capped (1024 characters): the capsule's sentence is kept whole.
+            head = alarm.message[:max(0, 1022 - len(note))]
+            alarm = alarm.model_copy(update={"message": f"{head}; {note}" if head else note[:1024]})
         result.alarm = alarm
         result.updated = False
         self.alarms.append(alarm)
@@ -1012,14 +1012,17 @@ class SDCGuard:
         return result
 
     def _capsule_note(self, alarm: Alarm) -> str:
-        """On the publishing rank, before publishing: write a replay capsule (agent.capsule) of each localised
-        suspect whose own step a recomputation on another node disagreed with; the sentence for the alarm's
-        message ("" when none applies). Runs no collective and never raises: a capsule that fails to be
-        written is logged and said in the message, never a reason not to publish.
+        """Write a replay capsule (agent.capsule) of each localised suspect whose own step a recomputation on
+        another node disagreed with, before the alarm is published; on the publishing rank the sentence for
+        the alarm's message ("" when none applies, and on every other rank). Never raises: a capsule that
+        fails to be written is logged and said in the message, never a reason not to publish.
 
-        Only under DDP, where the alarm skipped the update, so the module's weights are still the ones the
-        failing step started from; the healthy result is this (non-suspect) rank's recomputation of the
-        suspect's step."""
+        Every rank calls it with the same alarm. Under DDP only the publishing rank works, with no
+        collective: the alarm skipped the update, so the module's weights are still the ones the failing
+        step started from, and the healthy result is this (non-suspect) rank's recomputation of the
+        suspect's step. Under a mesh (FSDP2, HSDP) every rank agrees whether a capsule is due and gathers
+        the unsharded state, and the publishing rank recomputes the step on the factory's plain model
+        (agent.sharded_capsule)."""
         cfg = self.config
         evidence = alarm.evidence
         pairs = [*getattr(evidence, "pairs", []), *getattr(evidence, "confirmation", [])]
@@ -1028,49 +1031,67 @@ class SDCGuard:
         disagreed = {p.audited for p in pairs if not p.loss_match or p.mismatched_params}
         rank_of = {ident.global_rank: r for r, ident in enumerate(self.identities)}
         nodes = {rank_of.get(s.global_rank, s.global_rank): s.node for s in alarm.suspects}
-        suspects = [r for r in sorted(nodes) if r in disagreed and r != self.topology.rank]
+        # From the alarm alone, so every rank names the same suspects.
+        suspects = [r for r in sorted(nodes) if r in disagreed and r != alarm.publisher_rank]
         if not suspects:
             return ""  # e.g. an auditor blamed for its recomputation of another rank's step
-        if not cfg.capsule_factory:
-            # Said once per guard in the log, not in every alarm (the flags live here, beside their only use).
-            if not getattr(self, "_capsule_unset_logged", False):
-                self._capsule_unset_logged = True
-                log.warning("no replay capsule for localised alarms: capsule_factory (SDCGUARD_CAPSULE_FACTORY) "
-                            "is unset; see docs/replay.md")
-            return ""
+        publishing = self.topology.rank == alarm.publisher_rank
+        if not cfg.capsule_factory and publishing and not getattr(self, "_capsule_unset_logged", False):
+            # Said once per guard in the log, not in every alarm (the flag lives here, beside its only use).
+            self._capsule_unset_logged = True
+            log.warning("no replay capsule for localised alarms: capsule_factory (SDCGUARD_CAPSULE_FACTORY) "
+                        "is unset; see docs/replay.md")
         parallel = self.parallel
+        origins = {s: {"alarm_id": alarm.alarm_id, "detector": alarm.detector.value, "suspect_rank": str(s),
+                       "node": nodes[s], "written_by_rank": str(alarm.publisher_rank)} for s in suspects}
         if not isinstance(parallel, DataParallel):
-            if not getattr(self, "_capsule_sharded_logged", False):
-                self._capsule_sharded_logged = True
-                log.warning("no replay capsule: sharded training (FSDP2, HSDP) is not supported yet "
-                            "(docs/replay.md)")
-            return "no replay capsule: not supported under sharded training yet"
+            from agent.sharded import ShardedDataParallel
+            from agent.sharded_capsule import write_sharded_capsules  # only on an alarm
+
+            assert isinstance(parallel, ShardedDataParallel)
+            try:
+                written = write_sharded_capsules(parallel, step=alarm.step, suspects=suspects,
+                                                 publisher=alarm.publisher_rank, origins=origins)
+            except Exception as exc:  # the alarm is published whatever became of its capsule
+                log.exception("step %d: no replay capsule of rank(s) %s", alarm.step, suspects)
+                written = {s: f"no replay capsule: gathering the state failed ({type(exc).__name__}: {exc})"
+                           for s in suspects} if publishing else {}
+            if not publishing or not cfg.capsule_factory:
+                return ""
+            return self._capsule_sentence(alarm.step, suspects, written)
+        if not (publishing and cfg.capsule_factory):
+            return ""
         from agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
         from agent.determinism import environment_signature
 
-        notes = []
+        notes: dict[int, str] = {}
         for suspect in suspects:
             try:
                 batches = parallel.job.micro_batches(alarm.step, suspect)
                 healthy = parallel._recompute(alarm.step, suspect, batches)
                 module = parallel.model.module
-                written = write_capsule(
+                written_one = write_capsule(
                     cfg.checkpoint_prefix, module=module, batches=batches,
                     settings=ReplaySettings.capture(
                         module, seed=cfg.seed, step=alarm.step, rank=suspect, autocast_dtype=cfg.autocast_dtype,
                         grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None)),
                     expected=Expected.from_recomputation(healthy), signature=environment_signature(self.device),
-                    factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes,
-                    origin={"alarm_id": alarm.alarm_id, "detector": alarm.detector.value,
-                            "suspect_rank": str(suspect), "node": nodes[suspect],
-                            "written_by_rank": str(self.topology.rank)})
-                note = written.describe()
+                    factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes, origin=origins[suspect])
+                notes[suspect] = written_one.describe()
             except Exception as exc:  # the alarm is published whatever became of its capsule
                 log.exception("step %d: the replay capsule of rank %d was not written", alarm.step, suspect)
-                note = f"no replay capsule: writing it failed ({type(exc).__name__}: {exc})"
-            (log.warning if note.startswith("no ") else log.info)("step %d, rank %d: %s", alarm.step, suspect, note)
-            notes.append(f"rank {suspect}: {note}" if len(suspects) > 1 else note)
-        return "; ".join(notes) + "."
+                notes[suspect] = f"no replay capsule: writing it failed ({type(exc).__name__}: {exc})"
+        return self._capsule_sentence(alarm.step, suspects, notes)
+
+    @staticmethod
+    def _capsule_sentence(step: int, suspects: list[int], notes: dict[int, str]) -> str:
+        """Each suspect's capsule note, logged, joined into the alarm's sentence."""
+        said = []
+        for suspect in suspects:
+            note = notes.get(suspect, "no replay capsule: none was written")
+            (log.warning if note.startswith("no ") else log.info)("step %d, rank %d: %s", step, suspect, note)
+            said.append(f"rank {suspect}: {note}" if len(suspects) > 1 else note)
+        return "; ".join(said) + "."
 
     # -- collectives ----------------------------------------------------------------------------------
 

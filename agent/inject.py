@@ -6,10 +6,12 @@ A fault is bound to the hardware of a rank (``rank=R``) or of a node
 (``node=NAME``), as a real faulty GPU is. A fault with ``repeat > 1`` is a
 persistent one: during its steps (``step`` to ``step+repeat-1``) it corrupts
 every computation of that hardware, its own micro-batch, the micro-batches it
-recomputes for the audit or a confirmation, and its replays. ``repeat=1`` is a
-transient fault: it corrupts only the first computation of its step (the
-rank's own forward and backward), so a recomputation of the same micro-batch on
-the same hardware comes out right.
+recomputes for the audit or a confirmation, and its replays (``sdcguard replay``
+of a capsule of one of its steps, run as that rank or on that node:
+:meth:`Injector.install_on_module`). ``repeat=1`` is a transient fault: it
+corrupts only the first computation of its step (the rank's own forward and
+backward), so a recomputation of the same micro-batch on the same hardware,
+and a replay, comes out right.
 
 The injector installs its own hooks on the guarded model, as a profiler does
 (:meth:`Injector.install`): a forward hook on the last ``Linear`` for the
@@ -205,12 +207,7 @@ class Injector:
         guard.register_step_hook(self.begin_step)
         self.handles.append(module.register_forward_pre_hook(self._count))
         if inj.kind in ("nan_activation", "finite_activation"):
-            # The last Linear (in a GPT, the head): no dropout after it can
-            # mask the corrupted element, as it could deeper inside the model.
-            linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-            if not linears:
-                raise ValueError("injection: an activation fault needs a torch.nn.Linear in the model")
-            self.handles.append(linears[-1].register_forward_hook(self.activation_hook()))
+            self._hook_activation(module)
         elif inj.kind == "grad_bitflip":
             before = getattr(guard.hook, "before_reduce", None)
             if before is not None:
@@ -225,6 +222,40 @@ class Injector:
                 lambda *_: self.weights([param])))
         elif inj.kind == "reduced_grad_corrupt":
             guard.hook.after_reduce.append(self.reduced_bucket)
+
+    def install_on_module(self, module: torch.nn.Module, step: int) -> bool:
+        """Install the computation faults' hooks on a bare module, armed for ``step``, for a replay of that
+        step (``sdcguard replay``): no guard, optimizer or all-reduce, so only the faults of a computation
+        (:data:`COMPUTE_KINDS`) apply. Every forward from here on counts as a recomputation: a persistent
+        fault whose steps cover ``step`` corrupts each one, a transient one none (it hit only the rank's own
+        first computation, long done). Returns whether the fault fires here (kind, step, rank or node);
+        raises ``ValueError`` when the model lacks what the injection needs."""
+        inj = self.injection
+        if inj is None or inj.kind not in COMPUTE_KINDS:
+            return False
+        self.begin_step(step)
+        self.computation = 1  # the rank's own computation of this step was the training's
+        self.handles.append(module.register_forward_pre_hook(self._count))
+        if inj.kind == "grad_bitflip":
+            param = self._target(module, last=True)
+            self.handles.append(param.register_hook(self._flip_gradient))
+        else:
+            self._hook_activation(module)
+        return inj.repeat > 1 and inj.fires(step, self.rank, self.node)
+
+    def remove(self) -> None:
+        """Take out every hook this injector installed on modules and parameters."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _hook_activation(self, module: torch.nn.Module) -> None:
+        # The last Linear (in a GPT, the head): no dropout after it can
+        # mask the corrupted element, as it could deeper inside the model.
+        linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+        if not linears:
+            raise ValueError("injection: an activation fault needs a torch.nn.Linear in the model")
+        self.handles.append(linears[-1].register_forward_hook(self.activation_hook()))
 
     def _target(self, module: torch.nn.Module, *, last: bool) -> torch.Tensor:
         assert self.injection is not None

@@ -37,6 +37,10 @@ Where each detector gets its data (nothing is copied whole):
   shard group, so the confirmations run in lock step: one pass per
   confirmation slot on every rank, recomputing its assignment or, without one,
   its own micro-batch (the result unused); the replay is one more pass.
+- **Replay capsules**: on a localised recomputation alarm every rank
+  gathers the unsharded state (one all-gather per parameter) for the
+  publishing rank, which recomputes the suspect's step on the plain model
+  and writes the capsule (agent.sharded_capsule).
 
 Not yet under a mesh: a GradScaler.
 """

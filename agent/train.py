@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -142,6 +142,57 @@ def build(shape: JobShape, device: torch.device, group: dist.ProcessGroup | None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                               process_group=group)
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=shape.lr)
+
+
+MODEL_SHAPE_ENV = "SDCGUARD_MODEL_SHAPE"
+"""``dim=64,layers=4``: the reference model's sizes where they differ from ``JobShape``'s defaults.
+
+:func:`replay_model` rebuilds the model in a fresh process (``sdcguard replay``,
+on the pipeline's side a Kubernetes Job whose container env is the training
+pods'), from nothing but the capsule and this variable: the capsules the agent
+writes name the factory with empty ``factory_args``. ``python -m agent.train``
+sets it for its ranks when ``--dim``/``--layers`` differ from the defaults; a
+job that changes the model's sizes sets it in its pods' env."""
+
+_MODEL_SIZES = {"vocab": int, "dim": int, "heads": int, "layers": int, "seq": int, "dropout": float}
+"""The ``JobShape`` fields that decide the model's parameters and its forward (batch, lr and seed do not)."""
+
+
+def model_shape(env: Mapping[str, str] | None = None) -> JobShape:
+    """``JobShape`` with the sizes ``MODEL_SHAPE_ENV`` gives (the defaults for the rest).
+
+    Raises ``ValueError`` naming the variable for a size it does not know or a value that is not a number."""
+    spec = (os.environ if env is None else env).get(MODEL_SHAPE_ENV, "").strip()
+    sizes: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in _MODEL_SIZES:
+            raise ValueError(f"{MODEL_SHAPE_ENV}: {name!r} is not one of {', '.join(_MODEL_SIZES)} (got {spec!r})")
+        try:
+            sizes[name] = _MODEL_SIZES[name](value.strip())
+        except ValueError:
+            raise ValueError(f"{MODEL_SHAPE_ENV}: {name}={value.strip()!r} is not a number") from None
+    return JobShape(**sizes)
+
+
+def shape_spec(shape: JobShape) -> str:
+    """``MODEL_SHAPE_ENV``'s value for ``shape``: the model sizes that differ from the defaults ("" for none)."""
+    default = JobShape()
+    return ",".join(f"{name}={getattr(shape, name)}" for name in _MODEL_SIZES
+                    if getattr(shape, name) != getattr(default, name))
+
+
+def replay_model() -> tuple[nn.Module, Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """The reference job's capsule factory (``SDCGUARD_CAPSULE_FACTORY=agent.train:replay_model``).
+
+    Returns the bare ``TinyGPT`` of the job's sizes (``MODEL_SHAPE_ENV``, else
+    the defaults the drill trains) and :func:`loss_fn`; ``sdcguard replay``
+    loads the capsule's weights into it. Takes no arguments because the
+    capsules the agent writes carry none. Raises ``ValueError`` for a bad
+    ``MODEL_SHAPE_ENV``."""
+    s = model_shape()
+    return TinyGPT(s.vocab, s.dim, s.heads, s.layers, s.seq, s.dropout), loss_fn
 
 
 # -- the loop ----------------------------------------------------------------------------------------
@@ -366,8 +417,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--on-alarm", choices=["stop", "raise", "continue"], default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the replay")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"transformer blocks (default: {MODEL_SHAPE_ENV}'s, else {JobShape.layers})")
+    p.add_argument("--dim", type=int, default=None,
+                   help=f"model width (default: {MODEL_SHAPE_ENV}'s, else {JobShape.dim})")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--sharding", choices=SHARDINGS, default="ddp",
                    help="ddp (default), hsdp (FSDP2 on a replicate x shard mesh) or fsdp (FSDP2, 1-D mesh)")
@@ -398,7 +451,7 @@ def _worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s rank%(process)d %(name)s: %(message)s")
     init_process_group()
     try:
-        shape = JobShape(dim=args.dim, layers=args.layers, batch=args.batch, seed=args.seed)
+        shape = _shape(args)
         summary = train(args.steps, shape, _config(args), checkpoint_every=args.checkpoint_every,
                         sharding=args.sharding, replicas=args.replicas)
         if summary["rank"] == 0:
@@ -407,6 +460,12 @@ def _worker(args: argparse.Namespace) -> None:
         # on_alarm="stop": skip the teardown collectives (the other ranks are stopping too).
         raise
     shutdown()
+
+
+def _shape(args: argparse.Namespace) -> JobShape:
+    """The job's shape: ``MODEL_SHAPE_ENV``'s sizes, then the flags (ValueError naming the variable)."""
+    sizes = {k: v for k, v in {"dim": args.dim, "layers": args.layers}.items() if v is not None}
+    return replace(model_shape(), **sizes, batch=args.batch, seed=args.seed)
 
 
 def _node_env(args: argparse.Namespace) -> dict[str, str]:
@@ -432,6 +491,7 @@ def _check(args: argparse.Namespace) -> None:
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
     _config(args)
+    _shape(args)
     try:
         inject.from_env()
     except ValueError as exc:
@@ -463,6 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"agent.train: error: {exc}", file=sys.stderr)
         return 2
+    # What the ranks train is what a capsule's factory (replay_model) rebuilds, here and in a replay Job.
+    spec = shape_spec(_shape(args))
+    if spec:
+        os.environ[MODEL_SHAPE_ENV] = spec
+    else:
+        os.environ.pop(MODEL_SHAPE_ENV, None)
     if args.nproc:
         try:
             env = _node_env(args)

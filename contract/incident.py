@@ -92,7 +92,8 @@ ALLOWED: dict[IncidentState, frozenset[IncidentState]] = {
     S.APPROVED: frozenset({S.REPLACING}),
     S.REJECTED: frozenset({S.FALSE_ALARM}),
     S.REPLACING: frozenset({S.REPLACED}),
-    S.REPLACED: frozenset({S.POINTER_REWRITTEN}),
+    # A replacement that failed its qualification is replaced once more (REPLACED -> REPLACING).
+    S.REPLACED: frozenset({S.POINTER_REWRITTEN, S.REPLACING}),
     S.POINTER_REWRITTEN: frozenset({S.RESUMED}),
     S.RESUMED: frozenset({S.CLOSED}),
 }
@@ -196,12 +197,51 @@ class Failure(Strict):
     cause: Annotated[str, Field(max_length=4096)] = ""
 
 
+REPLACEMENT_REJECTED: Final = "Rejected"
+"""A :class:`Replacement`'s status once its new node failed its qualification: cordoned, never resumed onto."""
+
+
 class Replacement(Strict):
     """One instance's replacement."""
 
     old_instance_id: InstanceId
     new_instance_id: InstanceId | None = None
     status: Annotated[str, Field(max_length=64)] = "Requested"
+    """Requested, Running, or :data:`REPLACEMENT_REJECTED`."""
+
+
+NodeCheckState = Literal["running", "passed", "failed", "skipped", "inconclusive"]
+"""What replaying the capsule on a node said about the node: passed (every repetition gave the healthy bits),
+failed (one or more did not), skipped (not run, e.g. no capsule), inconclusive (run, but no answer: the capsule
+was unusable there, the Job hit its deadline or left no report)."""
+
+
+class NodeCheck(Strict):
+    """One replay of a capsule on one node, as a Kubernetes Job: the suspect's reproduction before approval, or a
+    replacement's qualification before the job resumes onto it."""
+
+    purpose: Literal["reproduce", "qualify"]
+    node: Name
+    instance_id: InstanceId | None = None
+    job: Annotated[str, Field(max_length=63)] = ""
+    """The Kubernetes Job's name (empty when none was created)."""
+    capsule: Annotated[str, Field(max_length=1024)] = ""
+    """Where the capsule replayed lives (``<checkpoint prefix>/capsules/step-...-rank-...``)."""
+    repeats: Annotated[int, Field(ge=0, strict=True)] = 0
+    state: NodeCheckState = "running"
+    matched: Annotated[int, Field(ge=0, strict=True)] = 0
+    """Repetitions that gave exactly the healthy bits."""
+    reproduced: Annotated[int, Field(ge=0, strict=True)] = 0
+    """Repetitions that did not: the fault reproduced."""
+    summary: Text = ""
+    """One line for the reviewers: ``reproduced 5/5: persistent``, ``qualified 5/5 on <node>``, ``not run: ...``."""
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the check has its answer (or was never run)."""
+        return self.state != "running"
 
 
 class Incident(Strict):
@@ -241,6 +281,9 @@ class Incident(Strict):
     rejected it, it was replaced, it stopped); it is a new incident, and the reviewers are told so."""
     job_uid: Annotated[str, Field(max_length=128)] | None = None
     """The PyTorchJob's ``metadata.uid`` when ``resolve`` confirmed the suspects' pods belong to it."""
+    node_checks: list[NodeCheck] = []
+    """The capsule replays on nodes (reproduction on the suspects, qualification of their replacements), one per
+    purpose and node, newest result in place."""
     notified: list[Annotated[str, Field(max_length=64)]] = []
     """The notifications sent, by what they announced (a state's name): a retried end sends what is missing."""
     transitions: list[Transition] = []
@@ -285,6 +328,9 @@ __all__ = [
     "Incident",
     "IncidentState",
     "InstanceId",
+    "NodeCheck",
+    "NodeCheckState",
+    "REPLACEMENT_REJECTED",
     "Replacement",
     "ResolvedSuspect",
     "RollbackPlan",

@@ -8,6 +8,11 @@ nodes it cordoned are uncordoned (a cordon someone else set is left), its
 hold on the PyTorchJob is released (the job resumes when no other open
 incident holds it), and it no longer counts toward the blast radius (a
 replacement it already requested still counts for its 24 hours).
+
+A replacement node that failed its qualification stays cordoned: it gave
+wrong bits for the job's own computation, so only a person who has looked
+at it uncordons it (``kubectl uncordon``); until then it counts as
+quarantined.
 """
 
 from __future__ import annotations

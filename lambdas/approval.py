@@ -13,6 +13,11 @@ from lambdas.errors import IncidentNotWaiting
 from lambdas.ledger import Ledger
 
 S = IncidentState
+REPRODUCTION_NOTE = (
+    "the step's capsule was replayed on the cordoned suspect (see above). N/N is a persistent fault: replace. "
+    "Some of N is intermittent: replace. 0/N means the fault did not recur there (transient, or not this "
+    "node's): the detector's evidence still stands. Inconclusive or not run says nothing either way."
+)
 
 
 def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str:
@@ -31,6 +36,8 @@ def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str
             lines.append(f"  {entry.get('instance_id')}: {entry.get('verdict')}: {notify.quote(reasons)}")
     if evidence.get("note"):
         lines.append(f"Note: {notify.quote(evidence['note'])}")
+    if any(c.purpose == "reproduce" for c in incident.node_checks):
+        lines.append(f"Reproduction: {REPRODUCTION_NOTE}")
     lines += [
         "",
         "The node is cordoned and the job suspended. To replace the node and resume from the last clean checkpoint:",

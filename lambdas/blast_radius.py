@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from contract import Incident, IncidentState
+from contract.incident import REPLACEMENT_REJECTED
 
 S = IncidentState
 FOREVER = 32_503_680_000.0
@@ -67,12 +68,20 @@ def counts_until(incident: Incident) -> float | None:
     return until
 
 
+def rejected_nodes(incident: Incident) -> set[str]:
+    """The new nodes of ``incident``'s replacements that failed their qualification: cordoned by it."""
+    rejected = {r.new_instance_id for r in incident.replacements if r.status == REPLACEMENT_REJECTED}
+    return {c.node for c in incident.node_checks if c.purpose == "qualify" and c.instance_id in rejected}
+
+
 def quarantined_nodes(incidents: Iterable[Incident], *, exclude: str, released: Collection[str] = ()) -> set[str]:
     """Nodes held by sdcguard quarantine, from incidents other than ``exclude``.
 
     A stopped incident's node counts until it is seen ``released`` (no
     sdcguard taint any more, or gone); an open incident's counts from its
-    admission until the node is replaced.
+    admission until the node is replaced. A replacement node that failed its
+    qualification was cordoned too: it counts while its incident is open, and
+    after it stopped until its nodes are seen released.
     """
     held: set[str] = set()
     for incident in incidents:
@@ -80,8 +89,11 @@ def quarantined_nodes(incidents: Iterable[Incident], *, exclude: str, released: 
             continue
         if stopped_holding(incident):
             held.update(s.node for s in incident.suspects if s.node not in released)
+            held.update(rejected_nodes(incident) - set(released))
         elif holds_nodes(incident):
             held.update(s.node for s in incident.suspects)
+        if not incident.state.terminal:
+            held.update(rejected_nodes(incident))
     return held
 
 

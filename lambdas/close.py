@@ -38,6 +38,19 @@ STEP_AFTER = {
     S.REJECTED: "Release",
 }
 """The state of the incident machine that runs after the ledger records each state: where a generic stop happened."""
+QUALIFICATION_STOPS = frozenset({"ReplacementNotQualified", "QualificationTimedOut", "UnknownQualification"})
+"""The errors with which the qualification of a replacement stops an incident (the ledger still says REPLACED)."""
+
+
+def _place(incident: Incident, error: str) -> str:
+    """Where a generic stop happened: the qualification when it stopped the incident (by its own errors, or while
+    a check of a new node was still running), else the state that follows the recorded one."""
+    if incident.state == S.REPLACED and (
+        error in QUALIFICATION_STOPS
+        or any(c.purpose == "qualify" and c.state == "running" for c in incident.node_checks)
+    ):
+        return "QualifyReplacement"
+    return STEP_AFTER.get(incident.state, incident.state.value)
 
 
 def plain_cause(cause: str) -> str:
@@ -179,7 +192,7 @@ def _stop(
         if current.state.terminal:
             return current
         # The state machine reports a generic place; the ledger knows how far the incident got.
-        place = STEP_AFTER.get(current.state, current.state.value) if failure.state == GENERIC_PLACE else failure.state
+        place = _place(current, failure.error) if failure.state == GENERIC_PLACE else failure.state
         where = failure.model_copy(update={"state": place, "cause": plain_cause(failure.cause)[:4096]})
         recorded[:] = [where]
         return current.advance(target, actor=actor, note=f"{where.state}: {where.error}", failure=where)

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from contract import Incident, IncidentState
 from lambdas.errors import IncidentNotWaiting
 from lambdas.ledger import Ledger
+from lambdas.node_check import checks_of, reproduce_summary
 
 CORROBORATED: Final = "corroborated"
 NO_HARDWARE_SIGNAL: Final = "no hardware signal"
@@ -232,6 +233,11 @@ def evidence_for_incident(
         if other.alarm.job.hyperpod_cluster == cluster
     }
     found = summary(collect_evidence(incident, history.values(), dcgm_counters=dcgm_counters, client=cloudwatch))
+    reproduction = checks_of(incident, "reproduce")
+    if reproduction:
+        # The replay of the capsule on the cordoned suspect (lambdas.node_check): beside the hardware's own
+        # counters, the one piece of evidence that the node gets the job's computation wrong.
+        found["reproduction"] = reproduce_summary(reproduction)
     return ledger.update(
         incident_id,
         lambda current: current

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 from kubernetes import client as k8s
 
 from contract import Incident, IncidentState
-from lambdas.blast_radius import Verdict, check_blast_radius, quarantined_nodes, stopped_holding
+from lambdas.blast_radius import (
+    Verdict,
+    check_blast_radius,
+    quarantined_nodes,
+    rejected_nodes,
+    stopped_holding,
+)
 from lambdas.cordon import TAINT_KEY
 from lambdas.errors import BlastRadiusExceeded
 from lambdas.kube_errors import kubernetes_errors
@@ -102,6 +108,11 @@ def _admit(ledger: Ledger, incident_id: str, target: IncidentState, note: str, *
     )
 
 
+def _cordoned_by(incident: Incident) -> set[str]:
+    """The nodes ``incident`` cordoned: its suspects', and its replacements' that failed their qualification."""
+    return {s.node for s in incident.suspects} | rejected_nodes(incident)
+
+
 def _count_releases(
     ledger: Ledger, incidents: list[Incident], kubernetes: Callable[[], k8s.ApiClient] | None, *, exclude: str
 ) -> list[Incident]:
@@ -109,11 +120,13 @@ def _count_releases(
     stopped = [i for i in incidents if i.incident_id != exclude and stopped_holding(i)]
     if not stopped or kubernetes is None:
         return incidents
-    released = released_nodes(kubernetes(), (s.node for i in stopped for s in i.suspects))
+    # A replacement node that failed its qualification was cordoned by the incident too: it must be released
+    # as well before the incident stops holding.
+    released = released_nodes(kubernetes(), (n for i in stopped for n in _cordoned_by(i)))
     out = []
     now = datetime.now(UTC)
     for incident in incidents:
-        if incident in stopped and all(s.node in released for s in incident.suspects):
+        if incident in stopped and _cordoned_by(incident) <= released:
             incident = ledger.update(
                 incident.incident_id,
                 lambda current: current

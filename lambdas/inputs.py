@@ -90,6 +90,22 @@ class StatusPoll(TaskInput):
     attempt: Annotated[int, Field(ge=0)] = 0
 
 
+class NodeCheckStart(TaskInput):
+    """Input of start_node_check: which incident, and which check (reproduction on the suspects before approval,
+    qualification of the replacements before the job resumes)."""
+
+    incident_id: IncidentId
+    purpose: Literal["reproduce", "qualify"]
+
+
+class NodeCheckPoll(TaskInput):
+    """Input of node_check_status in its wait loop."""
+
+    incident_id: IncidentId
+    purpose: Literal["reproduce", "qualify"]
+    attempt: Annotated[int, Field(ge=0)] = 0
+
+
 class CaughtError(BaseModel):
     """What a ``Catch`` puts at its ``ResultPath``."""
 

@@ -52,6 +52,21 @@ def publish(topic_arn: str, subject: str, message: str, *, incident: Incident | 
     return str(response["MessageId"])
 
 
+NODE_CHECK_TITLES = {
+    "reproduce": "Reproduction on the suspect",
+    "qualify": "Qualification of the replacement",
+}
+
+
+def node_check_lines(incident: Incident) -> list[str]:
+    """One line per node check (the capsule replayed on a suspect or a new node), by purpose."""
+    lines = []
+    for purpose, title in NODE_CHECK_TITLES.items():
+        for check in (c for c in incident.node_checks if c.purpose == purpose):
+            lines.append(f"{title}: {quote(check.node)}: {quote(check.summary)}")
+    return lines
+
+
 def describe(incident: Incident) -> str:
     """A plain-text description of the incident for a human."""
     alarm = incident.alarm
@@ -77,6 +92,8 @@ def describe(incident: Incident) -> str:
             lines.append(f"Suspect (unresolved): rank {raw.global_rank} pod {quote(raw.pod)} node {quote(raw.node)}")
     if alarm.message:
         lines.append(f"Agent says: {quote(alarm.message)}")
+    for line in node_check_lines(incident):
+        lines.append(line)
     if incident.decision is not None:
         d = incident.decision
         lines.append(f"Decision: {d.decision} by {quote(d.reviewer)}: {quote(d.reason)}")

@@ -24,6 +24,8 @@ class Timeouts(Output):
     approval_seconds: int
     replacement_poll_seconds: int
     replacement_max_polls: int
+    node_check_poll_seconds: int
+    node_check_max_polls: int
 
 
 class Recorded(Output):
@@ -133,3 +135,40 @@ class Decided(Output):
     decision: str
     reviewer: str
     execution_arn: str | None = None
+
+
+class NodeChecksStarted(Output):
+    """start_node_check: the replay Jobs created, and the nodes skipped (no capsule, Job refused)."""
+
+    incident_id: str
+    purpose: Literal["reproduce", "qualify"]
+    started: int
+    skipped: int
+    attempt: int = 0
+    """The wait loop's counter, starting at 0 (node_check_status counts each poll)."""
+
+
+class NodeCheckPoll(Output):
+    """node_check_status: one turn of the node check wait loop."""
+
+    incident_id: str
+    purpose: Literal["reproduce", "qualify"]
+    attempt: int
+    done: bool
+    exhausted: bool
+    summary: str
+    """``reproduced 5/5: persistent`` / ``reproduced 0/5`` / ``not run: ...`` / ``inconclusive: ...``;
+    ``qualified 5/5 on <node>`` per new node, joined."""
+    qualified: bool | None
+    """qualify: True every new node matched N/N; False one failed or gave no answer (it must not be
+    resumed onto); None none was checked (no capsule). Always None for reproduce."""
+    failed_instance_ids: list[str]
+
+
+class ReplacementRejected(Output):
+    """reject_replacement: the new nodes that failed qualification (cordoned) and whether to replace them."""
+
+    incident_id: str
+    replace_again: bool
+    instance_ids: list[str]
+    reason: str

@@ -68,6 +68,20 @@ class Settings(BaseModel):
     replacement_max_polls: Annotated[int, Field(alias="REPLACEMENT_MAX_POLLS", ge=1, le=10_000)] = 120
     """The wait loop's upper bound: after this many polls the replacement has failed (deploy bounds it by the execution history limit)."""
 
+    node_check_repeats: Annotated[int, Field(alias="NODE_CHECK_REPEATS", ge=1, le=100)] = 5
+    """How many times a node check replays the capsule: the suspect's reproduction and each replacement's
+    qualification (which must match every time)."""
+    node_check_deadline_seconds: Annotated[int, Field(alias="NODE_CHECK_DEADLINE_SECONDS", ge=10, le=86_400)] = 900
+    """A node check Job's ``activeDeadlineSeconds``: past it the check is inconclusive."""
+    node_check_poll_seconds: Annotated[int, Field(alias="NODE_CHECK_POLL_SECONDS", ge=1, le=3600)] = 15
+    """How often the state machine's wait loop reads the node check Jobs."""
+    node_check_max_polls: Annotated[int, Field(alias="NODE_CHECK_MAX_POLLS", ge=1, le=10_000)] = 70
+    """The node check loop's upper bound: after this many polls the checks still running are inconclusive
+    (70 x 15 s covers the Job's default 900 s deadline; deploy bounds it by the execution history limit)."""
+    max_replacement_rounds: Annotated[int, Field(alias="MAX_REPLACEMENT_ROUNDS", ge=1, le=10)] = 2
+    """Replacement rounds in all for one incident: a replacement that fails qualification is replaced again
+    only while fewer rounds than this were made (and within the blast-radius limits)."""
+
     def timeouts(self) -> dict[str, int]:
         """The bounds the state machine reads from its data (HeartbeatSecondsPath, TimeoutSecondsPath, SecondsPath).
 
@@ -80,6 +94,8 @@ class Settings(BaseModel):
             "approval_seconds": window + min(60, max(1, window // 10)),
             "replacement_poll_seconds": self.replacement_poll_seconds,
             "replacement_max_polls": self.replacement_max_polls,
+            "node_check_poll_seconds": self.node_check_poll_seconds,
+            "node_check_max_polls": self.node_check_max_polls,
         }
 
     @field_validator("dcgm_metric_names", mode="before")

@@ -34,7 +34,7 @@ import boto3
 from botocore.exceptions import ClientError
 
 from infra.deploy.cfn_yaml import load_template
-from infra.deploy.execution_history import HistoryBudgetError, check_polls
+from infra.deploy.execution_history import POLL_LOOPS, ROUNDS, HistoryBudgetError, check_budget
 from infra.deploy.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
 from infra.deploy.stack_events import StackTimeout, follow, last_event
 
@@ -151,18 +151,20 @@ def check_publisher(effective: Mapping[str, str]) -> None:
 
 
 def check_history_budget(effective: Mapping[str, str], incident_definition: Path) -> None:
-    """Refuse a ``ReplacementMaxPolls`` whose worst case could overrun the execution history (25,000 events).
+    """Refuse poll bounds (``ReplacementMaxPolls``, ``NodeCheckMaxPolls``) and ``MaxReplacementRounds`` whose
+    worst case could overrun the execution history (25,000 events).
 
     The bound is read from the incident machine's definition (see
     :mod:`infra.deploy.execution_history`). Raises :class:`DeployError`.
     """
     try:
         definition = json.loads(incident_definition.read_text())
-        check_polls(definition, int(float(effective["ReplacementMaxPolls"])))
+        names = {*POLL_LOOPS.values(), ROUNDS}
+        check_budget(definition, {n: int(float(effective[n])) for n in sorted(names) if n in effective})
     except HistoryBudgetError as exc:
         raise DeployError(str(exc)) from None
     except (OSError, ValueError, KeyError) as exc:
-        raise DeployError(f"cannot check the replacement wait against {incident_definition.name}: {exc}") from None
+        raise DeployError(f"cannot check the poll loops against {incident_definition.name}: {exc}") from None
 
 
 def default_target(architecture: str | None = None, python_version: str | None = None) -> Target:

@@ -19,6 +19,15 @@ module plays the stages in order and writes the report;
 detect, localise or recover raises :class:`DrillFailed` naming the step that
 failed; the summary built so far travels with it.
 
+The fault lives in the faulty node's hardware: the drill registers it with
+the stand-in (:mod:`infra.drill.hardware`), so the pipeline's node checks,
+Kubernetes Jobs that replay the suspect's capsule on a node, meet it on that
+node and nowhere else; the summary records what they said
+(:mod:`infra.drill.node_checks`). With ``DrillOptions.replacement_faulty``
+the stand-in's replacements inherit the fault, and the drill passes only if
+the job never resumes onto one: a further replacement qualifies, or the
+incident stops in NEEDS_ATTENTION with the failed node cordoned.
+
 With ``DrillOptions.chaos`` a fraction of the pipeline's Kubernetes API and
 SageMaker HyperPod calls fail transiently from the faulty run until the
 incident ends (:mod:`infra.drill.chaos`); the drill must pass all the same.
@@ -38,7 +47,7 @@ from infra.drill.report import Marks, Say, Story, plot_losses, timeline_lines, w
 from infra.drill.runs import run_clean
 from infra.drill.setup import prepare
 from infra.drill.stage import Stage
-from infra.drill.stages import Drill, Outcome
+from infra.drill.stages import Drill, Outcome, Restart
 from infra.drill.summary import DrillSummary
 
 __all__ = [
@@ -68,6 +77,7 @@ def run_drill(stage: Stage, options: DrillOptions, work_dir: Path, *, trainer: T
         summary=DrillSummary(
             fault=options.fault,
             sharding=options.sharding,
+            replacement_faulty=options.replacement_faulty,
             fault_rank=options.fault_rank,
             fault_step=options.fault_step,
             steps=options.steps,
@@ -105,14 +115,16 @@ def _play(drill: Drill, clean: RunResult | None) -> None:
     """The drill's story, one stage after the other; each stage raises DrillFailed when its check fails."""
     before = drill.cluster_before()
     reference = drill.clean_run(clean, before)
-    with drill.chaos():
-        faulty = drill.faulty_run(before)
-        waiting = drill.pipeline_to_reviewer(faulty)
-        review = drill.review(waiting)
-        ended = drill.pipeline_to_end(waiting, review)
-    start = drill.incident_outcome(before, faulty, waiting, ended, review)
-    recovered = drill.recovered_run(faulty, start)
-    drill.comparison(reference, recovered, start, review)
+    with drill.faulty_hardware(before):
+        with drill.chaos():
+            faulty = drill.faulty_run(before)
+            waiting = drill.pipeline_to_reviewer(faulty)
+            review = drill.review(waiting)
+            ended = drill.pipeline_to_end(waiting, review)
+        start = drill.incident_outcome(before, faulty, waiting, ended, review)
+        if isinstance(start, Restart):  # else no new node qualified: the job stays suspended, nothing to compare
+            recovered = drill.recovered_run(faulty, start)
+            drill.comparison(reference, recovered, start, review)
     drill.summary.verdict = "PASSED"
 
 

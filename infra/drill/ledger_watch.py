@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from contract import Alarm, Incident, IncidentState
@@ -30,6 +32,7 @@ class IncidentWatch:
         self.alarm_at = _ts(alarm.time)
         self.story = story
         self.shown = 0
+        self.checks_shown: set[tuple[str, str]] = set()
 
     def current(self) -> Incident | None:
         """The incident, or None while it is not recorded yet."""
@@ -40,8 +43,23 @@ class IncidentWatch:
         except IncidentNotFound:
             return None
 
+    def _tell(self, incident: Incident) -> None:
+        """Print the transitions and node-check answers not printed yet, in the order they happened."""
+        told: list[tuple[datetime, Callable[[], None]]] = []
+        for transition in incident.transitions[self.shown:]:
+            told.append((transition.at, functools.partial(self.story.transition, transition, self.alarm_at)))
+        self.shown = len(incident.transitions)
+        # A node check's Job answers between transitions: told once, when it has its answer.
+        for check in incident.node_checks:
+            if check.finished and (check.purpose, check.node) not in self.checks_shown:
+                self.checks_shown.add((check.purpose, check.node))
+                told.append((check.finished_at or incident.updated_at,
+                             functools.partial(self.story.node_check, check, self.alarm_at)))
+        for _, tell in sorted(told, key=lambda item: item[0]):
+            tell()
+
     def wait(self, states: frozenset[IncidentState], timeout: float) -> Incident:
-        """Poll until the incident is in one of ``states`` or has ended; print new transitions on the way.
+        """Poll until the incident is in one of ``states`` or has ended; print new transitions and node checks.
 
         Raises TimeoutError naming the state it was left in.
         """
@@ -49,9 +67,7 @@ class IncidentWatch:
         while True:
             incident = self.current()
             if incident is not None:
-                for transition in incident.transitions[self.shown:]:
-                    self.story.transition(transition, self.alarm_at)
-                self.shown = len(incident.transitions)
+                self._tell(incident)
                 if incident.state in states or incident.state in ENDS:
                     return incident
             if time.monotonic() > deadline:

@@ -17,6 +17,9 @@ EXPECTED_DETECTOR = {
     "grad_bitflip": "ring_audit",
 }
 FAULTS = tuple(EXPECTED_DETECTOR)
+CAPSULE_FAULTS = ("finite_activation", "nan_activation", "grad_bitflip")
+"""The faults whose alarm comes from a recomputation, so the agent leaves a replay capsule of the suspect's step
+(the weight comparison recomputes nothing): the ones whose node the pipeline can test by replaying it."""
 SHARDINGS = ("ddp", "hsdp")
 """How the drill's job holds its weights: DDP, or FSDP2 with one replica group per node (``agent.train``'s)."""
 REVIEWER_REASON = "sdcguard drill: ring audit evidence reviewed"
@@ -44,6 +47,8 @@ class DrillOptions:
     """Which calls fail: the same seed fails the same calls (the n-th of each operation)."""
     sharding: str = "ddp"
     """One of SHARDINGS; under hsdp each node holds one replica of the model, sharded over its ranks."""
+    replacement_faulty: bool = False
+    """The stand-in hands out replacements of the faulty node with the same fault: the job must not resume onto one."""
 
     @property
     def world_size(self) -> int:
@@ -89,10 +94,29 @@ class DrillOptions:
             raise ValueError(f"--chaos: must be a fraction of calls from 0 up to (not including) 1, got {self.chaos}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"--sharding: must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.replacement_faulty and self.decision == "reject":
+            raise ValueError("--replacement-faulty: a rejected incident replaces no node; drop --reject")
+        if self.replacement_faulty and not self.leaves_capsule:
+            # Without a capsule no replacement can be qualified, and the pipeline resumes onto it as it says.
+            raise ValueError(f"--replacement-faulty: the {self.fault} alarm leaves no replay capsule to qualify a "
+                             f"replacement with; use --fault {', '.join(CAPSULE_FAULTS)}")
+
+    @property
+    def leaves_capsule(self) -> bool:
+        """The alarm for this fault comes from a recomputation: the agent writes a replay capsule of the suspect."""
+        return self.fault in CAPSULE_FAULTS
+
+    @property
+    def persistent(self) -> bool:
+        """The fault corrupts every computation of its GPU until the hardware goes (``repeat`` > 1)."""
+        return self.fault != "weight_bitflip"
 
     def injection(self, node_name: str) -> str:
-        """``SDCGUARD_INJECT`` for the faulty rank, bound to its node: it fires nowhere else."""
+        """``SDCGUARD_INJECT`` for the faulty rank, bound to its node: it fires nowhere else.
+
+        The drill registers the same spec with the stand-in as the node's
+        hardware fault, so a replay Job on that node meets it too."""
         # A weight flip toggles the bit on every step it fires, so it fires once; the
         # others stay on, as a broken GPU does, until the hardware is replaced.
-        repeat = 1 if self.fault == "weight_bitflip" else self.steps
+        repeat = self.steps if self.persistent else 1
         return f"kind={self.fault},node={node_name},step={self.fault_step},repeat={repeat}"

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from contract import Alarm
+    from contract import Alarm, NodeCheck
     from contract.incident import Transition
     from infra.drill.summary import ChaosSummary, DrillSummary
 
-PHASES = ("alarm", "cordon", "approval", "replaced", "resumed")
+PHASES = ("alarm", "cordon", "reproduced", "approval", "replaced", "qualified", "resumed")
+"""The timeline's rows: ``reproduced`` when the suspect's capsule replay on its node answered, ``qualified`` when
+the last new node's did."""
 STEPS = 7
 """The drill's numbered steps, ``[n/7]``: stand-in, clean run, faulty run, pipeline, recovery, comparison, verdict."""
 
@@ -59,16 +61,19 @@ def phase_seconds(times: dict[str, float | None]) -> dict[str, float | None]:
     return out
 
 
-def timeline_lines(seconds: dict[str, float | None]) -> list[str]:
-    """Human-readable timeline rows: phase, seconds after the alarm, and the step since the previous phase."""
+def timeline_lines(seconds: dict[str, float | None], notes: Mapping[str, str] | None = None) -> list[str]:
+    """Human-readable timeline rows: phase, seconds after the alarm, the step since the previous phase, and
+    ``notes`` by phase (what the node checks said)."""
     rows = []
     previous = 0.0
+    notes = notes or {}
     for name in PHASES:
         at = seconds.get(name)
+        note = f"   {notes[name]}" if notes.get(name) else ""
         if at is None:
-            rows.append(f"  {name:<9} —")
+            rows.append(f"  {name:<10} —{note}")
             continue
-        rows.append(f"  {name:<9} +{at:7.2f} s   (+{at - previous:6.2f} s)")
+        rows.append(f"  {name:<10} +{at:7.2f} s   (+{at - previous:6.2f} s){note}")
         previous = at
     return rows
 
@@ -176,6 +181,11 @@ class Story:
         self.say(f"[3/{STEPS}] faulty run: {fault} on rank {rank} (node {node}) from step {step}; "
                  f"checkpoints under {prefix}")
 
+    def faulty_hardware(self, node: str, spec: str, replacements_inherit: bool) -> None:
+        """The stand-in holds the fault as the node's hardware: the node checks' Jobs there meet it."""
+        inherit = "; its replacements inherit it (--replacement-faulty)" if replacements_inherit else ""
+        self.say(f"  hardware  {node}'s GPU is faulty on the stand-in ({spec}): a Job on it meets the fault{inherit}")
+
     def chaos_on(self, rate: float, seed: int) -> None:
         """The chaos knobs are on."""
         self.say(f"  chaos     {rate:g} of the Kubernetes API and SageMaker HyperPod calls fail transiently "
@@ -203,6 +213,24 @@ class Story:
         note = f"  {transition.note}" if transition.note else ""
         self.say(f"  pipeline  {transition.state.value:<19} +{transition.at.timestamp() - alarm_at:6.2f} s  "
                  f"({transition.actor}){note}")
+
+    def node_check(self, check: NodeCheck, alarm_at: float) -> None:
+        """One node check's answer: the suspect's reproduction or a new node's qualification."""
+        at = check.finished_at.timestamp() - alarm_at if check.finished_at else None
+        when = f"+{at:6.2f} s" if at is not None else "        "
+        job = f" (Job {check.job})" if check.job else ""
+        if check.purpose == "reproduce":
+            self.say(f"  pipeline  {'reproduction':<19} {when}  on {check.node}: {check.summary or check.state}{job}")
+        else:
+            verdict = {"passed": "passed", "skipped": "not run"}.get(check.state, "failed")
+            self.say(f"  pipeline  {'qualification':<19} {when}  of {check.node}: {verdict}"
+                     f"{f' ({check.summary})' if check.summary else ''}{job}")
+
+    def held(self, cordoned: Sequence[str], replaced: Sequence[str], why: str) -> None:
+        """Step 5 when no replacement qualified: nothing resumed."""
+        again = f" (after {', '.join(replaced)} failed it and was replaced)" if replaced else ""
+        self.say(f"[5/{STEPS}] not resumed: {', '.join(cordoned)} failed qualification and stays cordoned{again}; "
+                 f"the incident stopped for attention with the job suspended{f' ({why})' if why else ''}")
 
     def contained(self, instances: Sequence[str], cordoned: bool, suspended: bool) -> None:
         """What the drill found on the cluster while the incident waits."""
@@ -280,7 +308,11 @@ def chaos_lines(chaos: ChaosSummary) -> list[str]:
 
 def verdict_lines(summary: DrillSummary, failed_step: str | None, failure: str | None) -> list[str]:
     """The end of ``sdcguard drill``: the timeline, the drill's own timings, the chaos tally, the verdict."""
-    lines = [f"[7/{STEPS}] timeline (seconds after the alarm):", *timeline_lines(summary.phase_seconds or {})]
+    from infra.drill.node_checks import timeline_notes
+
+    notes = timeline_notes(summary.node_checks or [])
+    lines = [f"[7/{STEPS}] timeline (seconds after the alarm):",
+             *timeline_lines(summary.phase_seconds or {}, notes)]
     lines.append("  drill     " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.drill_seconds.items()))
     if summary.chaos is not None:
         lines.extend(f"  chaos     {line}" for line in chaos_lines(summary.chaos))
@@ -288,13 +320,31 @@ def verdict_lines(summary: DrillSummary, failed_step: str | None, failure: str |
         lines.append(f"verdict: FAILED at {failed_step}: {failure}")
         lines.append(f"report: {summary.report_dir or '-'}")
         return lines
-    recovery = (f"recovered bit-exact: {str(summary.recovered_bit_exact).lower()}" if summary.decision == "approve"
-                else "no bit-exact claim after a rejection")
+    if summary.replacement_outcome and summary.recovered_bit_exact is None:
+        recovery = f"not resumed onto an unqualified node: {summary.replacement_outcome}"
+    else:
+        recovery = (f"resumed from step {summary.resumed_from_step}; "
+                    + (f"recovered bit-exact: {str(summary.recovered_bit_exact).lower()}"
+                       if summary.decision == "approve" else "no bit-exact claim after a rejection"))
+        if summary.replacement_outcome:
+            recovery = f"{summary.replacement_outcome}; {recovery}"
     lines.append(
         f"verdict: PASSED  fault {summary.fault} on rank {summary.fault_rank} at step {summary.fault_step}"
         f" -> {summary.detector} alarm at step {summary.alarm_step}, suspects {summary.suspect_instances}"
-        f" (localized correctly: {summary.localized_correctly}); incident {summary.incident_state}; resumed"
-        f" from step {summary.resumed_from_step}; {recovery}")
+        f" (localized correctly: {summary.localized_correctly}); {_checks(summary)}; incident "
+        f"{summary.incident_state}; {recovery}")
     lines.append(f"report: {summary.report_dir or '-'}")
     return lines
 
+
+def _checks(summary: DrillSummary) -> str:
+    """What the node checks said, for the verdict: the reproduction's ``k/n`` and the qualification(s)."""
+    reproduced = (f"reproduced on the suspect {summary.suspect_reproduced}" if summary.suspect_reproduced
+                  else f"no reproduction ({summary.suspect_reproduction or 'not recorded'})")
+    qualified = summary.replacement_qualified
+    if summary.decision != "approve":
+        return reproduced
+    if qualified is None:
+        return f"{reproduced}; replacement not qualified ({summary.replacement_qualification or 'not recorded'})"
+    shown = json.dumps(qualified)
+    return f"{reproduced}; replacement qualified: {shown}"

@@ -20,6 +20,11 @@ from infra.drill.options import DrillOptions
 from infra.drill.report import Say, Story
 from infra.drill.stage import Stage
 
+REPLAY_FACTORY = "agent.train:replay_model"
+"""The drill's job's capsule factory: on a localised alarm the agent writes a replay capsule naming it, which the
+pipeline's node checks replay on the suspect and on its replacement (the job keeps ``agent.train``'s default sizes,
+so the factory needs no ``SDCGUARD_MODEL_SHAPE``)."""
+
 
 def guard_settings(stage: Stage, options: DrillOptions) -> dict[str, Any]:
     """The ``GuardConfig`` fields every run of the drill's job gets: cadences, the stack's bus, the seeded job."""
@@ -33,6 +38,7 @@ def guard_settings(stage: Stage, options: DrillOptions) -> dict[str, Any]:
         "namespace": seeded["namespace"],
         "job_name": seeded["job"],
         "publish_budget_s": 10.0,
+        "capsule_factory": REPLAY_FACTORY,
     }
 
 

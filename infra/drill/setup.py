@@ -50,6 +50,12 @@ def prepare(standin: Any, *, name: str = "sdcguard-demo", nodes: int = 3, ranks_
         "MaxReplacementsPerDay": "20",
         "ReplacementPollSeconds": "1",
         "ReplacementMaxPolls": "60",
+        # The node checks' Jobs replay a tiny capsule in seconds on the stand-in: ask every second, and call
+        # one still running after a minute inconclusive (the polls outlast the Job's deadline and keep the
+        # execution history's worst case, two replacement rounds included, under its limit).
+        "NodeCheckPollSeconds": "1",
+        "NodeCheckDeadlineSeconds": "60",
+        "NodeCheckMaxPolls": "90",
     }
     with aws_environment(standin.env):
         try:

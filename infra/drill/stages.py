@@ -21,9 +21,19 @@ from typing import Any
 
 from contract import Alarm, Incident, IncidentState
 from contract.naming import node_name as hyperpod_node_name
+from infra.drill import node_checks
 from infra.drill.chaos import incident_history, summarise
-from infra.drill.cluster import check_released, check_replaced, instance_of, job_suspended, node, placements
+from infra.drill.cluster import (
+    check_held,
+    check_released,
+    check_replaced,
+    instance_of,
+    job_suspended,
+    node,
+    placements,
+)
 from infra.drill.failure import DrillFailed
+from infra.drill.hardware import faulty_node, injections
 from infra.drill.job_run import JobRun, Placement, RunResult, Trainer
 from infra.drill.ledger_watch import ENDS, WAITING, IncidentWatch, entered_at, incidents_since
 from infra.drill.operator import run_operator
@@ -99,9 +109,11 @@ class Review:
 
 @dataclass(frozen=True)
 class IncidentEnded:
-    """The incident in the state it ended in."""
+    """The incident in the state it ended in, and the node checks it recorded."""
 
     incident: Incident
+    checks: list[Any] = field(default_factory=list)
+    """``NodeCheckRow``s: the reproduction on the suspect and every qualification of a new node."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,14 @@ class Restart:
     placements: list[Placement]
     step: int
     inject: dict[int, str]
+
+
+@dataclass(frozen=True)
+class JobHeld:
+    """No new node qualified: the incident stopped for attention with the job suspended, so nothing restarts."""
+
+    incident_state: str
+    cordoned: list[str]
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,10 @@ class Comparison:
 
     bit_exact: bool
     verdict: str
+
+
+def _at(alarm_at: float, seconds_after: float | None) -> float | None:
+    return None if seconds_after is None else alarm_at + seconds_after
 
 
 # -- the stages -------------------------------------------------------------------------------------------
@@ -144,6 +168,8 @@ class Drill:
     ask: Ask
     """How ``--interactive`` asks for the decision (the operator's prompt; a test passes its own reviewer)."""
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    node_faults: Any = None
+    """The stand-in's node hardware faults while :meth:`faulty_hardware` holds them."""
 
     @property
     def summary(self) -> DrillSummary:
@@ -181,6 +207,21 @@ class Drill:
         self.summary.old_instances = [instance_of(p.node_name) for p in before]
         self.summary.fault_instance = instance_of(fault_node)
         return ClusterBefore(before, fault_node)
+
+    @contextlib.contextmanager
+    def faulty_hardware(self, before: ClusterBefore) -> Iterator[None]:
+        """The fault node's GPU faulty on the stand-in inside the block, so the node checks' Jobs there meet the
+        fault the faulty rank met; with ``replacement_faulty`` every replacement of it is faulty too."""
+        options = self.options
+        spec = options.injection(before.fault_node)
+        with faulty_node(self.stage, before.fault_node, spec,
+                         replacements_inherit=options.replacement_faulty) as faults:
+            self.story.faulty_hardware(before.fault_node, spec, options.replacement_faulty)
+            self.node_faults = faults
+            try:
+                yield
+            finally:
+                self.node_faults = None
 
     # 2. the fault-free run
 
@@ -279,7 +320,21 @@ class Drill:
         self.story.contained(waiting.instance_ids, cordoned, suspended)
         if not (cordoned and suspended):
             raise DrillFailed("pipeline", f"containment incomplete: cordoned={cordoned}, suspended={suspended}")
+        self._reproduction(waiting, watch.alarm_at, faulty.alarm.suspect_nodes[0])
         return AwaitingReviewer(watch, waiting, store, pointer_before)
+
+    def _reproduction(self, waiting: Incident, alarm_at: float, suspect_node: str) -> None:
+        """Before approval the suspect's capsule has been replayed on its node: a persistent fault reproduces on
+        every repetition; an alarm without a capsule says the reproduction did not run."""
+        options, summary = self.options, self.summary
+        checks = node_checks.rows(waiting, alarm_at)
+        summary.node_checks = checks
+        result = node_checks.reproduction(checks, suspect_node)
+        summary.suspect_reproduced, summary.suspect_reproduction = result.reproduced, result.line
+        problem = node_checks.reproduction_problem(result, persistent=options.persistent,
+                                                   leaves_capsule=options.leaves_capsule)
+        if problem is not None:
+            raise DrillFailed("reproduction", problem)
 
     # the decision, through the operator CLI
 
@@ -321,22 +376,54 @@ class Drill:
     # 5. replacement, pointer, resume (or release)
 
     def pipeline_to_end(self, waiting: AwaitingReviewer, review: Review) -> IncidentEnded:
-        """Follow the incident to its end: CLOSED after an approval, FALSE_ALARM after a rejection."""
+        """Follow the incident to its end: CLOSED after an approval, FALSE_ALARM after a rejection.
+
+        With ``replacement_faulty`` every replacement fails its qualification, so
+        NEEDS_ATTENTION (no new node qualified) is the other right end after an approval."""
         began = time.monotonic()
         ended = self._wait(waiting.watch, ENDS)
         self.outcome.seconds["pipeline_after_decision"] = round(time.monotonic() - began, 2)
         approved = review.decision == "approve"
-        want = IncidentState.CLOSED if approved else IncidentState.FALSE_ALARM
-        if ended.state != want:
-            raise DrillFailed("pipeline", f"incident ended {ended.state.value}, not {want.value}: {ended.failure}")
+        want = {IncidentState.CLOSED} if approved else {IncidentState.FALSE_ALARM}
+        if approved and self.options.replacement_faulty:
+            want.add(IncidentState.NEEDS_ATTENTION)
+        checks = node_checks.rows(ended, waiting.watch.alarm_at)
         self.summary.phase_seconds = phase_seconds({
             "alarm": waiting.watch.alarm_at,
             "cordon": entered_at(ended, IncidentState.CORDONED),
+            "reproduced": _at(waiting.watch.alarm_at, node_checks.finished_at(checks, "reproduce")),
             "approval": entered_at(ended, IncidentState.APPROVED if approved else IncidentState.REJECTED),
             "replaced": entered_at(ended, IncidentState.REPLACED),
+            "qualified": _at(waiting.watch.alarm_at, node_checks.finished_at(checks, "qualify")),
             "resumed": entered_at(ended, IncidentState.RESUMED) or entered_at(ended, IncidentState.FALSE_ALARM),
         })
-        return IncidentEnded(ended)
+        self._qualification(checks)
+        if ended.state not in want:
+            raise DrillFailed("pipeline", f"incident ended {ended.state.value}, not "
+                              f"{' or '.join(sorted(w.value for w in want))}: {ended.failure}")
+        return IncidentEnded(ended, checks)
+
+    def _qualification(self, checks: list[Any]) -> None:
+        """What the qualifications said, into the summary; each must match what the drill knows of the node.
+
+        A healthy replacement must pass; one that inherited the fault must fail. An alarm without a capsule
+        leaves nothing to qualify with, and the pipeline says so."""
+        summary, options = self.summary, self.options
+        summary.node_checks = checks
+        result = node_checks.qualification(checks)
+        summary.replacement_qualified, summary.replacement_qualification = result.qualified, result.line
+        faults = self.node_faults
+        wrong = []
+        for check in (c for c in checks if c.purpose == "qualify"):
+            verdict = node_checks.qualified(check)
+            if not options.leaves_capsule or verdict is None:
+                continue  # no capsule: nothing to judge the node with (checked against the resume below)
+            faulty = faults is not None and faults.for_node(check.node) is not None
+            if verdict == faulty:  # passed on a faulty node, or failed on a healthy one
+                wrong.append(f"{check.node} ({'faulty' if faulty else 'healthy'}) "
+                             f"{'passed' if verdict else 'failed'} its qualification: {check.summary or check.state}")
+        if wrong:
+            raise DrillFailed("qualification", "; ".join(wrong))
 
     @contextlib.contextmanager
     def chaos(self) -> Iterator[None]:
@@ -369,8 +456,13 @@ class Drill:
                               f"not one: {', '.join(i.incident_id for i in opened) or 'none'}")
 
     def incident_outcome(self, before: ClusterBefore, faulty: FaultyRun, waiting: AwaitingReviewer,
-                         ended: IncidentEnded, review: Review) -> Restart:
-        """Check what the incident left on the cluster and the pointer; where the recovered run starts."""
+                         ended: IncidentEnded, review: Review) -> Restart | JobHeld:
+        """Check what the incident left on the cluster and the pointer; where the recovered run starts.
+
+        After an approval the job must run on no new node that failed its
+        qualification: either on a replacement that qualified (Restart), or
+        not at all, suspended for attention with the failed nodes cordoned
+        (JobHeld)."""
         from lineage.pointer import read_pointer
 
         summary, alarm, incident, fault_node = self.summary, faulty.alarm, ended.incident, before.fault_node
@@ -380,14 +472,26 @@ class Drill:
         summary.new_instances = [instance_of(p.node_name) for p in after]
         summary.replacements = [ReplacementRow(old=r.old_instance_id, new=r.new_instance_id, status=r.status)
                                 for r in incident.replacements]
+        failed = node_checks.unqualified_nodes(ended.checks)
         if review.decision == "approve":
-            check_replaced(self.stage, incident, fault_node, after, summary.old_instances or [])
+            summary.resumed_onto_unqualified = (incident.entered(IncidentState.RESUMED) is not None
+                                                and any(p.node_name in failed for p in after))
+            if incident.state == IncidentState.NEEDS_ATTENTION:
+                return self._held(incident, failed)
+            check_replaced(self.stage, incident, fault_node, after, summary.old_instances or [], failed)
+            self._resumed_onto_qualified(after, ended.checks)
             if pointer_after is None or pointer_after.step > alarm.trusted_through_step():
                 raise DrillFailed("pipeline", f"the resume pointer is {summary.pointer_after}, not at or before the "
                                   f"trusted step {alarm.trusted_through_step()}")
+            if failed:
+                summary.replacement_outcome = (f"{', '.join(failed)} failed qualification and was cordoned; a further "
+                                               "replacement qualified and the job resumed onto it")
             self.story.replaced([(r.old_instance_id, r.new_instance_id) for r in incident.replacements],
                                 summary.pointer_before, pointer_after.checkpoint)
-            inject = faulty.inject  # the fault stays with the old hardware: it no longer matches any node
+            # The fault stays with the hardware: a rank on a node that still carries one (none, unless the job
+            # resumed onto a faulty replacement) meets it again.
+            inject = injections(self.node_faults, after, self.options.ranks_per_node,
+                                self.options.fault_rank % self.options.ranks_per_node)
         else:
             check_released(self.stage, incident, fault_node, waiting.pointer_before, pointer_after)
             self.story.released(fault_node, summary.pointer_after)
@@ -396,6 +500,33 @@ class Drill:
         if job_suspended(self.stage):
             raise DrillFailed("pipeline", "the job is still suspended after the incident ended")
         return Restart(after, pointer_after.step if pointer_after else 0, inject)
+
+    def _held(self, incident: Incident, failed: list[str]) -> JobHeld:
+        """NEEDS_ATTENTION after an approval: the job never resumed, it is suspended, every new node that failed
+        its qualification is cordoned (:class:`DrillFailed` "pipeline" otherwise)."""
+        cordoned, gone = check_held(self.stage, incident, failed)
+        summary = self.summary
+        replaced = f"; {', '.join(gone)} failed it too and {'was' if len(gone) == 1 else 'were'} replaced" if gone else ""
+        summary.replacement_outcome = (f"NEEDS_ATTENTION: {', '.join(cordoned)} failed qualification and "
+                                       f"{'is' if len(cordoned) == 1 else 'are'} cordoned{replaced}; "
+                                       "the job stays suspended")
+        summary.recovery_claim = ("none: no replacement qualified, so the incident stopped for attention and the job "
+                                  "was not resumed onto an unqualified node")
+        why = f"{incident.failure.error}: {incident.failure.cause}" if incident.failure else ""
+        self.story.held(cordoned, gone, why)
+        return JobHeld(incident.state.value, cordoned)
+
+    def _resumed_onto_qualified(self, after: list[Placement], checks: list[Any]) -> None:
+        """With a capsule, every new node the job runs on passed its qualification (:class:`DrillFailed`
+        "qualification" otherwise); without one the pipeline could qualify none, and says so."""
+        if not self.options.leaves_capsule:
+            return
+        old = set(self.summary.old_instances or [])
+        passed = {c.node for c in checks if c.purpose == "qualify" and node_checks.qualified(c) is True}
+        unqualified = [p.node_name for p in after if instance_of(p.node_name) not in old and p.node_name not in passed]
+        if unqualified:
+            raise DrillFailed("qualification", f"the job resumed onto {', '.join(unqualified)} without a passed "
+                              "qualification")
 
     # the recovered run
 

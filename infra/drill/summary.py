@@ -36,6 +36,23 @@ class ReplacementRow(_Model):
     status: str
 
 
+class NodeCheckRow(_Model):
+    """One replay of the suspect's capsule on a node, as the ledger recorded it (``contract.NodeCheck``)."""
+
+    purpose: Literal["reproduce", "qualify"]
+    node: str
+    instance_id: str | None = None
+    state: str
+    """passed, failed, skipped, inconclusive (or running, when the drill stopped first)."""
+    repeats: int = 0
+    matched: int = 0
+    reproduced: int = 0
+    summary: str = ""
+    """The pipeline's line for the reviewer: ``reproduced 5/5: persistent``, ``qualified 5/5 on <node>``."""
+    seconds_after_alarm: float | None = None
+    """When the check finished."""
+
+
 class CallChaos(_Model):
     """Chaos on one kind of call (``"kubernetes PATCH nodes"``, ``"hyperpod ListClusterNodes"``)."""
 
@@ -105,6 +122,24 @@ class DrillSummary(_Model):
     """Seconds from the alarm to each later phase (see ``report.PHASES``)."""
     new_instances: list[str] | None = None
     replacements: list[ReplacementRow] | None = None
+    node_checks: list[NodeCheckRow] | None = None
+    """Every replay of the capsule on a node the incident recorded, in the order they were started."""
+    suspect_reproduced: str | None = None
+    """``"k/n"``: the repetitions of the suspect's step on its cordoned node that did not give the healthy bits;
+    null when the reproduction did not run or gave no answer (``suspect_reproduction`` says why)."""
+    suspect_reproduction: str | None = None
+    """The reproduction's line as the reviewer saw it (``reproduced 5/5: persistent``, ``not run: ...``)."""
+    replacement_qualified: bool | list[bool | None] | None = None
+    """Whether the new node matched the capsule N/N (one per new node, in order, when several were checked);
+    null when none was qualified (``replacement_qualification`` says why)."""
+    replacement_qualification: str | None = None
+    """The qualifications' lines, or why there was none."""
+    replacement_faulty: bool | None = None
+    """``--replacement-faulty``: the stand-in's replacements of the faulty node carried its fault."""
+    resumed_onto_unqualified: bool | None = None
+    """Whether the job was resumed onto a new node that did not pass its qualification (the drill fails if so)."""
+    replacement_outcome: str | None = None
+    """What kept the job off an unqualified node: a further replacement that qualified, or NEEDS_ATTENTION."""
     chaos: ChaosSummary | None = None
 
     resumed_from_step: int | None = None

@@ -241,6 +241,8 @@ class LocalStandIn:
                 setattr(hyperpod.timings, name, self.replace_seconds)
             eks = self._start_eks()
             self.eks = eks
+            # What a pod identity association gives a workload: the Jobs the cluster runs reach this stand-in.
+            eks.workload_env = {k: v for k, v in self.env.items() if k.startswith("AWS_")}
             eks_endpoint.point_at(eks.url, eks.ca_data)
             hyperpod.hooks.on_node_replaced = self._on_node_replaced
         except StandInError:

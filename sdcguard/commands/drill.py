@@ -5,10 +5,13 @@
 2. run the reference job fault-free (3 nodes x 2 ranks, gloo, CPU);
 3. run it again with a fault on one rank's hardware: the agent detects it,
    skips the update, publishes the alarm and stops;
-4. follow the incident pipeline state by state, show the incident waiting
-   with its evidence, and approve it through ``sdcguard approve`` (or reject,
-   or ask the person at the keyboard);
-5. restart the job from the resume pointer on the nodes the cluster has now;
+4. follow the incident pipeline state by state (with the replay of the
+   suspect's capsule on its cordoned node: "reproduced 5/5: persistent"),
+   show the incident waiting with its evidence, and approve it through
+   ``sdcguard approve`` (or reject, or ask the person at the keyboard);
+5. after the replacement's qualification (the capsule replayed on the new
+   node), restart the job from the resume pointer on the nodes the cluster
+   has now;
 6. compare the recovered run's final fingerprint with the fault-free one;
 7. print the timeline and the verdict; write the report directory.
 
@@ -17,6 +20,11 @@ SageMaker HyperPod calls fail transiently (throttling, 500, 503) from the
 faulty run until the incident ends, reproducibly from ``--chaos-seed``; the
 drill must still pass, and the report counts the faults and the retries that
 absorbed them.
+
+With ``--replacement-faulty`` the stand-in's replacements inherit the fault:
+each fails its qualification and is cordoned, and the drill passes only if
+the job never resumes onto one (a further replacement qualifies, or the
+incident stops in NEEDS_ATTENTION with the job suspended).
 
 Exit status 0 when the drill passed, 1 when a step failed (the message names it).
 """
@@ -72,13 +80,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sharding", choices=SHARDINGS, default=defaults.sharding,
                         help="how the job holds its weights: ddp (default) or hsdp (FSDP2, one replica group of "
                              "2 shards per node, DCP checkpoints)")
+    parser.add_argument("--replacement-faulty", action="store_true",
+                        help="the replacement node the stand-in hands out carries the same fault: its qualification "
+                             "must fail and the job must never resume onto it (a further replacement qualifies, or "
+                             "the incident stops in NEEDS_ATTENTION with the node cordoned; the verdict says which)")
 
 
 def _options(args: argparse.Namespace) -> DrillOptions:
     decision: Decision = "ask" if args.interactive else "reject" if args.reject else "approve"
     return DrillOptions(fault=args.fault, fault_rank=args.fault_rank, fault_step=args.fault_step,
                         steps=args.steps, decision=decision, chaos=args.chaos, chaos_seed=args.chaos_seed,
-                        sharding=args.sharding)
+                        sharding=args.sharding, replacement_faulty=args.replacement_faulty)
 
 
 def run(args: argparse.Namespace) -> int:

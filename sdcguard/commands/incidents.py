@@ -23,7 +23,7 @@ from typing import Any
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 
-from contract import Incident, IncidentState
+from contract import Incident, IncidentState, NodeCheck
 from lambdas.blast_radius import stopped_holding
 from lambdas.close import plain_cause
 from lambdas.errors import (
@@ -186,6 +186,10 @@ def _list(ledger: Ledger, *, as_json: bool, everything: bool = False) -> int:
     return 0
 
 
+def _job_of(check: NodeCheck) -> str:
+    return f"  (Job {check.job})" if check.job else ""
+
+
 def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
     incident = ledger.get(incident_id)
     if as_json:
@@ -214,6 +218,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
                 for reason in entry.get("reasons", []):
                     print(f"           {entry.get('instance_id')}: {reason}")
         print(f"           {evidence.get('note', '')}")
+    for check in (c for c in incident.node_checks if c.purpose == "reproduce"):
+        print(f"reproduce  {check.node}: {check.summary}{_job_of(check)}")
     if incident.decision:
         d = incident.decision
         print(f"decision   {d.decision} by {d.reviewer}: {d.reason}")
@@ -221,6 +227,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
             print(f"           through {d.execution_arn} (its StartExecution event in CloudTrail names the caller)")
     for r in incident.replacements:
         print(f"replaced   {r.old_instance_id} -> {r.new_instance_id or '?'} ({r.status})")
+    for check in (c for c in incident.node_checks if c.purpose == "qualify"):
+        print(f"qualify    {check.node}: {check.summary}{_job_of(check)}")
     if incident.checkpoint_after:
         print(f"pointer    {incident.checkpoint_before or '-'} -> {incident.checkpoint_after}")
     if incident.failure:

@@ -33,8 +33,13 @@ On the suspect node, 'reproduced N/N: persistent' is the fault again, on demand;
 'reproduced 0/N' is a transient fault, or a healthy suspect. A replacement qualifies only
 with 0/N (exit 0). With --json the last line of stdout is one JSON object (schema_version,
 capsule, step, rank, node, host, device, repeats, matched, reproduced, outcome, exit_code,
-verdict, problem, reasons, expected_loss, repetitions); progress goes to stderr (--quiet
-silences it)."""
+verdict, problem, reasons, expected_loss, injection, repetitions); progress goes to stderr
+(--quiet silences it).
+
+SDCGUARD_INJECT (drills and tests: a simulated faulty GPU) acts on the replay as on the
+training rank it names: this replay runs as the capsule's rank, at its step, on node
+$NODE_NAME. A persistent fault covering that step corrupts every repetition; a transient one
+none. It is announced on stderr and named in the report's "injection"."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {reason}")
     else:
         print(f"capsule {report.capsule}: step {report.step}, rank {report.rank}, on {report.device}")
+        if report.injection:
+            print(f"  under a SIMULATED fault ({report.injection})")
         for r in report.repetitions:
             print(f"  repetition {r.index}: {'match' if r.match else 'MISMATCH'}"
                   + ("" if r.loss_match else f", loss {r.loss} (expected {report.expected_loss})")

@@ -8,15 +8,17 @@ jobs are short (20 steps, every check and checkpoint every 5 steps) so the
 file stays within a few minutes on two cores.
 
 The assertions are on what the drill observed in the system: the alarm the
-agent published, the incident the pipeline left in the ledger, the HyperPod
-instances and Kubernetes nodes, the resume pointer, and the recovered run's
-final fingerprint against the fault-free one.
+agent published, the incident the pipeline left in the ledger (with the
+node checks: the suspect's capsule replayed on its node, the replacement's
+qualification), the HyperPod instances and Kubernetes nodes, the resume
+pointer, and the recovered run's final fingerprint against the fault-free one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -123,9 +125,27 @@ def test_an_approved_incident_replaces_the_node_and_recovers_bit_exactly(
     assert summary.resumed_from_step == resumed
     assert summary.recovered_bit_exact is True
     assert summary.recovered_fingerprint == summary.clean_fingerprint == clean.final_fingerprints[0]
-    _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "approval", "replaced", "resumed"])
+    # Before approval the suspect's capsule, replayed on its cordoned node, met the persistent fault on every
+    # repetition; the replacement replayed it with the healthy bits. The weight flip's alarm comes from no
+    # recomputation, so it leaves no capsule, and both checks say they did not run.
+    checks = {(c.purpose, c.node): c for c in summary.node_checks or []}
+    if fault == "weight_bitflip":
+        assert summary.suspect_reproduced is None
+        assert (summary.suspect_reproduction or "").startswith("not run")
+        assert summary.replacement_qualified is None
+        _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "approval", "replaced", "resumed"])
+    else:
+        assert (summary.suspect_reproduced, summary.suspect_reproduction) == ("5/5", "reproduced 5/5: persistent")
+        assert checks["reproduce", faulty_node].state == "failed"
+        assert summary.replacement_qualified is True
+        assert checks["qualify", after[rank // 2]].state == "passed"
+        _phases_in_order(summary.phase_seconds,
+                         ["alarm", "cordon", "reproduced", "approval", "replaced", "qualified", "resumed"])
     # The report holds the summary, the alarm, the incident, its evidence and the plot.
-    assert json.loads((tmp_path / "summary.json").read_text())["recovered_bit_exact"] is True
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["recovered_bit_exact"] is True
+    assert (written["suspect_reproduced"], written["replacement_qualified"]) == (
+        (None, None) if fault == "weight_bitflip" else ("5/5", True))
     assert json.loads((tmp_path / "incident.json").read_text())["state"] == "CLOSED"
     assert json.loads((tmp_path / "alarm.json").read_text())["detector"] == detector
     assert (tmp_path / "evidence.json").exists()
@@ -165,6 +185,8 @@ def test_under_hsdp_an_approved_incident_recovers_bit_exactly_from_sharded_check
     assert summary.resumed_from_step == 10
     assert summary.recovered_bit_exact is True
     assert summary.recovered_fingerprint == summary.clean_fingerprint
+    # and the sharded capsule reproduced the fault on the suspect and qualified the replacement.
+    assert (summary.suspect_reproduced, summary.replacement_qualified) == ("5/5", True)
 
 
 def test_a_rejected_incident_releases_the_node_and_resumes_from_the_pointer_it_had(
@@ -188,7 +210,11 @@ def test_a_rejected_incident_releases_the_node_and_resumes_from_the_pointer_it_h
     assert (summary.recovery_claim or "").startswith("none:")
     assert summary.recovered_bit_exact is False
     assert (summary.phase_seconds or {})["replaced"] is None
-    _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "approval", "resumed"])
+    # The reproduction ran before the decision; nothing new arrived to qualify.
+    assert summary.suspect_reproduced == "5/5"
+    assert summary.replacement_qualified is None
+    assert [c.purpose for c in summary.node_checks or []] == ["reproduce"]
+    _phases_in_order(summary.phase_seconds, ["alarm", "cordon", "reproduced", "approval", "resumed"])
 
 
 CHAOS_SEED = 12  # fails the first read of the job and the first patch of a node (5xx: state retries)
@@ -256,7 +282,7 @@ def test_the_command_refuses_options_it_cannot_play_before_starting_anything(
 REQUIRED_KEYS = {
     "fault", "detector", "fault_rank", "fault_step", "alarm_step", "suspect_ranks", "suspect_instances",
     "localized_correctly", "old_instances", "new_instances", "resumed_from_step", "recovered_bit_exact",
-    "incident_state", "phase_seconds",
+    "incident_state", "phase_seconds", "node_checks", "suspect_reproduced", "replacement_qualified",
 }
 
 
@@ -275,9 +301,14 @@ def test_the_command_runs_a_whole_drill_and_prints_only_the_summary_with_json(tm
     assert (summary["verdict"], summary["incident_state"], summary["recovered_bit_exact"]) == ("PASSED", "CLOSED", True)
     # Caught at the fault step by the magnitude trigger's confirmation (the next audit would be step 20).
     assert (summary["alarm_step"], summary["resumed_from_step"]) == (12, 10)
-    assert set(summary["phase_seconds"]) == {"alarm", "cordon", "approval", "replaced", "resumed"}
-    _phases_in_order(summary["phase_seconds"], ["alarm", "cordon", "approval", "replaced", "resumed"])
+    phases = ["alarm", "cordon", "reproduced", "approval", "replaced", "qualified", "resumed"]
+    assert set(summary["phase_seconds"]) == set(phases)
+    _phases_in_order(summary["phase_seconds"], phases)
+    assert (summary["suspect_reproduced"], summary["replacement_qualified"]) == ("5/5", True)
     assert "[6/7] fingerprints" in done.stderr  # the progress went to stderr
+    # and the pipeline's progress said what the node checks said.
+    assert re.search(r"pipeline  reproduction +\+ *[\d.]+ s  on hyperpod-i-\w+: reproduced 5/5: persistent", done.stderr)
+    assert re.search(r"pipeline  qualification +\+ *[\d.]+ s  of hyperpod-i-\w+: passed", done.stderr)
     assert json.loads((report / "summary.json").read_text())["recovered_fingerprint"] == summary["clean_fingerprint"]
     assert (report / "losses.png").exists()
 
@@ -319,3 +350,42 @@ def test_the_interactive_pause_shows_kubectl_lines_that_read_the_containment(
     assert unschedulable.splitlines()[0] == "true"
     [suspended] = [r.stdout for line, r in ran.items() if "get pytorchjob" in line]
     assert suspended.strip() == "true"
+
+
+def test_a_faulty_replacement_is_never_resumed_onto(stage: Stage, trainer: Trainer, clean: RunResult,
+                                                     tmp_path: Path) -> None:
+    """Last in the file: the incident stops for attention and leaves the stage's job suspended."""
+    # Given a stand-in whose replacements of the faulty node inherit its fault,
+    before = [p.node_name for p in placements(stage)]
+    faulty_node = before[1]
+
+    # when the drill runs the default fault on rank 3 and a reviewer approves,
+    summary = _drill(stage, trainer, clean, tmp_path, fault_rank=3, replacement_faulty=True)
+
+    # the drill passed without ever resuming the job onto a node that failed its qualification:
+    assert summary.verdict == "PASSED"
+    assert summary.suspect_reproduced == "5/5"
+    assert summary.resumed_onto_unqualified is False
+    qualified = summary.replacement_qualified
+    failed = [c.node for c in summary.node_checks or [] if c.purpose == "qualify" and c.state != "passed"]
+    assert failed
+    assert faulty_node not in failed
+    if summary.incident_state == "NEEDS_ATTENTION":
+        # every replacement inherited the fault and failed: the job stays suspended, the new nodes cordoned,
+        assert qualified is False or (isinstance(qualified, list) and not any(qualified))
+        assert (summary.replacement_outcome or "").startswith("NEEDS_ATTENTION: ")
+        assert summary.recovered_bit_exact is None
+        from infra.drill.cluster import hyperpod_nodes, job_suspended, node
+
+        assert job_suspended(stage)
+        # (the last one stays cordoned for a person; one replaced again has left the cluster)
+        assert node(stage, failed[-1]).spec.unschedulable
+        assert not {name.removeprefix("hyperpod-") for name in failed[:-1]} & set(hyperpod_nodes(stage))
+    else:
+        # or a further replacement qualified and the job resumed onto it alone.
+        assert summary.incident_state == "CLOSED"
+        assert isinstance(qualified, list)
+        assert qualified[-1] is True
+        assert not set(failed) & {p.node_name for p in placements(stage)}
+        assert summary.recovered_bit_exact is True
+    assert json.loads((tmp_path / "summary.json").read_text())["replacement_faulty"] is True

@@ -766,7 +766,7 @@ def test_legacy_discovery_lists_groups_versions_and_resources(server: EksApiServ
     assert versions["versions"] == ["v1"]
     assert groups["kind"] == "APIGroupList"
     assert {g["name"] for g in groups["groups"]} == {
-        "kubeflow.org", "rbac.authorization.k8s.io", "authorization.k8s.io"
+        "kubeflow.org", "rbac.authorization.k8s.io", "authorization.k8s.io", "batch"
     }  # fmt: skip
     assert group["preferredVersion"] == {"groupVersion": "kubeflow.org/v1", "version": "v1"}
     by_name = {r["name"]: r for r in core["resources"]}
@@ -804,7 +804,7 @@ def test_aggregated_discovery_answers_in_the_form_asked_for(server: EksApiServer
 def test_discovery_needs_a_token_and_unknown_versions_are_404(server: EksApiServer, sts: Any) -> None:
     assert _raw(server, sts, "/api", token=False)[0] == 401
     assert _raw(server, sts, "/apis/kubeflow.org/v2")[0] == 404
-    assert _raw(server, sts, "/apis/batch")[0] == 404
+    assert _raw(server, sts, "/apis/apps")[0] == 404
     assert _raw(server, sts, "/apis/kubeflow.org/v2/namespaces/x/pytorchjobs")[0] == 404
     assert _raw(server, sts, "/openapi/v2")[0] == 404
 
@@ -935,8 +935,8 @@ def test_the_pipeline_is_refused_what_the_manifest_does_not_grant(rbac_server: E
         f'nodes "{node}" is forbidden: User "sdcguard-pipeline" cannot delete resource "nodes" '
         'in API group "" at the cluster scope'
     )
-    # pods: get by name only, never list; nodes: never list
-    assert "in the namespace" in _forbidden(lambda: core.list_namespaced_pod(NAMESPACE))["message"]
+    # pods: get by name, and list (the node checks find their Job's pod by its label), never delete; nodes: never list
+    assert "in the namespace" in _forbidden(lambda: core.delete_namespaced_pod("any", NAMESPACE))["message"]
     _forbidden(core.list_node)
     _forbidden(lambda: core.create_namespace({"metadata": {"name": "not-allowed"}}))
     assert admin.read_node(node).metadata.name == node
@@ -995,7 +995,8 @@ def test_access_reviews_answer_for_the_caller_and_for_whom_an_admin_impersonates
     assert review(pipeline, "patch", "pytorchjobs", "kubeflow.org")
     assert not review(pipeline, "delete", "nodes")
     assert review(pipeline, "get", "pods")
-    assert not review(pipeline, "list", "pods")
+    assert review(pipeline, "create", "jobs", "batch")
+    assert not review(pipeline, "delete", "pods")
     assert review(admin, "delete", "nodes")
     assert review(impersonating, "patch", "nodes", Impersonate_User="x", Impersonate_Group=PIPELINE_GROUP)
     assert not review(impersonating, "delete", "nodes")

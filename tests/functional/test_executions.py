@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.slow
 S = IncidentState
 NODES = 8
 RANKS_PER_NODE = 2  # as seeded
+REPEATS = 2  # the node checks' repetitions (NodeCheckRepeats)
 
 
 @dataclass
@@ -249,6 +251,11 @@ def _deploy(standin: LocalStandIn, *, approval_timeout: int) -> Iterator[Pipelin
                 "MaxReplacementsPerDay": "20",
                 "ReplacementPollSeconds": "1",
                 "ReplacementMaxPolls": "30",
+                # The node checks' replay Jobs run as local processes on the stand-in: a tiny capsule, twice.
+                "NodeCheckPollSeconds": "1",
+                "NodeCheckMaxPolls": "60",
+                "NodeCheckRepeats": str(REPEATS),
+                "NodeCheckDeadlineSeconds": "120",
                 "AllowAnyPublisher": "true",  # the tests publish as the stand-in's one principal
             },
             poll_seconds=0.1,
@@ -746,3 +753,129 @@ def test_the_same_fault_after_a_rejection_opens_a_linked_incident_that_contains_
     # and the rejected incident counted nothing.
     assert p.ledger.get(rejected.incident_id).duplicate_alarms == 0
     p.release(repeat.incident_id)
+
+
+# -- the node checks (issue 26): the capsule replayed on the suspect, and on every replacement -------------------
+
+# A persistent fault of the simulated GPU (agent/inject.py's spec): it fires on the tiny capsule's step.
+PERSISTENT = "kind=finite_activation,node={node},step=0,repeat=50"
+
+
+def put_capsule(p: Pipeline, alarm: dict[str, Any], tmp_path: Path) -> str:
+    """The suspect's replay capsule where the agent writes it for ``alarm`` (tests/capsules.py's tiny model's),
+    its manifest last, as the agent commits it."""
+    from tests.capsules import write
+
+    written = write(tmp_path)
+    assert written.written, written.reason
+    local = Path(written.location)
+    rank = alarm["suspects"][0]["global_rank"]
+    key = f"{p.prefix}/capsules/step-{alarm['step']:09d}-rank-{rank:05d}"
+    files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: (f.name == "CAPSULE.json", str(f)))
+    for f in files:
+        p.standin.client("s3").put_object(Bucket=p.seeded["bucket"], Key=f"{key}/{f.relative_to(local).as_posix()}", Body=f.read_bytes())
+    return f"s3://{p.seeded['bucket']}/{key}"
+
+
+def entered(p: Pipeline, execution: str) -> list[str]:
+    history = p.standin.client("stepfunctions").get_execution_history(executionArn=execution, maxResults=1000)["events"]
+    return [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+
+
+def check_jobs(p: Pipeline, incident_id: str) -> list[str]:
+    """The node checks' Jobs of ``incident_id`` still in the cluster."""
+    jobs = k8s.BatchV1Api(p.kube()).list_namespaced_job(p.seeded["namespace"], label_selector=f"sdcguard.io/incident={incident_id}")
+    return [j.metadata.name for j in jobs.items]
+
+
+def test_the_fault_reproduces_on_the_suspect_and_the_job_resumes_onto_a_replacement_that_qualified(
+    pipeline: Pipeline, tmp_path: Path
+) -> None:
+    # Given a suspect node whose GPU gets the capsule's step wrong every time, and the alarm's capsule,
+    p, node = pipeline, pipeline.node(3)
+    eks = p.standin.eks
+    assert eks is not None
+    p.job_running()
+    alarm = p.alarm(3, ring_clean=31_000)
+    capsule = put_capsule(p, alarm, tmp_path)
+    eks.node_faults.set({node["node_name"]: PERSISTENT.format(node=node["node_name"])}, replacements_inherit=False)
+    try:
+        # when the agent alarms,
+        p.publish(alarm)
+        incident = p.incident_for(alarm["alarm_id"])
+        waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED, S.NEEDS_ATTENTION)
+        assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
+
+        # the reviewers are asked with the fault reproduced on the cordoned suspect,
+        (reproduced,) = [c for c in waiting.node_checks if c.purpose == "reproduce"]
+        assert (reproduced.node, reproduced.state, reproduced.capsule) == (node["node_name"], "failed", capsule)
+        assert reproduced.summary == f"reproduced {REPEATS}/{REPEATS}: persistent"
+        assert (reproduced.matched, reproduced.reproduced) == (0, REPEATS)
+
+        # and once approved, the new node replays the capsule right before the job resumes onto it.
+        assert p.decide(incident.incident_id, "approve", "reproduced on the node")["status"] == "SUCCEEDED"
+        execution = p.execution_end(p.execution_of(incident.incident_id), timeout=300)
+    finally:
+        eks.node_faults.clear()
+    assert execution["status"] == "SUCCEEDED", execution
+    closed = p.ledger.get(incident.incident_id)
+    assert closed.state == S.CLOSED
+    (replacement,) = closed.replacements
+    new_node = f"hyperpod-{replacement.new_instance_id}"
+    (qualified,) = [c for c in closed.node_checks if c.purpose == "qualify"]
+    assert (qualified.node, qualified.instance_id, qualified.state) == (new_node, replacement.new_instance_id, "passed")
+    assert qualified.summary == f"qualified {REPEATS}/{REPEATS} on {new_node}"
+    states = entered(p, execution["executionArn"])
+    assert states.index("CheckReproduce") < states.index("CollectEvidence") < states.index("RequestApproval")
+    assert states.index("ReplacementDone") < states.index("CheckQualify") < states.index("RewritePointer") < states.index("ResumeJob")
+    assert not p.read_job()["spec"]["runPolicy"].get("suspend")
+    assert check_jobs(p, incident.incident_id) == []  # each Job deleted once its answer was recorded
+
+
+def test_a_replacement_that_fails_its_qualification_is_never_resumed_onto(pipeline: Pipeline, tmp_path: Path) -> None:
+    # Given a faulty suspect whose replacements inherit its fault (a bad batch of hardware),
+    p, node = pipeline, pipeline.node(4)
+    eks = p.standin.eks
+    assert eks is not None
+    p.job_running()
+    alarm = p.alarm(4, ring_clean=33_000)
+    put_capsule(p, alarm, tmp_path)
+    pointer_before, _ = read_pointer(p.store())
+    eks.node_faults.set({node["node_name"]: PERSISTENT.format(node=node["node_name"])}, replacements_inherit=True)
+    try:
+        # when a reviewer approves the replacement,
+        p.publish(alarm)
+        incident = p.incident_for(alarm["alarm_id"])
+        waiting = p.wait_state(incident.incident_id, S.AWAITING_APPROVAL, S.FAILED, S.NEEDS_ATTENTION)
+        assert waiting.state == S.AWAITING_APPROVAL, waiting.failure
+        assert p.decide(incident.incident_id, "approve", "replace it")["status"] == "SUCCEEDED"
+        execution = p.execution_end(p.execution_of(incident.incident_id), timeout=300)
+    finally:
+        eks.node_faults.clear()
+
+    # each new node fails its qualification and is cordoned; after the last round allowed (2), the incident stops
+    # for attention with the job still suspended and the pointer where it was.
+    assert execution["status"] == "FAILED", execution
+    stopped = p.ledger.get(incident.incident_id)
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert stopped.failure is not None
+    assert stopped.failure.error == "ReplacementNotQualified"
+    assert stopped.failure.state == "QualifyReplacement"  # where it stopped, though the ledger still says REPLACED
+    assert "cordoned" in stopped.failure.cause
+    checks = [c for c in stopped.node_checks if c.purpose == "qualify"]
+    assert [c.state for c in checks] == ["failed", "failed"]
+    assert len({c.node for c in checks}) == 2  # the first replacement, then its replacement
+    assert all(c.summary == f"not qualified on {c.node}: {REPEATS}/{REPEATS} repetitions wrong" for c in checks)
+    last = p.read_node(checks[-1].node)
+    assert last.spec.unschedulable is True
+    assert [t.value for t in our_taints(last)] == [incident.incident_id]
+    assert p.read_job()["spec"]["runPolicy"]["suspend"] is True
+    pointer_after, _ = read_pointer(p.store())
+    assert pointer_after == pointer_before
+    states = entered(p, execution["executionArn"])
+    assert states.count("RejectReplacement") == 2
+    assert states.count("ReplaceUnqualified") == 1
+    assert states[-3:] == ["ReplacementNotQualified", "NeedsAttention", "StoppedForAttention"]
+    assert "RewritePointer" not in states
+    assert "ResumeJob" not in states
+    assert check_jobs(p, incident.incident_id) == []

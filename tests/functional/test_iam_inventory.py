@@ -9,8 +9,10 @@ its named error after powertools removed its in-progress record) is a
 refusal, and :func:`test_no_role_is_refused_anything` names it.
 
 The calls are recorded (see :mod:`tests.functional.recorded_calls`) while
-the handler scenarios of ``test_handlers_pipeline`` run again, each handler
-attributed to the role the template gives its function; the agent's
+the handler scenarios of ``test_handlers_pipeline`` run again, and then those
+of ``test_node_check_handlers`` (real replay Jobs, in a seeded world of their
+own with roles rendered for its names), each handler attributed to the role
+the template gives its function; the agent's
 checkpoint save, re-save and load, its multipart upload and abort, and its
 alarm spool are attributed to the training policy; the operator CLI's
 list/show/approve to the reviewer policy. Each role must grant what its code
@@ -23,6 +25,7 @@ must grant exactly the Kubernetes requests the handlers made.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib
 import inspect
 import json
@@ -30,6 +33,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +42,7 @@ import yaml
 
 from infra.deploy.cfn_yaml import load_template
 from infra.local.standin import LocalStandIn
+from lambdas import clients
 from tests.functional import test_handlers_ops_cli as ops_cli
 from tests.functional import test_handlers_pipeline as pipeline
 from tests.functional.recorded_calls import Recorder, dynamodb_resource, iam_actions, rbac_request
@@ -80,6 +85,7 @@ NOT_EXERCISED: dict[str, dict[str, str]] = {
         "s3:GetObjectVersionAttributes": _VERSIONED,
     },
     "ReplaceRole": {**LAMBDA_RUNTIME},
+    "NodeCheckRole": {**LAMBDA_RUNTIME},
     "PointerRole": {
         **LAMBDA_RUNTIME,
         "s3:GetObjectVersion": _VERSIONED,
@@ -141,6 +147,18 @@ def _arguments(function: Callable[..., Any], values: dict[str, Any]) -> dict[str
     return {n: values[n] for n in names}
 
 
+def _own_process(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` with no client left by another handler: each function runs in its own process on AWS, so
+    what it calls to build its clients (eks:DescribeCluster for its token) is its role's to grant."""
+
+    @functools.wraps(handler)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        clients.forget()
+        return handler(*args, **kwargs)
+
+    return run
+
+
 def _run_handler_scenarios(world: pipeline.World, recorder: Recorder) -> dict[str, str]:
     """Every test of test_handlers_pipeline, with each handler's calls attributed to it.
 
@@ -151,7 +169,7 @@ def _run_handler_scenarios(world: pipeline.World, recorder: Recorder) -> dict[st
     with pytest.MonkeyPatch.context() as patch:
         for name in function_roles(TEMPLATE):
             module = importlib.import_module(f"lambdas.handlers.{name}")
-            patch.setattr(module, "handler", recorder.attributing(name, module.handler))
+            patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
         for name, test in vars(pipeline).items():
             if not (name.startswith("test_") and inspect.isfunction(test)):
                 continue
@@ -359,23 +377,85 @@ def _out_of_order(world: pipeline.World) -> dict[str, str]:
     return ended
 
 
-@pytest.fixture(scope="module")
-def recorded(standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup, acting: ActingWithRoles) -> Recorder:
-    _with_the_templates_indexes(standin, world.ledger.table)
-    with Recorder() as recorder, acting.installed(), tempfile.TemporaryDirectory() as tmp:
-        recorder.scenarios = _run_handler_scenarios(world, recorder)
-        _run_training_job(standin, recorder, Path(tmp), acting)
-        try:
-            _run_reviewer(setup, recorder)
-            recorder.scenarios["reviewer"] = "passed"
-        except Exception as exc:  # reported by test_every_scenario_ran_and_every_handler_was_exercised
-            recorder.scenarios["reviewer"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        with pytest.MonkeyPatch.context() as patch:
+NODE_CHECK_SCENARIOS = (
+    "test_a_faulty_replacement_fails_qualification_and_is_cordoned",
+    "test_without_a_capsule_nothing_runs_and_the_flow_goes_on",
+)
+"""The node checks' scenarios replayed here: between them every call the three handlers make (the PyTorchJob
+read, the capsule's S3 head found and missing, a Job created, read and deleted, its pod listed and its log read,
+a failed new node cordoned). The others repeat those calls with other answers, each a Job (a process that
+imports torch), so they run once, in test_node_check_handlers itself."""
+
+
+@dataclass
+class NodeCheckRun:
+    """The node checks' scenarios: the roles their handlers acted as, and the ledger of their world."""
+
+    acting: ActingWithRoles
+    ledger_tables: list[str] = field(default_factory=list)
+
+
+def _run_node_check_scenarios(standin: LocalStandIn, recorder: Recorder, run: NodeCheckRun) -> dict[str, str]:
+    """:data:`NODE_CHECK_SCENARIOS` of test_node_check_handlers (real replay Jobs on a seeded cluster of its own, with a capsule and
+    faulty nodes), each handler acting as its function's role rendered for that world's names."""
+    from tests.functional import test_node_check_handlers as checks
+
+    ran: dict[str, str] = {}
+    acting = run.acting
+    with checks.node_check_world(standin) as made:
+        run.ledger_tables.append(made.ledger.table)
+        _with_the_templates_indexes(standin, made.ledger.table)
+        values = world_values(made)
+        roles: dict[str, str] = {}
+        for handler, role in function_roles(TEMPLATE).items():
+            if role not in roles:
+                roles[role] = create_role(standin, TEMPLATE, role, values)
+            acting.give(handler, roles[role])
+        with acting.installed(), pytest.MonkeyPatch.context() as patch:
             for name in function_roles(TEMPLATE):
                 module = importlib.import_module(f"lambdas.handlers.{name}")
-                patch.setattr(module, "handler", recorder.attributing(name, module.handler))
-            failures = _out_of_order(world)
-        recorder.scenarios.update({f"out of order: {name}": outcome for name, outcome in failures.items()})
+                patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
+            for name, test in vars(checks).items():
+                if name not in NODE_CHECK_SCENARIOS:
+                    continue
+                with pytest.MonkeyPatch.context() as monkeypatch, tempfile.TemporaryDirectory() as tmp:
+                    arguments = _arguments(test, {"world": made, "monkeypatch": monkeypatch, "tmp_path": Path(tmp)})
+                    try:
+                        test(**arguments)
+                        ran[f"node checks: {name}"] = "passed"
+                    except Exception as exc:  # reported by test_every_scenario_ran_and_every_handler_was_exercised
+                        ran[f"node checks: {name}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return ran
+
+
+@pytest.fixture(scope="module")
+def node_checks(standin: LocalStandIn) -> NodeCheckRun:
+    """The handlers' roles in the node checks' world (given while those scenarios run)."""
+    return NodeCheckRun(ActingWithRoles(standin))
+
+
+@pytest.fixture(scope="module")
+def recorded(
+    standin: LocalStandIn, world: pipeline.World, setup: ops_cli.Setup, acting: ActingWithRoles, node_checks: NodeCheckRun
+) -> Recorder:
+    _with_the_templates_indexes(standin, world.ledger.table)
+    with Recorder() as recorder:
+        with acting.installed(), tempfile.TemporaryDirectory() as tmp:
+            recorder.scenarios = _run_handler_scenarios(world, recorder)
+            _run_training_job(standin, recorder, Path(tmp), acting)
+            try:
+                _run_reviewer(setup, recorder)
+                recorder.scenarios["reviewer"] = "passed"
+            except Exception as exc:  # reported by test_every_scenario_ran_and_every_handler_was_exercised
+                recorder.scenarios["reviewer"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            with pytest.MonkeyPatch.context() as patch:
+                for name in function_roles(TEMPLATE):
+                    module = importlib.import_module(f"lambdas.handlers.{name}")
+                    patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
+                failures = _out_of_order(world)
+            recorder.scenarios.update({f"out of order: {name}": outcome for name, outcome in failures.items()})
+        # Last: that world sets the handlers' environment for its own names while it lasts.
+        recorder.scenarios.update(_run_node_check_scenarios(standin, recorder, node_checks))
     return recorder
 
 
@@ -438,7 +518,9 @@ def _task_resources(definition: dict[str, Any]) -> Iterator[str]:
                 yield from _task_resources(nested)
 
 
-def test_the_handlers_read_the_ledger_only_through_its_indexes(recorded: Recorder, world: pipeline.World) -> None:
+def test_the_handlers_read_the_ledger_only_through_its_indexes(
+    recorded: Recorder, world: pipeline.World, node_checks: NodeCheckRun
+) -> None:
     """Scans read every incident ever opened: the guard's picture comes from the index of open incidents,
     an instance's history (the evidence step) from the index of incidents by suspect instance."""
     from lambdas.ledger import OPEN_INDEX, SUSPECT_INDEX
@@ -451,10 +533,14 @@ def test_the_handlers_read_the_ledger_only_through_its_indexes(recorded: Recorde
         for c in calls
         if c.service == "dynamodb" and c.operation in ("Query", "Scan")
         for table, index in dynamodb_resource(c)
-        if table == world.ledger.table
+        if table in {world.ledger.table, *node_checks.ledger_tables}
     }
-    # The replacement re-checks the limits under the lock where it acts, from the same index.
-    assert ledger_reads == {("guard", "Query", OPEN_INDEX), ("replace", "Query", OPEN_INDEX), ("evidence", "Query", SUSPECT_INDEX)}
+    # The replacement re-checks the limits under the lock where it acts, from the same index, and so does the
+    # rejection of a replacement that failed its qualification before it asks for another.
+    assert ledger_reads == {
+        ("guard", "Query", OPEN_INDEX), ("replace", "Query", OPEN_INDEX), ("evidence", "Query", SUSPECT_INDEX),
+        ("reject_replacement", "Query", OPEN_INDEX),
+    }  # fmt: skip
 
 
 def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: Recorder) -> None:
@@ -496,13 +582,14 @@ PROVOKED = {
 }
 
 
-def test_no_role_is_refused_anything(recorded: Recorder, acting: ActingWithRoles) -> None:
+def test_no_role_is_refused_anything(recorded: Recorder, acting: ActingWithRoles, node_checks: NodeCheckRun) -> None:
     """0 grants missing per role on every path driven here, happy and failure, with the stand-in enforcing."""
-    refused = {
-        actor: [r for r in refusals if not any(actor == a and r[0] == act and fnmatch.fnmatchcase(r[1], res)
-                                               for (a, act, res) in PROVOKED)]
-        for actor, refusals in acting.refusals().items()
-    }  # fmt: skip
+    refused: dict[str, list[tuple[str, str, str]]] = {}
+    for actor, refusals in [*acting.refusals().items(), *node_checks.acting.refusals().items()]:
+        refused.setdefault(actor, []).extend(
+            r for r in refusals
+            if not any(actor == a and r[0] == act and fnmatch.fnmatchcase(r[1], res) for (a, act, res) in PROVOKED)
+        )  # fmt: skip
     refused = {actor: refusals for actor, refusals in refused.items() if refusals}
     assert refused == {}, json.dumps(refused, indent=1)
 

@@ -346,7 +346,7 @@ def test_the_handlers_credentials_get_exactly_the_manifests_grants(
     assert k8s.CoreV1Api(kube).read_node(node).metadata.annotations["sdcguard.io/rbac-probe"] == "1"
     assert core.read_namespaced_pod(pod, seeded["namespace"]).spec.node_name == node  # pods: get by name
     with pytest.raises(k8s.ApiException) as caught:
-        core.list_namespaced_pod(seeded["namespace"])  # but never list
+        core.delete_namespaced_pod(pod, seeded["namespace"])  # but never delete
     assert caught.value.status == 403
 
     # patch taken out of the role: the same call is refused, and nothing changes

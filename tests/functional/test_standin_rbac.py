@@ -98,7 +98,7 @@ def test_a_lambda_function_gets_exactly_what_the_manifest_grants(
     requests = [
         ("get node", "GET", f"/api/v1/nodes/{node}", None),
         ("patch node", "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"annotations": {"sdcguard.io/probe": "1"}}}),
-        ("list pods", "GET", f"/api/v1/namespaces/{ns}/pods", None),
+        ("delete pod", "DELETE", f"/api/v1/namespaces/{ns}/pods/{pod}", None),
         ("patch job", "PATCH", f"/apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs/{job}",
          {"spec": {"runPolicy": {"suspend": True}}}),
         ("get pod", "GET", f"/api/v1/namespaces/{ns}/pods/{pod}", None),
@@ -113,7 +113,7 @@ def test_a_lambda_function_gets_exactly_what_the_manifest_grants(
 
     assert "FunctionError" not in response, answers
     assert answers == {
-        "get node": 200, "patch node": 200, "list pods": 403, "patch job": 200,
+        "get node": 200, "patch node": 200, "delete pod": 403, "patch job": 200,
         "get pod": 200, "delete node": 403, "create namespace": 403,
     }  # fmt: skip
     admin = cluster_api_client(seeded["eks_cluster"], standin.client("eks"), standin.client("sts"))

@@ -6,7 +6,7 @@ from typing import Any
 
 from infra.drill.chaos import state_retries, summary_of
 from infra.drill.report import chaos_lines, verdict_lines
-from infra.drill.summary import DrillSummary, ReplacementRow
+from infra.drill.summary import DrillSummary, NodeCheckRow, ReplacementRow
 from infra.local.eks.faults import ChaosTally
 
 
@@ -82,18 +82,54 @@ def test_a_passed_summary_prints_the_verdict_line_of_the_drill() -> None:
         suspect_instances=["i-0123456789abcdef0"], localized_correctly=True, incident_state="CLOSED",
         resumed_from_step=30, decision="approve", recovered_bit_exact=True, report_dir="/r",
         replacements=[ReplacementRow(old="i-0123456789abcdef0", new="i-0fedcba9876543210", status="Running")],
-        phase_seconds={"alarm": 0.0, "cordon": 7.5, "approval": None, "replaced": None, "resumed": None},
+        phase_seconds={"alarm": 0.0, "cordon": 7.5, "reproduced": 9.25, "approval": None, "replaced": None,
+                       "qualified": None, "resumed": None},
+        node_checks=[NodeCheckRow(purpose="reproduce", node="hyperpod-i-0123456789abcdef0", state="failed",
+                                  repeats=5, reproduced=5, summary="reproduced 5/5: persistent",
+                                  seconds_after_alarm=9.25)],
+        suspect_reproduced="5/5", replacement_qualified=True,
         drill_seconds={"clean_run": 10.25},
     )
 
     lines = verdict_lines(passed, None, None)
 
-    assert lines[:3] == ["[7/7] timeline (seconds after the alarm):", "  alarm     +   0.00 s   (+  0.00 s)",
-                         "  cordon    +   7.50 s   (+  7.50 s)"]
+    assert lines[:4] == ["[7/7] timeline (seconds after the alarm):", "  alarm      +   0.00 s   (+  0.00 s)",
+                         "  cordon     +   7.50 s   (+  7.50 s)",
+                         "  reproduced +   9.25 s   (+  1.75 s)   reproduction on hyperpod-i-0123456789abcdef0: "
+                         "reproduced 5/5: persistent"]
     assert "  drill     clean_run 10.2 s" in lines
     assert lines[-2] == (
         "verdict: PASSED  fault finite_activation on rank 3 at step 33 -> ring_audit alarm at step 40, suspects "
-        "['i-0123456789abcdef0'] (localized correctly: True); incident CLOSED; resumed from step 30; "
-        "recovered bit-exact: true")
+        "['i-0123456789abcdef0'] (localized correctly: True); reproduced on the suspect 5/5; replacement "
+        "qualified: true; incident CLOSED; resumed from step 30; recovered bit-exact: true")
     assert passed.as_json()["replacements"] == [{"old": "i-0123456789abcdef0", "new": "i-0fedcba9876543210",
                                                  "status": "Running"}]
+    assert (passed.as_json()["suspect_reproduced"], passed.as_json()["replacement_qualified"]) == ("5/5", True)
+
+
+def test_a_drill_that_kept_the_job_off_a_faulty_replacement_says_so_in_its_verdict() -> None:
+    # Given --replacement-faulty: both replacements failed their qualification and the incident stopped,
+    held = DrillSummary(
+        fault="finite_activation", fault_rank=3, fault_step=33, detector="magnitude_trigger", alarm_step=33,
+        suspect_instances=["i-0123456789abcdef0"], localized_correctly=True, incident_state="NEEDS_ATTENTION",
+        decision="approve", replacement_faulty=True, suspect_reproduced="5/5",
+        replacement_qualified=[False, False], resumed_onto_unqualified=False,
+        replacement_outcome="NEEDS_ATTENTION: hyperpod-i-2 failed qualification and is cordoned; hyperpod-i-1 "
+                            "failed it too and was replaced; the job stays suspended",
+        node_checks=[NodeCheckRow(purpose="qualify", node=f"hyperpod-i-{n}", state="failed", repeats=5,
+                                  reproduced=5, summary=f"failed 0/5 on hyperpod-i-{n}") for n in (1, 2)],
+        phase_seconds={"alarm": 0.0, "qualified": 20.0},
+    )
+
+    lines = verdict_lines(held, None, None)
+
+    # the timeline names each new node's qualification, and the verdict says the job was not resumed.
+    assert ("  qualified  +  20.00 s   (+ 20.00 s)   qualification of hyperpod-i-1: failed (failed 0/5 on "
+            "hyperpod-i-1); qualification of hyperpod-i-2: failed (failed 0/5 on hyperpod-i-2)") in lines
+    assert lines[-2].endswith(
+        "replacement qualified: [false, false]; incident NEEDS_ATTENTION; not resumed onto an unqualified node: "
+        "NEEDS_ATTENTION: hyperpod-i-2 failed qualification and is cordoned; hyperpod-i-1 failed it too and was "
+        "replaced; the job stays suspended")
+    written = held.as_json()
+    assert (written["replacement_faulty"], written["resumed_onto_unqualified"]) == (True, False)
+    assert "recovered_bit_exact" not in written

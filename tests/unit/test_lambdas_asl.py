@@ -19,8 +19,10 @@ LAMBDA = "arn:aws:states:::lambda:invoke"
 MACHINES = {name: ROOT / "stepfunctions" / f"{name}.asl.json" for name in ("incident", "decide")}
 PLACEHOLDERS = {
     f"${{{name}FunctionArn}}"
-    for name in ["Record", "Resolve", "Guard", "SuspendJob", "Cordon", "Evidence", "RequestApproval", "Replace", "ReplacementStatus", "RewritePointer", "ResumeJob", "Close", "Release", "NeedsAttention", "Fail", "Decide"]
+    for name in ["Record", "Resolve", "Guard", "SuspendJob", "Cordon", "StartNodeCheck", "NodeCheckStatus", "Evidence", "RequestApproval", "Replace", "ReplacementStatus", "RejectReplacement", "RewritePointer", "ResumeJob", "Close", "Release", "NeedsAttention", "Fail", "Decide"]
 } | {"${TopicArn}"}
+REPRODUCE = ("StartReproduce", "ReproduceStarted", "WaitReproduce", "CheckReproduce", "ReproduceDone")
+"""ReproduceOnSuspect's states: between the cordon and the evidence, informing the reviewers only."""
 
 
 def load(name: str) -> dict[str, Any]:
@@ -72,7 +74,10 @@ def test_every_task_retries_transient_errors_and_catches_into_a_recorded_state(n
             assert state.get("Catch"), state_name
     for state_name, state in top.items():
         for catch in state.get("Catch", []):
-            assert catch["ResultPath"] in ("$.error", "$.notify_error"), state_name
+            if state_name in REPRODUCE:  # the reproduction's failure is kept beside the input, not an error of the incident
+                assert (catch["ResultPath"], catch["Next"]) == ("$.reproduce_error", "CollectEvidence"), state_name
+            else:
+                assert catch["ResultPath"] in ("$.error", "$.notify_error"), state_name
             assert catch["Next"] in top
 
 
@@ -100,7 +105,7 @@ def test_the_replacement_wait_loop_is_bounded_and_fails_into_a_recorded_state() 
     states = load("incident")["States"]
     loop = states["ReplacementDone"]
     targets = {c["Variable"]: c["Next"] for c in loop["Choices"]}
-    assert targets["$.poll.done"] == "RewritePointer"
+    assert targets["$.poll.done"] == "StartQualify"  # the new nodes qualify before anything resumes onto them
     assert states[targets["$.poll.exhausted"]]["Next"] == "Failed"
     assert loop["Default"] == "WaitForReplacement"
     assert states["WaitForReplacement"]["SecondsPath"] == "$.timeouts.replacement_poll_seconds"
@@ -187,3 +192,114 @@ def test_the_decision_carries_the_decide_execution() -> None:
     decide = load("decide")["States"]["Decide"]
     assert decide["Parameters"]["Payload"]["execution_arn.$"] == "$$.Execution.Id"
     assert decide["ResultSelector"]["execution_arn.$"] == "$.Payload.execution_arn"
+
+
+# -- the node checks (issue 26): reproduce on the suspect, qualify every replacement -----------------------
+
+
+def successors(state: dict[str, Any]) -> set[str]:
+    nexts = {state.get("Next"), state.get("Default")} | {c["Next"] for c in state.get("Choices", []) + state.get("Catch", [])}
+    return {n for n in nexts if n}
+
+
+def test_the_reproduction_runs_after_the_cordon_and_never_keeps_the_reviewers_from_deciding() -> None:
+    states = load("incident")["States"]
+    assert states["CordonNodes"]["Next"] == "StartReproduce"
+    # Every way out of the reproduction (done, out of polls, any error, nothing started) leads to the evidence.
+    for name in REPRODUCE:
+        assert successors(states[name]) <= {*REPRODUCE, "CollectEvidence"}, name
+    for name in ("StartReproduce", "CheckReproduce"):
+        state = states[name]
+        assert state["Parameters"]["Payload"]["purpose"] == "reproduce"
+        assert [c["ErrorEquals"] for c in state["Catch"]] == [["States.ALL"]], name
+        assert state["ResultPath"] == "$.reproduce"  # the incident's own data (incident_id, timeouts, ...) is kept
+    done = {c["Variable"]: c["Next"] for c in states["ReproduceDone"]["Choices"]}
+    assert done == {"$.reproduce.done": "CollectEvidence", "$.reproduce.exhausted": "CollectEvidence"}
+    assert states["ReproduceDone"]["Default"] == "WaitReproduce"
+    assert states["WaitReproduce"]["SecondsPath"] == "$.timeouts.node_check_poll_seconds"
+    # Only the reproduction reaches the evidence from the cordon.
+    assert {n for n, s in states.items() if "CollectEvidence" in successors(s)} == {"StartReproduce", "CheckReproduce", "ReproduceDone"}
+
+
+def _reaches(states: dict[str, Any], start: str, goal: str, avoiding: set[str]) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name == goal:
+            return True
+        if name in seen or name in avoiding:
+            continue
+        seen.add(name)
+        todo.extend(successors(states[name]))
+    return False
+
+
+def test_the_job_resumes_only_onto_replacements_that_qualified() -> None:
+    states = load("incident")["States"]
+    # The pointer is rewritten (and the job resumed) only from the qualification's verdict: true, or null (no capsule).
+    assert {n for n, s in states.items() if "RewritePointer" in successors(s)} == {"Qualified"}
+    assert {n for n, s in states.items() if "ResumeJob" in successors(s)} == {"RewritePointer"}
+    verdict = states["Qualified"]
+    to_pointer = [c for c in verdict["Choices"] if c["Next"] == "RewritePointer"]
+    assert [(c["Variable"], c.get("IsNull"), c.get("BooleanEquals")) for c in to_pointer] == [
+        ("$.qualify.qualified", True, None),
+        ("$.qualify.qualified", None, True),
+    ]
+    assert verdict["Default"] != "RewritePointer"
+    # No path from the replacement to the pointer avoids the qualification's check.
+    assert not _reaches(states, "ReplaceNodes", "RewritePointer", avoiding={"CheckQualify"})
+    assert not _reaches(states, "ReplaceUnqualified", "RewritePointer", avoiding={"CheckQualify"})
+    # A qualification that cannot finish stops for attention: errors, out of polls, no further round allowed.
+    for name in ("StartQualify", "CheckQualify", "RejectReplacement"):
+        assert [(c["ErrorEquals"], c["Next"]) for c in states[name]["Catch"]] == [(["States.ALL"], "NeedsAttention")], name
+    done = {c["Variable"]: c["Next"] for c in states["QualifyDone"]["Choices"]}
+    assert done["$.qualify.done"] == "Qualified"
+    assert states[done["$.qualify.exhausted"]]["Next"] == "NeedsAttention"
+    assert states["WaitQualify"]["SecondsPath"] == "$.timeouts.node_check_poll_seconds"
+    for name in ("StartQualify", "CheckQualify"):
+        assert states[name]["Parameters"]["Payload"]["purpose"] == "qualify"
+    again = states["ReplaceAgain"]
+    assert [(c["Variable"], c["Next"]) for c in again["Choices"]] == [("$.rejected.replace_again", "ReplaceUnqualified")]
+    assert states[again["Default"]]["Next"] == "NeedsAttention"
+    assert states[again["Default"]]["Parameters"]["Cause.$"] == "$.rejected.reason"  # the reviewers read why
+
+
+def test_a_new_node_that_fails_is_replaced_again_by_the_replace_function_and_waited_for() -> None:
+    states = load("incident")["States"]
+    first, again = states["ReplaceNodes"], states["ReplaceUnqualified"]
+    assert again["Type"] == "Map"
+    assert again["ItemsPath"] == "$.rejected.instance_ids"
+    assert again["ItemSelector"] == first["ItemSelector"]
+    (inner,) = again["ItemProcessor"]["States"].values()
+    (replace,) = first["ItemProcessor"]["States"].values()
+    assert inner["Parameters"] == replace["Parameters"] == {"FunctionName": "${ReplaceFunctionArn}", "Payload.$": "$"}
+    assert inner["Retry"] == replace["Retry"]
+    assert again["Catch"] == first["Catch"]
+    assert again["Next"] == first["Next"] == "StartPolling"
+
+
+def test_every_result_selector_reads_fields_its_handler_returns() -> None:
+    from lambdas import outputs
+
+    returns: dict[str, type[outputs.Output]] = {
+        "${RecordFunctionArn}": outputs.Recorded, "${ResolveFunctionArn}": outputs.Resolved,
+        "${GuardFunctionArn}": outputs.Guarded, "${CordonFunctionArn}": outputs.Cordoned,
+        "${EvidenceFunctionArn}": outputs.Evidence, "${ReplaceFunctionArn}": outputs.ReplacementRequested,
+        "${ReplacementStatusFunctionArn}": outputs.ReplacementPoll,
+        "${StartNodeCheckFunctionArn}": outputs.NodeChecksStarted,
+        "${NodeCheckStatusFunctionArn}": outputs.NodeCheckPoll,
+        "${RejectReplacementFunctionArn}": outputs.ReplacementRejected,
+        "${DecideFunctionArn}": outputs.Decided,
+    }  # fmt: skip
+    checked = set()
+    for name in MACHINES:
+        for state_name, state in all_states(load(name)):
+            selector = state.get("ResultSelector")
+            if not selector:
+                continue
+            function = state["Parameters"]["FunctionName"]
+            fields = {path.removeprefix("$.Payload.") for path in selector.values()}
+            returned = set(returns[function].model_fields)
+            assert fields <= returned, (state_name, fields - returned)
+            checked.add(function)
+    assert {"${StartNodeCheckFunctionArn}", "${NodeCheckStatusFunctionArn}", "${RejectReplacementFunctionArn}"} <= checked

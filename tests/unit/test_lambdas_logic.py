@@ -557,3 +557,45 @@ def test_throttling_after_the_clients_retries_is_raised_by_name() -> None:
     retries = dict(CONFIG.retries)  # type: ignore[attr-defined]  # botocore-stubs give Config's options as arguments only
     assert retries.pop("mode") == "standard"
     assert retries in ({"max_attempts": 5}, {"total_max_attempts": 6})
+
+
+def test_a_stopped_incident_holds_until_its_rejected_replacement_node_is_released_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from contract import NodeCheck
+    from contract.incident import REPLACEMENT_REJECTED, Replacement
+    from lambdas import guard
+
+    stopped = incident("alarm_ring_audit", IncidentState.NEEDS_ATTENTION, [(I1, "")],
+                       entered={IncidentState.GUARDED: NOW, IncidentState.CORDONED: NOW})
+    stopped = stopped.model_copy(update={
+        "replacements": [Replacement(old_instance_id=I1, new_instance_id=I2, status=REPLACEMENT_REJECTED)],
+        "node_checks": [NodeCheck(purpose="qualify", node=f"hyperpod-{I2}", instance_id=I2, repeats=2, state="failed")],
+    })
+    updated: list[str] = []
+
+    class Ledger:  # what _count_releases uses of the ledger
+        @staticmethod
+        def update(incident_id: str, change: Any) -> Incident:
+            updated.append(incident_id)
+            result: Incident = change(stopped)
+            return result
+
+    asked: list[set[str]] = []
+
+    def seen_released(released: set[str]) -> Any:
+        def released_nodes(_api: Any, nodes: Any) -> set[str]:
+            asked.append(set(nodes))
+            return released
+        return released_nodes
+
+    # The suspect's node is uncordoned, the rejected replacement is not: the incident still holds.
+    monkeypatch.setattr(guard, "released_nodes", seen_released({f"hyperpod-{I1}"}))
+    [still] = guard._count_releases(Ledger(), [stopped], lambda: None, exclude="")  # type: ignore[arg-type]
+    assert asked == [{f"hyperpod-{I1}", f"hyperpod-{I2}"}]
+    assert still.nodes_released_at is None
+    assert updated == []
+    monkeypatch.setattr(guard, "released_nodes", seen_released({f"hyperpod-{I1}", f"hyperpod-{I2}"}))
+    [freed] = guard._count_releases(Ledger(), [stopped], lambda: None, exclude="")  # type: ignore[arg-type]
+    assert freed.nodes_released_at is not None
+    assert updated == [stopped.incident_id]

@@ -21,12 +21,15 @@ def test_cluster_role_grants_only_what_the_handlers_use() -> None:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    # What the handlers were seen to request (tests/functional/test_iam_inventory.py records it): no list,
-    # no watch, no delete, no create, nothing on pods beyond reading the suspects' by name.
+    # What the handlers were seen to request (tests/functional/test_iam_inventory.py records it): no watch,
+    # nothing on nodes or PyTorchJobs beyond reading and patching them, on pods beyond reading the suspects' by
+    # name and listing a node check's pod to read its log; Jobs only the node checks' own, each by name (create,
+    # read, delete: the ledger names them, so no list).
     assert granted == {
         ("", "nodes", "get"), ("", "nodes", "patch"),
-        ("", "pods", "get"),
+        ("", "pods", "get"), ("", "pods", "list"), ("", "pods/log", "get"),
         ("kubeflow.org", "pytorchjobs", "get"), ("kubeflow.org", "pytorchjobs", "patch"),
+        ("batch", "jobs", "create"), ("batch", "jobs", "get"), ("batch", "jobs", "delete"),
     }  # fmt: skip
 
 

@@ -25,7 +25,7 @@ TEMPLATE = ROOT / "infra" / "deploy" / "template.yaml"
 HANDLERS = {
     "record", "resolve", "guard", "suspend_job", "cordon", "evidence", "request_approval", "replace",
     "replacement_status", "rewrite_pointer", "resume_job", "close", "release", "needs_attention", "fail",
-    "decide",
+    "decide", "start_node_check", "node_check_status", "reject_replacement",
 }  # fmt: skip
 # The environment every handler validates at cold start (lambdas/settings.py).
 SETTINGS_ENV = {
@@ -33,6 +33,8 @@ SETTINGS_ENV = {
     "CHECKPOINT_BUCKET", "CHECKPOINT_PREFIX", "MODE", "MAX_QUARANTINED_NODES", "MAX_REPLACEMENTS_PER_DAY",
     "APPROVAL_TIMEOUT_SECONDS", "DCGM_METRIC_NAMES", "DECIDE_STATE_MACHINE_ARN", "REPLACEMENT_POLL_SECONDS",
     "REPLACEMENT_MAX_POLLS", "MAX_ALARM_AGE_SECONDS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
+    "NODE_CHECK_REPEATS", "NODE_CHECK_DEADLINE_SECONDS", "NODE_CHECK_POLL_SECONDS", "NODE_CHECK_MAX_POLLS",
+    "MAX_REPLACEMENT_ROUNDS",
 }  # fmt: skip
 
 
@@ -189,8 +191,9 @@ def test_only_the_replace_role_may_replace_nodes(template: dict[str, Any]) -> No
 def test_kubernetes_roles_have_access_entries_in_the_rbac_group(template: dict[str, Any]) -> None:
     entries = _resources(template, "AWS::EKS::AccessEntry")
     principals = {e["Properties"]["PrincipalArn"]["Fn::GetAtt"][0] for e in entries.values()}
-    # The replacement handlers ask HyperPod only (tests/functional/test_iam_inventory.py records it).
-    assert principals == {"KubernetesRole"}
+    # The replacement handlers ask HyperPod only (tests/functional/test_iam_inventory.py records it); the node
+    # checks run Kubernetes Jobs.
+    assert principals == {"KubernetesRole", "NodeCheckRole"}
     for entry in entries.values():
         assert entry["Properties"]["KubernetesGroups"] == [{"Ref": "KubernetesGroup"}]
     assert template["Parameters"]["KubernetesGroup"]["Default"] == "sdcguard-pipeline"
@@ -200,6 +203,48 @@ def test_settings_environment_matches_the_handlers_settings() -> None:
     from lambdas.settings import ENV
 
     assert set(ENV) | {"POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE"} == SETTINGS_ENV
+
+
+# The node checks' parameters, the variable each sets and the default agreed with the handlers' settings.
+NODE_CHECK_PARAMETERS = {
+    "NodeCheckRepeats": ("NODE_CHECK_REPEATS", 5),
+    "NodeCheckDeadlineSeconds": ("NODE_CHECK_DEADLINE_SECONDS", 900),
+    "NodeCheckPollSeconds": ("NODE_CHECK_POLL_SECONDS", 15),  # 70 x 15 s covers the Job's 900 s deadline
+    "NodeCheckMaxPolls": ("NODE_CHECK_MAX_POLLS", 70),  # and keeps the worst case under the history limit
+    "MaxReplacementRounds": ("MAX_REPLACEMENT_ROUNDS", 2),
+}
+
+
+@pytest.mark.parametrize("parameter", sorted(NODE_CHECK_PARAMETERS))
+def test_node_check_parameters_reach_every_function_with_the_settings_defaults_and_bounds(
+    template: dict[str, Any], parameter: str
+) -> None:
+    from lambdas.settings import ENV, Settings
+
+    variable, default = NODE_CHECK_PARAMETERS[parameter]
+    declared = template["Parameters"][parameter]
+    assert int(declared["Default"]) == default
+    field = Settings.model_fields[ENV[variable]]
+    assert field.default == default
+    # A stack refuses at deploy whatever its functions would refuse at cold start.
+    bounds = {type(m).__name__: m for m in field.metadata}
+    assert bounds["Ge"].ge <= int(declared["MinValue"]) <= default <= int(declared["MaxValue"]) <= bounds["Le"].le
+    for name, function in _resources(template, "AWS::Lambda::Function").items():
+        assert function["Properties"]["Environment"]["Variables"][variable] == {"Ref": parameter}, name
+
+
+def test_the_node_check_functions_read_capsules_only_and_reject_runs_with_the_cordon(template: dict[str, Any]) -> None:
+    roles = {
+        f["Properties"]["Handler"].split(".")[2]: f["Properties"]["Role"]["Fn::GetAtt"][0]
+        for f in _resources(template, "AWS::Lambda::Function").values()
+    }
+    assert (roles["start_node_check"], roles["node_check_status"]) == ("NodeCheckRole", "NodeCheckRole")
+    assert roles["reject_replacement"] == roles["cordon"] == "KubernetesRole"  # it cordons a failed new node
+    statements = template["Resources"]["NodeCheckRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+    s3 = [s for s in statements if any(a.startswith("s3:") for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]]))]
+    assert [(s["Action"], s["Resource"]) for s in s3] == [
+        ("s3:GetObject", {"Fn::Sub": "arn:${AWS::Partition}:s3:::${CheckpointBucket}/${CheckpointPrefix}/capsules/*"})
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(HANDLERS))
@@ -465,65 +510,6 @@ def test_cloudwatch_may_publish_to_the_encrypted_topic(template: dict[str, Any])
     alarms = next(s for s in key["KeyPolicy"]["Statement"] if s["Sid"] == "AlarmsPublish")
     assert alarms["Principal"] == {"Service": "cloudwatch.amazonaws.com"}
     assert set(alarms["Action"]) == {"kms:GenerateDataKey", "kms:Decrypt"}
-
-
-# -- the execution history limit ----------------------------------------------------------------------
-
-
-def _incident_asl() -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((ROOT / "stepfunctions" / "incident.asl.json").read_text())
-    return loaded
-
-
-def test_the_most_polls_allowed_fit_the_execution_history(template: dict[str, Any]) -> None:
-    from infra.deploy.execution_history import (
-        HISTORY_LIMIT,
-        events_outside_the_loop,
-        events_per_poll,
-        max_polls,
-    )
-
-    asl = _incident_asl()
-    most = int(template["Parameters"]["ReplacementMaxPolls"]["MaxValue"])
-    assert most * events_per_poll(asl) + events_outside_the_loop(asl) < HISTORY_LIMIT
-    assert most <= max_polls(asl)
-    assert int(template["Parameters"]["ReplacementMaxPolls"]["Default"]) <= most
-
-
-def test_the_history_budget_counts_every_retry_of_the_loop() -> None:
-    from infra.deploy.execution_history import HistoryBudgetError, check_polls, events_per_poll, poll_loop
-
-    asl = _incident_asl()
-    assert poll_loop(asl)[0] == "WaitForReplacement"
-    per_poll = events_per_poll(asl)
-    assert per_poll >= 9  # wait (2) + task (5) + choice (2), before any retry
-    greedy = json.loads(json.dumps(asl))
-    check = greedy["States"][poll_loop(asl)[1]]
-    check["Retry"] = [*check.get("Retry", []), {"ErrorEquals": ["States.ALL"], "MaxAttempts": 10}]
-    assert events_per_poll(greedy) == per_poll + 30
-    check_polls(asl, 300)
-    with pytest.raises(HistoryBudgetError, match=r"ReplacementMaxPolls=5000: .* over the execution history limit"):
-        check_polls(asl, 5000)
-    unlooped = json.loads(json.dumps(asl))
-    unlooped["States"]["ReplacementDone"]["Default"] = "ReplacementTimedOut"
-    with pytest.raises(HistoryBudgetError, match="not a loop"):
-        poll_loop(unlooped)
-
-
-def test_deploy_refuses_polls_that_could_overrun_the_history(tmp_path: Path) -> None:
-    from infra.deploy.deploy import DeployError, check_history_budget
-
-    asl = tmp_path / "incident.asl.json"
-    asl.write_text(json.dumps(_incident_asl()))
-    check_history_budget({"ReplacementMaxPolls": "300"}, asl)
-    with pytest.raises(DeployError, match="ReplacementMaxPolls=2000"):
-        check_history_budget({"ReplacementMaxPolls": "2000"}, asl)
-    # A definition whose poll writes more events lowers the bound for the same value.
-    heavier = _incident_asl()
-    heavier["States"]["CheckReplacement"]["Retry"].append({"ErrorEquals": ["States.Timeout"], "MaxAttempts": 99})
-    asl.write_text(json.dumps(heavier))
-    with pytest.raises(DeployError, match="ReplacementMaxPolls=300"):
-        check_history_budget({"ReplacementMaxPolls": "300"}, asl)
 
 
 # -- the ledger's index of open incidents -------------------------------------------------------------

@@ -25,9 +25,10 @@ AGGREGATED_KIND = "APIGroupDiscoveryList"
 AGGREGATED_VERSIONS = ("v2", "v2beta1")
 
 # Subresources served beside the resources: (parent plural, subresource, group, version, kind, verbs).
-# ``kubectl drain`` evicts through pods/eviction when discovery lists it.
+# ``kubectl drain`` evicts through pods/eviction when discovery lists it; ``kubectl logs`` reads pods/log.
 SUBRESOURCES: tuple[tuple[str, str, str, str, str, tuple[str, ...]], ...] = (
     ("pods", "eviction", "policy", "v1", "Eviction", ("create",)),
+    ("pods", "log", "", "v1", "Pod", ("get",)),
 )
 
 

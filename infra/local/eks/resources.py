@@ -2,7 +2,7 @@
 
 Validation follows the API server's rules for the fields the pipeline writes
 (names, labels, annotations, taints, ``spec.unschedulable``,
-``spec.runPolicy.suspend``) so that a handler that would be refused by a real
+``spec.runPolicy.suspend``, a Job's pod template and deadlines) so that a handler that would be refused by a real
 cluster is refused here too, with the same 422 ``Invalid`` shape.
 """
 
@@ -106,6 +106,19 @@ PYTORCHJOBS = Resource(
     singular="pytorchjob",
 )
 
+# batch/v1 Jobs, which the stand-in runs for real (see ``jobs``): the pipeline's node checks.
+JOBS = Resource(
+    "jobs",
+    "Job",
+    "batch",
+    "v1",
+    namespaced=True,
+    merge_keys={"status.conditions": "type", "metadata.ownerReferences": "uid"},
+    singular="job",
+    categories=("all",),
+    verbs=("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"),
+)
+
 # RBAC, so that the stand-in can hold the repository's manifest and enforce it (see ``rbac``).
 CLUSTER_ROLES = Resource(
     "clusterroles", "ClusterRole", "rbac.authorization.k8s.io", "v1", namespaced=False, singular="clusterrole"
@@ -137,6 +150,7 @@ RESOURCES: dict[tuple[str, str], Resource] = {
         PODS,
         EVENTS,
         PYTORCHJOBS,
+        JOBS,
         CLUSTER_ROLES,
         CLUSTER_ROLE_BINDINGS,
         SELF_SUBJECT_ACCESS_REVIEWS,
@@ -278,6 +292,34 @@ def _validate_pytorchjob(spec: dict[str, Any], causes: list[dict[str, str]]) -> 
         )
 
 
+def _validate_job(spec: dict[str, Any], causes: list[dict[str, str]]) -> None:
+    template = spec.get("template")
+    if not isinstance(template, dict):
+        causes.append(_cause("spec.template", "Required value", "FieldValueRequired"))
+        return
+    pod_spec = template.get("spec")
+    if not isinstance(pod_spec, dict):
+        causes.append(_cause("spec.template.spec", "Required value", "FieldValueRequired"))
+        return
+    nested: list[dict[str, str]] = []
+    _validate_pod(pod_spec, nested)
+    causes.extend({**c, "field": f"spec.template.{c['field']}"} for c in nested)
+    restart = pod_spec.get("restartPolicy")
+    if restart not in ("Never", "OnFailure"):
+        causes.append(
+            _cause(
+                "spec.template.spec.restartPolicy",
+                f'Unsupported value: "{restart or "Always"}": supported values: "OnFailure", "Never"',
+                "FieldValueNotSupported",
+            )
+        )
+    for key in ("activeDeadlineSeconds", "backoffLimit", "ttlSecondsAfterFinished"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                                  or (key == "activeDeadlineSeconds" and value == 0)):
+            causes.append(_cause(f"spec.{key}", f"Invalid value: {value!r}: must be a positive integer"))
+
+
 def validate(resource: Resource, obj: Any) -> list[dict[str, str]]:
     """Every problem with ``obj`` as an object of ``resource``, as Status causes; empty when valid."""
     if not isinstance(obj, dict):
@@ -295,4 +337,6 @@ def validate(resource: Resource, obj: Any) -> list[dict[str, str]]:
         _validate_pod(spec, causes)
     elif resource is PYTORCHJOBS:
         _validate_pytorchjob(spec, causes)
+    elif resource is JOBS:
+        _validate_job(spec, causes)
     return causes

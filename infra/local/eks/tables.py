@@ -3,7 +3,7 @@
 kubectl asks for ``application/json;as=Table;v=v1;g=meta.k8s.io`` and prints
 the columns the server chooses (``-o wide`` adds those of priority 1). The
 columns and cell values follow the API server's own printers for nodes, pods,
-namespaces and events, and the Kubeflow CRD's ``additionalPrinterColumns``
+namespaces, events and Jobs, and the Kubeflow CRD's ``additionalPrinterColumns``
 for PyTorchJobs, so the output reads as it does against EKS.
 """
 
@@ -17,6 +17,7 @@ from infra.local.eks.resources import (
     CLUSTER_ROLE_BINDINGS,
     CLUSTER_ROLES,
     EVENTS,
+    JOBS,
     NAMESPACES,
     NODES,
     PODS,
@@ -153,6 +154,33 @@ def _pytorchjob_cells(job: dict[str, Any], now: dt.datetime) -> list[Any]:
     return [job["metadata"]["name"], conditions[-1].get("type", "") if conditions else "", _age(job, now)]
 
 
+def _stamp(value: str | None) -> dt.datetime | None:
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC) if value else None
+
+
+def _job_cells(job: dict[str, Any], now: dt.datetime) -> list[Any]:
+    # As the API server's Job printer (1.31): the last true Complete/Failed condition, else Running.
+    spec, status = job.get("spec") or {}, job.get("status") or {}
+    state = "Running"
+    for condition in status.get("conditions") or []:
+        if condition.get("status") == "True" and condition.get("type") in ("Complete", "Failed"):
+            state = condition["type"]
+    started, finished = _stamp(status.get("startTime")), _stamp(status.get("completionTime"))
+    duration = human_duration(((finished or now) - started).total_seconds()) if started else ""
+    containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or []
+    selector = ",".join(f"{k}={v}" for k, v in ((spec.get("selector") or {}).get("matchLabels") or {}).items())
+    return [
+        job["metadata"]["name"],
+        state,
+        f"{status.get('succeeded', 0)}/{spec.get('completions', 1)}",
+        duration,
+        _age(job, now),
+        ",".join(c.get("name", "") for c in containers),
+        ",".join(c.get("image", "") for c in containers),
+        selector or "<none>",
+    ]
+
+
 def _cluster_role_cells(role: dict[str, Any], now: dt.datetime) -> list[Any]:
     return [role["metadata"]["name"], role["metadata"].get("creationTimestamp", "")]
 
@@ -225,6 +253,19 @@ _PRINTERS: dict[tuple[str, str], Printer] = {
             ("Message", "string", 0, "A human-readable description of the status of this operation."),
         ),
         _event_cells,
+    ),
+    (JOBS.group, JOBS.plural): (
+        (
+            _NAME,
+            ("Status", "string", 0, "Status of the job."),
+            ("Completions", "string", 0, "The completion status of the job."),
+            ("Duration", "string", 0, "Time required to complete the job."),
+            _AGE,
+            ("Containers", "string", 1, "Names of each container in the template."),
+            ("Images", "string", 1, "Images referenced by each container in the template."),
+            ("Selector", "string", 1, "Selector used for matching pods."),
+        ),
+        _job_cells,
     ),
     (CLUSTER_ROLES.group, CLUSTER_ROLES.plural): (
         (_NAME, ("Created At", "date", 0, "")),
