@@ -91,7 +91,7 @@ class GuardConfig:
     publish_retries: int = 3
     """PutEvents attempts before the alarm is spooled."""
     spool_dir: str = "sdcguard-spool"
-    """Local folder where alarms are written when EventBridge cannot be reached."""
+    """Local folder where alarms are written when EventBridge cannot be reached (never with ``publisher=None``)."""
     spool_max_age_s: float = 7 * 24 * 3600.0
     """Spooled alarms older than this (seconds) are not republished at start (they are left in the spool)."""
     checkpoint_prefix: str = "sdcguard-checkpoints"

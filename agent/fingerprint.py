@@ -556,6 +556,20 @@ def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int)
     return out
 
 
+def packed_rows(tensors: Sequence[torch.Tensor], pack_below: int) -> list[list[torch.Tensor]]:
+    """The rows of a packed fingerprint (``agent.weights.packed_fingerprints``), as a multi-tensor kernel
+    takes them (a row of one tensor is ``fingerprint`` of it, a longer one ``fingerprint_concat``): every
+    tensor of at least ``pack_below`` elements alone, in order; then the smaller ones, concatenated per
+    (dtype, device) in order of first appearance. A smaller one alone in its group is given flattened
+    (``fingerprint_concat`` of one tensor: its shape is its length); a view unless it is strided."""
+    small: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() < pack_below:
+            small.setdefault((t.dtype, t.device), []).append(t)
+    rows = [[t] for t in tensors if t.numel() >= pack_below]
+    return rows + [group if len(group) > 1 else [group[0].reshape(-1)] for group in small.values()]
+
+
 def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = None) -> torch.Tensor:
     """``fingerprint(torch.cat([t.reshape(-1) for t in tensors]))``, without making the concatenation.
 

@@ -78,7 +78,7 @@ from agent.inject import from_env as injection_from_env
 from agent.nonfinite import NonFiniteVerdict, judge_nonfinite
 from agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from agent.product_checks import ProductChecks
-from agent.publisher import Publisher, PublishOutcome
+from agent.publisher import DEFAULT_PUBLISHER, NoPublisher, Publisher, PublisherDefault, PublishOutcome
 from agent.ring_audit import AuditVerdict, loss_bits
 from agent.ring_audit import judge as judge_audit
 from agent.topology import Topology
@@ -175,7 +175,7 @@ class StepResult:
     was blamed, the update was skipped, a warning said so (``on_nonreproducible="continue"``); True on every
     rank."""
     published: PublishOutcome | None = None
-    """On the publishing rank, what became of the alarm."""
+    """On the publishing rank, what became of the alarm (with ``publisher=None``: not delivered, not spooled)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,10 @@ class SDCGuard:
     update and never on a skipped step; both are saved in every checkpoint and
     restored by :meth:`resume_step`. ``injection`` defaults to
     ``SDCGUARD_INJECT``. ``unchecked_buffers`` names buffers the weight
-    fingerprint must leave out. Raises ``ValueError`` for a model that is not
+    fingerprint must leave out. ``publisher`` defaults to EventBridge (the
+    config's bus, else the spool); ``publisher=None`` publishes nothing: an
+    alarm is logged and ``on_alarm`` applies, but nothing is sent or spooled,
+    and nothing spooled earlier is republished. Raises ``ValueError`` for a model that is not
     DDP-wrapped, a bad setting, or a ``batch_for`` that returns other than K
     micro-batches. With a recompute-based check on (the audit, the
     confirmation), it first compares every rank's environment of bit-exact
@@ -221,7 +224,7 @@ class SDCGuard:
         loss_fn: LossFn,
         batch_for: BatchFor,
         config: GuardConfig | None = None,
-        publisher: Publisher | None = None,
+        publisher: Publisher | PublisherDefault | None = DEFAULT_PUBLISHER,
         scaler: torch.amp.GradScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         injection: Injection | str | None = "env",
@@ -253,7 +256,10 @@ class SDCGuard:
         self.scheduler = scheduler
         self.group = group
         self.ring = self.parallel.ring
-        self.publisher = publisher if publisher is not None else Publisher(cfg)
+        # None publishes nothing (no bus, no spool); the default builds the EventBridge publisher.
+        if isinstance(publisher, PublisherDefault):
+            publisher = Publisher(cfg)
+        self.publisher: Publisher = publisher if publisher is not None else NoPublisher(cfg)
         self.params = self.parallel.params
         self.device = self.parallel.device
         self.config = cfg = self._preflight(cfg, group)

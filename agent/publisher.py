@@ -18,10 +18,16 @@ and name, and its checkpoint prefix) are republished; another job's, left in
 a shared working directory or prefix, are left alone, and so are this job's
 alarms older than ``spool_max_age_s`` (acting on them now could cordon a node
 repaired since). Each kind is reported once per start, not per alarm.
+
+``SDCGuard(publisher=...)`` takes a publisher, :data:`DEFAULT_PUBLISHER` (the
+default: a :class:`Publisher` built from the guard's config), or None, which
+the guard turns into a :class:`NoPublisher`: the alarm is logged and its
+policy applies, but nothing is sent, spooled or republished.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -42,6 +48,16 @@ if TYPE_CHECKING:
     from agent.config import GuardConfig
 
 log = logging.getLogger(__name__)
+
+
+class PublisherDefault(enum.Enum):
+    """The guard's default publisher, as opposed to None (no publishing at all)."""
+
+    FROM_CONFIG = "a Publisher built from the guard's config"
+
+
+DEFAULT_PUBLISHER = PublisherDefault.FROM_CONFIG
+"""``SDCGuard``'s default ``publisher``: EventBridge from the config and the environment, else the spool."""
 
 
 @dataclass
@@ -266,3 +282,20 @@ class Publisher:
 
         threading.Thread(target=upload, name="sdcguard-spool", daemon=True).start()
         done.wait(timeout=max(deadline - time.monotonic(), 0.0))
+
+
+class NoPublisher(Publisher):
+    """What ``SDCGuard(publisher=None)`` publishes with: nothing. No bus is called, no spool is written or read."""
+
+    def publish(self, alarm: Alarm) -> PublishOutcome:
+        """Log ``alarm`` as not published; the outcome is not delivered and spooled nowhere."""
+        log.warning("alarm %s not published: the guard was built with publisher=None", alarm.alarm_id)
+        return PublishOutcome(error="not published (publisher=None)")
+
+    def deliver(self, alarm: Alarm, *, deadline: float | None = None) -> PublishOutcome:
+        """Nothing is sent: not delivered."""
+        return PublishOutcome(error="not published (publisher=None)")
+
+    def republish_spooled(self, *, local: bool = True, s3: bool = True) -> dict[str, PublishOutcome]:
+        """No spool is read: an earlier run's alarms are not this guard's to send."""
+        return {}

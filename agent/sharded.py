@@ -60,11 +60,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from agent import confirm, replay
+from agent import confirm, replay, weights
 from agent import fingerprint as fp
 from agent.batches import batch_digest
 from agent.findings import StepFindings
-from agent.nonfinite import MASK_BUCKETS, nonfinite_flag
+from agent.nonfinite import MASK_BUCKETS, any_nonfinite, nonfinite_flag
 from agent.parallelism import Checkpoints, InjectionSite, Job, Parallelism, gather_rows
 from agent.recompute import preserved
 from agent.reduce_scatter_observer import GroupFindings, ObservedReduceScatter, ReduceScatterObserver
@@ -90,6 +90,37 @@ def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor itself otherwise), detached."""
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsPass:
+    """What one pass over this rank's reduced gradient shards found; None where it was not asked for."""
+
+    nonfinite: torch.Tensor | None = None
+    """0-dim bool on the shards' device: does a shard hold a NaN or an infinity?"""
+    fingerprints: torch.Tensor | None = None
+    """int64 [rows, 3]: ``agent.weights.packed_fingerprints`` of the shards."""
+
+
+def reduced_shards(shards: Sequence[torch.Tensor], *, flag: bool, fingerprint: bool) -> ShardsPass:
+    """``agent.nonfinite.any_nonfinite(shards)`` and ``agent.weights.packed_fingerprints(shards)``, as asked,
+    with their bits, and no kernel per shard where the device has launches to save.
+
+    Under ``SDCGUARD_FINGERPRINT_KERNEL=triton`` both come from one read of every shard: the multi-tensor
+    fingerprint kernel raises the flag from the same loads (one launch per element width, its metadata
+    cached per layout). Elsewhere they are two passes: the flag's is multi-tensor on an accelerator
+    (``any_nonfinite``); the fingerprint is the torch or C implementation's. Nothing is read back to the
+    host. Raises as ``packed_fingerprints``."""
+    if not shards or not (flag or fingerprint):
+        return ShardsPass()
+    device = shards[0].device
+    fused = fp.triton_kernels_for(device)
+    if fused is not None and fingerprint and all(t.device == device for t in shards):
+        found = torch.zeros(1, dtype=torch.int32, device=device) if flag else None
+        rows = fused.layout_for(fp.packed_rows(shards, weights.PACK_BELOW))(nonfinite=found)
+        return ShardsPass(found[0] != 0 if found is not None else None, rows)
+    return ShardsPass(any_nonfinite(shards) if flag else None,
+                      weights.packed_fingerprints(list(shards)) if fingerprint else None)
 
 
 class ShardedDataParallel(Parallelism):
@@ -197,14 +228,17 @@ class ShardedDataParallel(Parallelism):
         seen = self.own_findings = self.observer.begin(record=audited)
         loss, self.own_batches = self._fsdp_pass(step, self.job.topology.rank)
         shards = [local(p.grad) for p in self.params if p.grad is not None]
-        for i, shard in enumerate(shards):
-            if shard.numel():
-                for observer in self.observer.after_reduce:
-                    observer(i, shard)
+        if self.observer.after_reduce:  # fault injection only
+            for i, shard in enumerate(shards):
+                if shard.numel():
+                    for observer in self.observer.after_reduce:
+                        observer(i, shard)
         zero = torch.zeros((), dtype=torch.bool, device=self.device)
-        reduced_any = torch.stack([nonfinite_flag(t) for t in shards]).any() if shards and cfg.nonfinite else zero
+        # One pass over all the shards, no kernel per parameter.
+        reduced = reduced_shards(shards, flag=cfg.nonfinite, fingerprint=cfg.reduced_grad)
+        reduced_any = reduced.nonfinite if reduced.nonfinite is not None else zero
         local_any = torch.stack(seen.flags).any() if seen.flags else zero
-        lanes = (fp.combine(packed_fingerprints(shards)) if shards and cfg.reduced_grad
+        lanes = (fp.combine(reduced.fingerprints) if reduced.fingerprints is not None
                  else torch.zeros(fp.LANES, dtype=torch.int64, device=self.device))
         loss_nonfinite = nonfinite_flag(loss) if cfg.nonfinite else zero
         # agent.nonfinite's summary layout: a shard's reduction is one "bucket" (bit 0 of the reduced mask).

@@ -57,27 +57,20 @@ def packed_fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
     group. Any change of any element changes some row; equal inputs in the same
     order give equal rows.
     """
-    rows: list[torch.Tensor] = []
-    small: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    device = tensors[0].device if tensors else torch.device("cpu")
-    big = [t for t in tensors if t.numel() >= PACK_BELOW]
-    for t in tensors:
-        if t.numel() < PACK_BELOW:
-            small.setdefault((t.dtype, t.device), []).append(t)
-    fused = fp.triton_kernels_for(device) if tensors else None
+    if not tensors:
+        return torch.zeros(0, 3, dtype=torch.int64, device=torch.device("cpu"))
+    device = tensors[0].device
+    packed = fp.packed_rows(tensors, PACK_BELOW)
+    fused = fp.triton_kernels_for(device)
     if fused is not None and all(t.device == device for t in tensors):
         # SDCGUARD_FINGERPRINT_KERNEL=triton: every row in one launch per element width (its metadata kept on
         # the device per layout), the same rows in the same order.
-        out = torch.empty(len(big) + len(small), fp.LANES, dtype=torch.int64, device=device)
-        result: torch.Tensor = fused.layout_for([[t] for t in big] + list(small.values()))(out)
+        out = torch.empty(len(packed), fp.LANES, dtype=torch.int64, device=device)
+        result: torch.Tensor = fused.layout_for(packed)(out)
         return result
-    for t in big:
-        rows.append(fp.fingerprint(t).to(device))
-    for group in small.values():
-        rows.append(fp.fingerprint_concat(group).to(device))
-    if not rows:
-        return torch.zeros(0, 3, dtype=torch.int64, device=device)
-    return torch.stack(rows)
+    rows = [fp.fingerprint(row[0]) if len(row) == 1 and row[0].numel() >= PACK_BELOW else fp.fingerprint_concat(row)
+            for row in packed]
+    return torch.stack([r.to(device) for r in rows])
 
 
 def state_fingerprint(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None,

@@ -11,6 +11,7 @@ from contract import Incident, IncidentState, RollbackPlan
 from lambdas import notify
 from lambdas.errors import IncidentNotWaiting
 from lambdas.ledger import Ledger
+from lambdas.task_tokens import TaskTokens
 
 S = IncidentState
 REPRODUCTION_NOTE = (
@@ -55,6 +56,7 @@ def approval_message(incident: Incident, *, decide_machine_arn: str = "") -> str
 
 def request_approval(
     ledger: Ledger,
+    tokens: TaskTokens,
     incident_id: str,
     task_token: str,
     *,
@@ -65,7 +67,7 @@ def request_approval(
     sns: Any = None,
     actor: str = "request_approval",
 ) -> Incident:
-    """Store ``task_token``, move the incident to AWAITING_APPROVAL and notify the reviewers once.
+    """Store ``task_token`` in ``tokens``, move the incident to AWAITING_APPROVAL and notify the reviewers once.
 
     ``plan`` computes the rollback approving means (see
     :func:`lambdas.pointer.plan_rollback`) before anything is stored: the
@@ -74,14 +76,14 @@ def request_approval(
     replaced. A retry with the same token neither notifies again nor writes
     again. Raises :class:`IncidentNotWaiting` if the incident is past the point of asking.
     """
-    stored = ledger.get_token(incident_id)
+    stored = tokens.get(incident_id)
     incident = ledger.get(incident_id)
     if incident.state == S.AWAITING_APPROVAL and stored is not None and stored[0] == task_token:
         return incident
     if incident.state not in (S.EVIDENCE_COLLECTED, S.AWAITING_APPROVAL):
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; approval cannot be requested")
     rollback = plan(incident) if plan is not None else None
-    ledger.put_token(incident_id, task_token, expires_at=time.time() + timeout_seconds)
+    tokens.put(incident_id, task_token, expires_at=time.time() + timeout_seconds)
     note = "reviewers notified" + (f"; approving: {rollback.describe()}" if rollback else "")
     incident = ledger.update(
         incident_id,

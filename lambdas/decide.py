@@ -21,6 +21,7 @@ from botocore.exceptions import ClientError
 from contract import Decision, Incident, IncidentState
 from lambdas.errors import ApprovalExpired, IncidentNotWaiting, UnknownDecision, UnverifiedDecision
 from lambdas.ledger import Ledger
+from lambdas.task_tokens import TaskTokens
 
 S = IncidentState
 DECISIONS = {"approve": S.APPROVED, "reject": S.REJECTED}
@@ -66,6 +67,7 @@ def verify_execution(
 
 def decide(
     ledger: Ledger,
+    tokens: TaskTokens,
     incident_id: str,
     decision: str,
     *,
@@ -76,7 +78,8 @@ def decide(
     sfn: Any = None,
 ) -> Incident:
     """Record ``decision`` for the waiting incident, then deliver it, with reviewer, reason and ``execution_arn``
-    (the decide execution, whose StartExecution event in CloudTrail names the caller).
+    (the decide execution, whose StartExecution event in CloudTrail names the caller), answering the task token
+    that ``tokens`` holds for it.
 
     The decision is written first (still AWAITING_APPROVAL, its ``decision``
     set) and the token answered after, so the next handler always finds it in
@@ -93,7 +96,7 @@ def decide(
     verify_execution(sfn, execution_arn, decide_machine_arn=decide_machine_arn, incident_id=incident_id, decision=decision)
     record = Decision(decision=decision, reviewer=reviewer, reason=reason, execution_arn=execution_arn)
     incident = ledger.get(incident_id)
-    stored = ledger.get_token(incident_id)
+    stored = tokens.get(incident_id)
     if incident.state == S.NEEDS_ATTENTION and incident.failure and "Timeout" in incident.failure.error:
         raise ApprovalExpired(
             f"incident {incident_id}: the approval request timed out ({incident.failure.error}); "
@@ -117,7 +120,7 @@ def decide(
                 "the incident stops safely for attention"
             ) from None
         raise
-    ledger.delete_token(incident_id)
+    tokens.delete(incident_id)
     return ledger.update(incident_id, adopt_decision)
 
 

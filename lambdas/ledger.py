@@ -20,8 +20,6 @@ evidence step reads an instance's history and not the whole ledger. Item kinds:
   ``incident_id="suspect#<instance id>#<id>"``, ``kind="suspect"``,
   ``suspect_instance`` (the instance id), ``suspect_of`` (the incident id);
   written before the incident records its suspects (:meth:`Ledger.index_suspects`);
-- its approval task token: ``incident_id="token#<id>"``, ``kind="token"``,
-  ``token``, ``expires_at`` (epoch seconds, also the TTL);
 - a lock per HyperPod cluster: ``incident_id="lock#<cluster>"``,
   ``kind="lock"``, ``owner``, ``expires_at`` (a lease), held by the guard so
   that two incidents are never admitted against the same count of
@@ -63,12 +61,11 @@ INCIDENT_ATTRIBUTES = (
     "duplicates", "opened_by",
 )
 """The attributes an incident is read with (a projection): the reviewers' policy may read these and no
-others, so a task token item's ``token`` is never readable by a reviewer (the template's ReviewerPolicy)."""
+others (the template's ReviewerPolicy). Approval task tokens are not in the ledger at all (:mod:`lambdas.task_tokens`)."""
 _PROJECTION = {
     "ProjectionExpression": ", ".join(f"#a{n}" for n in range(len(INCIDENT_ATTRIBUTES))),
     "ExpressionAttributeNames": {f"#a{n}": a for n, a in enumerate(INCIDENT_ATTRIBUTES)},
 }
-_TOKEN = "token#"
 _SUSPECT = "suspect#"
 _LOCK = "lock#"
 _MAX_ATTEMPTS = 12
@@ -527,33 +524,6 @@ class Ledger:
             if instance_id in incident.instance_ids:
                 out.append(incident)
         return sorted(out, key=lambda i: i.created_at)
-
-    # -- approval task tokens ---------------------------------------------------
-
-    def put_token(self, incident_id: str, token: str, *, expires_at: float) -> None:
-        """Store the approval task token of ``incident_id`` until ``expires_at`` (epoch seconds)."""
-        self.client.put_item(
-            TableName=self.table,
-            Item={
-                "incident_id": {"S": _TOKEN + incident_id},
-                "kind": {"S": "token"},
-                "token": {"S": token},
-                "expires_at": {"N": str(int(expires_at))},
-            },
-        )
-
-    def get_token(self, incident_id: str) -> tuple[str, float] | None:
-        """The stored token and its expiry, or None (never stored, or already answered)."""
-        item = self.client.get_item(
-            TableName=self.table, Key={"incident_id": {"S": _TOKEN + incident_id}}, ConsistentRead=True
-        ).get("Item")
-        if not item:
-            return None
-        return item["token"]["S"], float(item["expires_at"]["N"])
-
-    def delete_token(self, incident_id: str) -> None:
-        """Forget the token (it was answered)."""
-        self.client.delete_item(TableName=self.table, Key={"incident_id": {"S": _TOKEN + incident_id}})
 
     @staticmethod
     def _incident(item: dict[str, Any]) -> Incident:

@@ -69,14 +69,22 @@ def _add_lanes(out_ptr, lane0, lane1, lane2):
 
 
 @triton.jit
+def _nonfinite(v, exponent):
+    """1 (int32) when an element of ``v`` (raw bits, sign-extended to int64; masked-out elements 0) has an
+    exponent of all ones (``exponent``: the format's exponent mask; NaN or infinity), else 0."""
+    return tl.max(tl.max(((v & exponent) == exponent).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
 def fingerprint_kernel(x_ptr, n, start, size1, size2, size3, stride0, stride1, stride2, stride3,
-                       table_ptr, out_ptr, n_tiles,
-                       WIDE: tl.constexpr, STRIDED: tl.constexpr, ROWS: tl.constexpr):
+                       table_ptr, out_ptr, n_tiles, flag_ptr,
+                       WIDE: tl.constexpr, STRIDED: tl.constexpr, ROWS: tl.constexpr, EXPONENT: tl.constexpr):
     """Add the lanes of ``n`` elements, logical positions ``start`` .. ``start + n``, to out[0..3).
 
     The elements are a (up to) 4-D view in row-major order: sizes (., size1, size2, size3) and element strides
     stride0..3 (``STRIDED``), or contiguous. Tiles of ``ROWS`` whole global blocks, visited grid-stride; one
-    atomic add per program."""
+    atomic add per program. ``EXPONENT`` (a float format's exponent mask; 0: none): also raise flag[0]
+    (int32) to 1 when an element is NaN or infinite, from the same loads."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     table = tl.load(table_ptr + tl.arange(0, BLOCK))
@@ -85,6 +93,7 @@ def fingerprint_kernel(x_ptr, n, start, size1, size2, size3, stride0, stride1, s
     lane0 = tl.zeros([], tl.int64)
     lane1 = tl.zeros([], tl.int64)
     lane2 = tl.zeros([], tl.int64)
+    flag = tl.zeros([], tl.int32)
     for tile in range(pid, n_tiles, programs):
         blocks = first_block + tl.cast(tile, tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         e = blocks[:, None] * BLOCK + columns[None, :] - start
@@ -102,19 +111,26 @@ def fingerprint_kernel(x_ptr, n, start, size1, size2, size3, stride0, stride1, s
         lane0 += t0
         lane1 += t1
         lane2 += t2
+        if EXPONENT != 0:
+            flag = tl.maximum(flag, _nonfinite(v, EXPONENT))
     _add_lanes(out_ptr, lane0, lane1, lane2)
+    if EXPONENT != 0:
+        tl.atomic_max(flag_ptr, flag)
 
 
 @triton.jit
-def many_kernel(pieces_ptr, sizes_ptr, tile_piece_ptr, tile_block_ptr, table_ptr, out_ptr,
+def many_kernel(pieces_ptr, sizes_ptr, tile_piece_ptr, tile_block_ptr, table_ptr, out_ptr, flag_ptr,
                 n_tiles, tiles_per_program,
-                ELEMENT: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr):
+                ELEMENT: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                FLAG: tl.constexpr):
     """Lanes of many contiguous pieces of one element type, each added to its row of out (int64 [rows, 3]).
 
-    Device-side metadata: per piece (address, row, position of its first element in the row) and its
-    element count; per tile its piece and first block (of the row's positions). A program takes a run of
-    consecutive tiles (so most runs stay in one piece) and adds its sums to the piece's row when the run
-    leaves the piece (integer atomics: exact)."""
+    Device-side metadata: per piece (address, row, position of its first element in the row, the exponent
+    mask of its float format or 0) and its element count; per tile its piece and first block (of the row's
+    positions). A program takes a run of consecutive tiles (so most runs stay in one piece) and adds its sums
+    to the piece's row when the run leaves the piece (integer atomics: exact). ``LANES``: compute the lanes;
+    ``FLAG``: raise flag[0] (int32) to 1 when an element of a float piece has an exponent of all ones (NaN or
+    infinity), from the same loads (one atomic max per program)."""
     pid = tl.program_id(0)
     table = tl.load(table_ptr + tl.arange(0, BLOCK))
     columns = tl.arange(0, BLOCK).to(tl.int64)
@@ -124,27 +140,37 @@ def many_kernel(pieces_ptr, sizes_ptr, tile_piece_ptr, tile_block_ptr, table_ptr
     lane0 = tl.zeros([], tl.int64)
     lane1 = tl.zeros([], tl.int64)
     lane2 = tl.zeros([], tl.int64)
+    flag = tl.zeros([], tl.int32)
     for tile in range(first, last):
         k = tl.load(tile_piece_ptr + tile)
-        if k != current:
-            _add_lanes(out_ptr + tl.load(pieces_ptr + current * 3 + 1) * 3, lane0, lane1, lane2)
-            lane0 = tl.zeros([], tl.int64)
-            lane1 = tl.zeros([], tl.int64)
-            lane2 = tl.zeros([], tl.int64)
-            current = k
-        base = tl.load(pieces_ptr + k * 3).to(tl.pointer_type(ELEMENT))
-        position = tl.load(pieces_ptr + k * 3 + 2)
+        if LANES:  # noqa: SIM102 (a constexpr test alone: Triton compiles the branch away)
+            if k != current:
+                _add_lanes(out_ptr + tl.load(pieces_ptr + current * 4 + 1) * 3, lane0, lane1, lane2)
+                lane0 = tl.zeros([], tl.int64)
+                lane1 = tl.zeros([], tl.int64)
+                lane2 = tl.zeros([], tl.int64)
+                current = k
+        base = tl.load(pieces_ptr + k * 4).to(tl.pointer_type(ELEMENT))
+        position = tl.load(pieces_ptr + k * 4 + 2)
         n = tl.load(sizes_ptr + k)
         blocks = tl.load(tile_block_ptr + tile) + tl.arange(0, ROWS).to(tl.int64)
         e = blocks[:, None] * BLOCK + columns[None, :] - position
         valid = (e >= 0) & (e < n)
         v = tl.load(base + e, mask=valid, other=0).to(tl.int64)
-        t0, t1, t2 = _lanes(v, valid, blocks, table, WIDE)
-        lane0 += t0
-        lane1 += t1
-        lane2 += t2
-    if first < n_tiles:
-        _add_lanes(out_ptr + tl.load(pieces_ptr + current * 3 + 1) * 3, lane0, lane1, lane2)
+        if LANES:
+            t0, t1, t2 = _lanes(v, valid, blocks, table, WIDE)
+            lane0 += t0
+            lane1 += t1
+            lane2 += t2
+        if FLAG:
+            exponent = tl.load(pieces_ptr + k * 4 + 3)
+            # A piece that is no float has mask 0: never flagged.
+            flag = tl.maximum(flag, tl.where(exponent != 0, _nonfinite(v, exponent), 0))
+    if LANES:  # noqa: SIM102 (as above)
+        if first < n_tiles:
+            _add_lanes(out_ptr + tl.load(pieces_ptr + current * 4 + 1) * 3, lane0, lane1, lane2)
+    if FLAG:
+        tl.atomic_max(flag_ptr, flag)
 
 
 @triton.jit

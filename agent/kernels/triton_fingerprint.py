@@ -12,10 +12,12 @@ What each kernel reads and writes (the physical limit of each check):
   the world size in place;
 - ``reduced_pass(reduced)``, after it: one read: the fingerprint's lanes, the
   sum of squares and the flag;
-- ``FingerprintLayout``: many tensors (weights, optimizer state; single
-  tensors or concatenations) with their addresses, sizes and tiles kept on the
-  device per layout (no host-to-device copy per call) into a summary the
-  caller may preallocate.
+- ``FingerprintLayout``: many tensors (weights, optimizer state, FSDP2's
+  reduced gradient shards; single tensors or concatenations) with their
+  addresses, sizes and tiles kept on the device per layout (no host-to-device
+  copy per call) into a summary the caller may preallocate; on request the
+  same read raises a non-finite flag from the raw exponent bits of every
+  float tensor (``any_nonfinite``: the flag alone).
 
 Every result stays on the device; nothing synchronises. The integer lanes are
 wrapping int64 sums (atomics are exact), so the bits do not depend on how
@@ -52,7 +54,9 @@ MAX_DIMS = 4
 with more is walked along its leading dimensions."""
 BUCKET_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What the bucket passes read: the sum of squares' formats (their squares are exact in fp64)."""
-_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000}
+_EXPONENT = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+             torch.float64: 0x7FF0000000000000}
+"""Each float format's exponent mask: an element whose exponent bits are all ones is a NaN or an infinity."""
 PACKED = 6
 """int64 words of a bucket pass's result: lane 0-2, flag, sum of squares (fp64 bits), norm (fp64 bits)."""
 
@@ -116,9 +120,11 @@ def _merged(shape: Sequence[int], strides: Sequence[int]) -> tuple[list[int], li
     return (sizes, steps) if sizes else ([1], [1])
 
 
-def _add_lanes(bits: torch.Tensor, start: int, out: torch.Tensor) -> None:
+def _add_lanes(bits: torch.Tensor, start: int, out: torch.Tensor, flag: torch.Tensor | None = None,
+               exponent: int = 0) -> None:
     """Add the data lanes of ``bits`` (an integer view, any strides) at logical positions ``start``.. to
-    ``out`` (int64 [3] on the same device)."""
+    ``out`` (int64 [3] on the same device); with ``flag`` (int32 [1]) and an ``exponent`` mask (the bits'
+    float format's), raise ``flag`` to 1 when an element is NaN or infinite, from the same read."""
     n = bits.numel()
     if n == 0:
         return
@@ -129,7 +135,7 @@ def _add_lanes(bits: torch.Tensor, start: int, out: torch.Tensor) -> None:
         view = bits.as_strided(sizes, steps)
         inner = n // sizes[0]
         for index in range(sizes[0]):
-            _add_lanes(view[index], start + index * inner, out)
+            _add_lanes(view[index], start + index * inner, out, flag, exponent)
         return
     strided = not (len(sizes) == 1 and steps[0] == 1)
     padded_sizes = [1] * (MAX_DIMS - len(sizes)) + sizes
@@ -137,9 +143,11 @@ def _add_lanes(bits: torch.Tensor, start: int, out: torch.Tensor) -> None:
     blocks = (start + n - 1) // fp.BLOCK - start // fp.BLOCK + 1
     tiles = -(-blocks // ROWS)
     programs = min(tiles, _max_programs(bits.device))
+    flagged = flag is not None and exponent != 0
     _jit().fingerprint_kernel[(programs,)](
         bits, n, start, padded_sizes[1], padded_sizes[2], padded_sizes[3], *padded_steps,
-        _position_table(bits.device), out, tiles, WIDE=wide, STRIDED=strided, ROWS=ROWS,
+        _position_table(bits.device), out, tiles, flag if flagged else out, WIDE=wide, STRIDED=strided,
+        ROWS=ROWS, EXPONENT=exponent if flagged else 0,
     )
 
 
@@ -179,11 +187,14 @@ class _Group:
     """The Triton element type's name."""
     wide: bool
     pieces: torch.Tensor
-    """int64 [k, 3]: each piece's address, row and position in the row."""
+    """int64 [k, 4]: each piece's address, row, position in the row and float format's exponent mask (0: not a
+    float)."""
     sizes: torch.Tensor
     tile_piece: torch.Tensor
     tile_block: torch.Tensor
     tiles: int
+    floats: bool
+    """Whether a piece is a float tensor (a pass for the flag alone skips the group otherwise)."""
 
 
 _TRITON_INTS = {torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
@@ -209,10 +220,10 @@ class FingerprintLayout:
         self.device = flat[0].device if flat else torch.device("cpu")
         require(self.device)
         descriptors: list[list[int]] = []
-        pieces: dict[tuple[str, bool], list[tuple[int, int, torch.Tensor]]] = {}
-        self.strided: list[tuple[int, int, torch.Tensor]] = []
-        """(row, position, bits) of the pieces the multi-tensor kernel cannot read (not contiguous), each
-        read by the strided kernel (and held by the layout)."""
+        pieces: dict[tuple[str, bool], list[tuple[int, int, torch.Tensor, int]]] = {}
+        self.strided: list[tuple[int, int, torch.Tensor, int]] = []
+        """(row, position, bits, exponent mask) of the pieces the multi-tensor kernel cannot read (not
+        contiguous), each read by the strided kernel (and held by the layout)."""
         for r, row in enumerate(rows):
             if not row:
                 raise ValueError(f"FingerprintLayout: row {r} has no tensors")
@@ -223,10 +234,11 @@ class FingerprintLayout:
                     raise ValueError(f"FingerprintLayout: row {r} mixes {dtype} on {self.device} with "
                                      f"{t.dtype} on {t.device}; a row is one dtype, a layout one device")
                 bits, wide = _readable(fp.bit_view(t.detach()))
+                exponent = _EXPONENT.get(t.dtype, 0)
                 if bits.numel() and bits.is_contiguous():
-                    pieces.setdefault((_TRITON_INTS[bits.dtype], wide), []).append((r, position, bits))
+                    pieces.setdefault((_TRITON_INTS[bits.dtype], wide), []).append((r, position, bits, exponent))
                 elif bits.numel():
-                    self.strided.append((r, position, bits))
+                    self.strided.append((r, position, bits, exponent))
                 position += bits.numel()
             shape = tuple(row[0].shape) if len(row) == 1 else (sum(t.numel() for t in row),)
             descriptors.append([fp.signed64(d) for d in fp.descriptor(dtype, shape)])
@@ -234,23 +246,27 @@ class FingerprintLayout:
         self.descriptors = torch.tensor(descriptors, dtype=torch.int64, device=self.device).reshape(-1, fp.LANES)
         self.groups = [self._group(element, wide, members) for (element, wide), members in pieces.items()]
 
-    def _group(self, element: str, wide: bool, members: list[tuple[int, int, torch.Tensor]]) -> _Group:
+    def _group(self, element: str, wide: bool, members: list[tuple[int, int, torch.Tensor, int]]) -> _Group:
         addresses, sizes, tile_piece, tile_block = [], [], [], []
-        for k, (row, position, bits) in enumerate(members):
+        for k, (row, position, bits, exponent) in enumerate(members):
             # Tiles are whole blocks of the row's positions; the kernel masks what lies outside this piece.
-            addresses += [bits.data_ptr(), row, position]
+            addresses += [bits.data_ptr(), row, position, fp.signed64(exponent)]
             sizes.append(bits.numel())
             first, last = position // fp.BLOCK, (position + bits.numel() - 1) // fp.BLOCK
             for block in range(first, last + 1, ROWS):
                 tile_piece.append(k)
                 tile_block.append(block)
         on = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
-        return _Group(element, wide, on(addresses).reshape(-1, 3), on(sizes), on(tile_piece), on(tile_block),
-                      len(tile_piece))
+        return _Group(element, wide, on(addresses).reshape(-1, 4), on(sizes), on(tile_piece), on(tile_block),
+                      len(tile_piece), any(m[3] for m in members))
 
-    def __call__(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, out: torch.Tensor | None = None, *, nonfinite: torch.Tensor | None = None) -> torch.Tensor:
         """The rows' fingerprints, int64 [rows, 3] on the device: into ``out`` when given (preallocated,
-        contiguous int64 [rows, 3] on the device; ValueError otherwise), else a new tensor."""
+        contiguous int64 [rows, 3] on the device; ValueError otherwise), else a new tensor.
+
+        ``nonfinite``: an int32 [1] on the device, set to 1 by the same read when an element of a float
+        tensor (fp16, bf16, fp32, fp64) is a NaN or an infinity, and left as it is otherwise (pass zeros).
+        The fingerprints are the same bits with or without it."""
         if out is None:
             out = self.descriptors.clone()
         else:
@@ -259,18 +275,41 @@ class FingerprintLayout:
                 raise ValueError(f"FingerprintLayout: out must be a contiguous int64 [{self.rows}, {fp.LANES}] on "
                                  f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
             out.copy_(self.descriptors)
+        self._launch(out, nonfinite)
+        return out
+
+    def scan_nonfinite(self, nonfinite: torch.Tensor) -> torch.Tensor:
+        """Only the flag of ``__call__`` (``nonfinite``, returned): one read of every float tensor, no lanes."""
+        self._launch(None, nonfinite)
+        return nonfinite
+
+    def _launch(self, out: torch.Tensor | None, nonfinite: torch.Tensor | None) -> None:
+        """The kernels: lanes into ``out`` (None: none), the flag into ``nonfinite`` (None: none)."""
+        if nonfinite is not None and (nonfinite.dtype != torch.int32 or nonfinite.numel() != 1
+                                      or nonfinite.device != self.device):
+            raise ValueError(f"FingerprintLayout: nonfinite must be an int32 [1] on {self.device}, got "
+                             f"{nonfinite.dtype} {list(nonfinite.shape)} on {nonfinite.device}")
         jit = _jit()
         table = _position_table(self.device)
+        lanes = out if out is not None else self.descriptors  # never written without LANES
+        flag = nonfinite if nonfinite is not None else lanes  # never written without FLAG
         for group in self.groups:
+            if out is None and not group.floats:
+                continue
             programs = min(group.tiles, _max_programs(self.device))
             per_program = -(-group.tiles // programs)
             jit.many_kernel[(programs,)](
-                group.pieces, group.sizes, group.tile_piece, group.tile_block, table, out,
+                group.pieces, group.sizes, group.tile_piece, group.tile_block, table, lanes, flag,
                 group.tiles, per_program, ELEMENT=getattr(jit.tl, group.element), WIDE=group.wide, ROWS=ROWS,
+                LANES=out is not None, FLAG=nonfinite is not None,
             )
-        for row, position, bits in self.strided:
-            _add_lanes(bits, position, out[row])
-        return out
+        for row, position, bits, exponent in self.strided:
+            if out is not None:
+                _add_lanes(bits, position, out[row], nonfinite, exponent)
+            elif nonfinite is not None and exponent:
+                # The strided kernel always computes lanes: into scratch that nobody reads.
+                _add_lanes(bits, position, torch.zeros(fp.LANES, dtype=torch.int64, device=self.device),
+                           nonfinite, exponent)
 
 
 _layouts: dict[tuple[object, ...], FingerprintLayout] = {}
@@ -296,6 +335,19 @@ def layout_for(rows: Sequence[Sequence[torch.Tensor]]) -> FingerprintLayout:
                 del _layouts[next(iter(_layouts))]
             _layouts[key] = layout
     return layout
+
+
+def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool on the tensors' device: does any element of any of ``tensors`` (one device) hold a NaN or
+    an infinity (an exponent of all ones; non-float tensors never do)? One multi-tensor launch per element
+    width, its metadata cached per layout (``layout_for``); no host synchronisation. Raises as
+    ``FingerprintLayout``."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    floats = [t for t in tensors if t.numel() and t.dtype in _EXPONENT]
+    if not floats:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    return layout_for([[t] for t in floats]).scan_nonfinite(flag)[0] != 0
 
 
 @dataclass(frozen=True)

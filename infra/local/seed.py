@@ -7,8 +7,10 @@ It creates, through the same APIs a real cluster is reached by:
 - the EKS cluster that orchestrates it (``eks.create_cluster``); its
   ``DescribeCluster`` endpoint and CA lead to the local EKS API server;
 - through the Kubernetes API (official client, EKS bearer token): a
-  namespace, one node ``hyperpod-<instance id>`` per instance with the
-  HyperPod labels, a Kubeflow PyTorchJob and one worker pod per node;
+  namespace with the pipeline's Roles and RoleBindings in it (as
+  ``kubectl apply -n NAMESPACE -f infra/deploy/rbac-namespace.yaml``), one
+  node ``hyperpod-<instance id>`` per instance with the HyperPod labels, a
+  Kubeflow PyTorchJob and one worker pod per node;
 - a versioned S3 bucket for the checkpoints;
 - an hour of one-minute CloudWatch GPU metrics per node and GPU: the
   Container Insights names (namespace ``ContainerInsights``, dimensions
@@ -31,16 +33,19 @@ import random
 import re
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import boto3
+import yaml
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
 from contract.naming import INSTANCE_ID, node_name
 from infra.local.eks.bearer_token import cluster_api_client
 from infra.local.eks.hyperpod_node import hyperpod_node
+from infra.local.standin import RBAC_NAMESPACE_MANIFEST
 
 if TYPE_CHECKING:
     from mypy_boto3_cloudwatch.literals import StandardUnitType
@@ -194,6 +199,27 @@ def _refuse_taken_job(custom: k8s.CustomObjectsApi, namespace: str, job: str) ->
             f"a PyTorchJob {job!r} already exists in namespace {namespace!r} (the stand-in's EKS clusters "
             "share one Kubernetes API server); choose another --job or --namespace"
         )
+
+
+def apply_namespace_rbac(
+    rbac: k8s.RbacAuthorizationV1Api, namespace: str, manifest: Path = RBAC_NAMESPACE_MANIFEST
+) -> None:
+    """``kubectl apply -n NAMESPACE -f infra/deploy/rbac-namespace.yaml``: the pipeline's Roles and RoleBindings
+    in the job's namespace, created or replaced. Raises kubernetes' ApiException when the cluster refuses one."""
+    calls = {
+        "Role": (rbac.create_namespaced_role, rbac.replace_namespaced_role),
+        "RoleBinding": (rbac.create_namespaced_role_binding, rbac.replace_namespaced_role_binding),
+    }
+    for document in yaml.safe_load_all(manifest.read_text()):
+        if not document:
+            continue
+        create, replace = calls[document["kind"]]
+        try:
+            create(namespace, document)
+        except k8s.ApiException as exc:
+            if exc.status != 409:
+                raise
+            replace(document["metadata"]["name"], namespace, document)
 
 
 def _pytorchjob(job: str, namespace: str, nodes: int, ranks_per_node: int, bucket: str) -> dict[str, Any]:
@@ -435,6 +461,7 @@ def seed(
         except k8s.ApiException as exc:
             if exc.status != 409:
                 raise
+        apply_namespace_rbac(k8s.RbacAuthorizationV1Api(api), namespace)
         for instance_id in instances:
             core.create_node(
                 hyperpod_node(

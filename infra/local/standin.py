@@ -44,12 +44,25 @@ _active: LocalStandIn | None = None
 
 
 HOST = "127.0.0.1"
-# The repository's RBAC manifest, applied to the stand-in's cluster as an operator applies it to a real one.
+# The repository's RBAC manifests, applied to the stand-in's cluster as an operator applies them to a real
+# one: the cluster-scoped part at start-up, the namespaced part into the job's namespace (``seed`` does).
 RBAC_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "rbac.yaml"
+RBAC_NAMESPACE_MANIFEST = RBAC_MANIFEST.with_name("rbac-namespace.yaml")
 # The group the template's EKS access entries give the pipeline's roles (its KubernetesGroup default).
 PIPELINE_GROUP = "sdcguard-pipeline"
+# The group of the read-only role of resolve and guard (KubernetesReadRole; KubernetesReadGroup's default).
+READ_ROLE = "KubernetesReadRole"
+READ_GROUP = "sdcguard-pipeline-read"
 # How long stop() waits for a server thread; past it the thread (a daemon) is left behind.
 _STOP_SECONDS = 5.0
+
+
+def _role_of(access_key_id: str) -> str | None:
+    """The name of the role whose assumed-role credentials ``access_key_id`` is, as the EKS access entries see it."""
+    from infra.local.moto_ext import iam_enforcement
+
+    caller = iam_enforcement.caller_for(access_key_id)
+    return caller.role_name if caller is not None else None
 
 
 class StandInError(RuntimeError):
@@ -139,9 +152,12 @@ class LocalStandIn:
     ``port``/``eks_port`` 0 pick free ports. ``replace_seconds`` is how long
     each simulated HyperPod phase lasts (shut down, pending, reboot, deep
     health check); 0 makes them immediate. ``rbac_manifest`` is applied to
-    the EKS server, which then enforces it on the pipeline's identity (callers
-    with temporary credentials, as the Lambda functions are; see
-    ``infra.local.eks.rbac``); None turns RBAC off (every caller is an admin).
+    the EKS server, which then enforces it on the pipeline's identities (callers
+    with temporary credentials, as the Lambda functions are: ``READ_GROUP`` for
+    a role named after the template's ``READ_ROLE``, ``PIPELINE_GROUP`` for any
+    other; see ``infra.local.eks.rbac``); None turns RBAC off (every caller is
+    an admin). Its namespaced part (``RBAC_NAMESPACE_MANIFEST``) goes into each
+    job's namespace as that namespace is made (``infra.local.seed``).
     ``enforce_iam`` evaluates every AWS call made with a role's credentials
     (each Lambda function runs with its execution role's; ``role_env`` gives
     any other code a role's) against that role's identity policies, and
@@ -269,7 +285,9 @@ class LocalStandIn:
                 manifest = [d for d in yaml.safe_load_all(self.rbac_manifest.read_text()) if d]
             except (OSError, yaml.YAMLError) as exc:
                 raise StandInError(f"cannot read the RBAC manifest {self.rbac_manifest}: {exc}") from exc
-            access = AccessEntries(pipeline_groups=(PIPELINE_GROUP,))
+            access = AccessEntries(
+                pipeline_groups=(PIPELINE_GROUP,), role_groups={READ_ROLE: (READ_GROUP,)}, role_of=_role_of
+            )
         try:
             server = EksApiServer(host=HOST, port=self._eks_port, access=access, manifest=manifest)
         except (ValueError, ApiError) as exc:

@@ -12,6 +12,7 @@ from lambdas.decide import decide
 from lambdas.inputs import DecideInput, parse_input
 from lambdas.outputs import Decided
 from lambdas.settings import get_settings
+from lambdas.task_tokens import TaskTokens
 from lambdas.telemetry import logger, metrics, tracer
 
 
@@ -33,14 +34,16 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 def deliver(request: DecideInput) -> Decided:
     """Answer the incident's task token and record the decision with who and which execution."""
+    settings = get_settings()
     incident = decide(
         clients.ledger(),
+        TaskTokens(settings.token_table, clients.aws("dynamodb")),
         request.incident_id,
         request.decision,
         reviewer=request.reviewer,
         reason=request.reason,
         execution_arn=request.execution_arn,
-        decide_machine_arn=get_settings().decide_state_machine_arn,
+        decide_machine_arn=settings.decide_state_machine_arn,
         sfn=clients.aws("stepfunctions"),
     )
     return Decided(

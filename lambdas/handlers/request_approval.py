@@ -14,6 +14,7 @@ from lambdas.inputs import ApprovalRequest, parse_input
 from lambdas.outputs import Ended
 from lambdas.pointer import plan_rollback
 from lambdas.settings import get_settings
+from lambdas.task_tokens import TaskTokens
 from lambdas.telemetry import logger, metrics, tracer
 
 
@@ -38,6 +39,7 @@ def ask(request: ApprovalRequest) -> Ended:
     settings = get_settings()
     incident = request_approval(
         clients.ledger(),
+        TaskTokens(settings.token_table, clients.aws("dynamodb")),
         request.incident_id,
         request.task_token,
         timeout_seconds=request.timeout_seconds,

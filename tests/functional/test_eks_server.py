@@ -27,6 +27,7 @@ from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configurat
 from infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL, hyperpod_node
 from infra.local.eks.patch import PatchError, json_patch, strategic_merge_patch
 from infra.local.eks.rbac import AccessEntries
+from infra.local.eks.resources import NAMESPACES, ROLES
 from infra.local.eks.server import EksApiServer
 
 CLUSTER = "sdcguard-test"
@@ -861,15 +862,20 @@ def test_delete_with_dry_run_deletes_nothing(core: k8s.CoreV1Api) -> None:
     assert core.read_node(name).metadata.name == name
 
 
-# --- RBAC: the pipeline's identity under the repository's manifest ---------------------------------
+# --- RBAC: the pipeline's identities under the repository's manifests ---------------------------------
 
 RBAC_MANIFEST = Path(__file__).resolve().parents[2] / "infra" / "deploy" / "rbac.yaml"
+RBAC_NAMESPACE_MANIFEST = RBAC_MANIFEST.with_name("rbac-namespace.yaml")
 PIPELINE_GROUP = "sdcguard-pipeline"
+READ_GROUP = "sdcguard-pipeline-read"
+OTHER_NAMESPACE = "other-team"
+# The access key of the read-only role's credentials (the stand-in finds roles by their keys, here a stub).
+READ_KEY = "ASIAREADROLE"
 
 
-def _manifest(without: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    """The repository's RBAC manifest, optionally with one (resource, verb) taken out of its ClusterRole."""
-    docs = [d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d]
+def _docs(path: Path, without: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """A manifest's documents, optionally with one (resource, verb) taken out of every role."""
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     if without is not None:
         resource, verb = without
         for doc in docs:
@@ -879,22 +885,45 @@ def _manifest(without: tuple[str, str] | None = None) -> list[dict[str, Any]]:
     return docs
 
 
-def _role_sts() -> Any:
-    # Temporary credentials, as a Lambda function's role has: the pipeline's access entry.
+def _manifest(without: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """The repository's cluster-scoped RBAC manifest, optionally with one (resource, verb) taken out."""
+    return _docs(RBAC_MANIFEST, without)
+
+
+def _access() -> AccessEntries:
+    # The template's access entries: the read-only role's own, every other role the pipeline's.
+    roles = {READ_KEY: "sdcguard-KubernetesReadRole-0A1B2C"}
+    return AccessEntries((PIPELINE_GROUP,), role_groups={"KubernetesReadRole": (READ_GROUP,)}, role_of=roles.get)
+
+
+def _role_sts(access_key_id: str = "ASIATESTING") -> Any:
+    # Temporary credentials, as a Lambda function's role has: one of the pipeline's access entries.
     return boto3.client(
-        "sts", region_name="us-east-1", aws_access_key_id="ASIATESTING", aws_secret_access_key="testing",
+        "sts", region_name="us-east-1", aws_access_key_id=access_key_id, aws_secret_access_key="testing",
         aws_session_token="session-token",
     )  # fmt: skip
 
 
+def _rbac_world(server: EksApiServer, namespaced: list[dict[str, Any]] | None = None) -> None:
+    """The job's namespace with the namespaced manifest applied in it, and another namespace without it."""
+    for namespace in (NAMESPACE, OTHER_NAMESPACE):
+        server.store.create(NAMESPACES, None, {"metadata": {"name": namespace}})
+    server.apply(_docs(RBAC_NAMESPACE_MANIFEST) if namespaced is None else namespaced, namespace=NAMESPACE)
+
+
 @pytest.fixture(scope="module")
 def rbac_server() -> Iterator[EksApiServer]:
-    with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=_manifest()) as running:
+    with EksApiServer(access=_access(), manifest=_manifest()) as running:
+        _rbac_world(running)
         yield running
 
 
 def _pipeline(server: EksApiServer) -> k8s.ApiClient:
     return _api(server, eks_bearer_token(CLUSTER, _role_sts(), expires_in=900))
+
+
+def _reader(server: EksApiServer) -> k8s.ApiClient:
+    return _api(server, eks_bearer_token(CLUSTER, _role_sts(READ_KEY), expires_in=900))
 
 
 def _forbidden(call: Any) -> dict[str, Any]:
@@ -904,9 +933,24 @@ def _forbidden(call: Any) -> dict[str, Any]:
     return _status_body(caught.value)
 
 
-def test_the_pipeline_may_do_what_the_manifest_grants(rbac_server: EksApiServer, sts: Any) -> None:
+def _in(namespace: str, core: k8s.CoreV1Api, name: str, node: str, job: str) -> None:
+    core.create_namespaced_pod(
+        namespace,
+        {"metadata": {"name": name, "labels": {"training.kubeflow.org/job-name": job}},
+         "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "trainer:1"}]}},
+    )  # fmt: skip
+
+
+def _check_job(name: str, node: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": {"template": {"spec": {"nodeName": node, "restartPolicy": "Never",
+                                       "containers": [{"name": "replay", "image": "trainer:1"}]}}},
+    }  # fmt: skip
+
+
+def test_the_pipeline_may_do_what_the_manifests_grant(rbac_server: EksApiServer, sts: Any) -> None:
     admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
-    admin.create_namespace({"metadata": {"name": NAMESPACE}})
     _, node = _node(admin)
     _pod(admin, "rbac-worker-0", node, "rbac-job")
     _job(k8s.CustomObjectsApi(_api(rbac_server, eks_bearer_token(CLUSTER, sts))), "rbac-job")
@@ -917,14 +961,15 @@ def test_the_pipeline_may_do_what_the_manifest_grants(rbac_server: EksApiServer,
     custom.patch_namespaced_custom_object(
         "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "rbac-job", {"spec": {"runPolicy": {"suspend": True}}}
     )
+    pods = core.list_namespaced_pod(NAMESPACE, label_selector="training.kubeflow.org/job-name=rbac-job")
 
     assert core.read_node(node).spec.unschedulable is True
-    assert core.read_namespaced_pod("rbac-worker-0", NAMESPACE).spec.node_name == node
+    assert [p.metadata.name for p in pods.items] == ["rbac-worker-0"]
     job = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "rbac-job")
     assert job["spec"]["runPolicy"]["suspend"] is True
 
 
-def test_the_pipeline_is_refused_what_the_manifest_does_not_grant(rbac_server: EksApiServer, sts: Any) -> None:
+def test_the_pipeline_is_refused_what_the_manifests_do_not_grant(rbac_server: EksApiServer, sts: Any) -> None:
     admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
     _, node = _node(admin)
     core = k8s.CoreV1Api(_pipeline(rbac_server))
@@ -935,15 +980,75 @@ def test_the_pipeline_is_refused_what_the_manifest_does_not_grant(rbac_server: E
         f'nodes "{node}" is forbidden: User "sdcguard-pipeline" cannot delete resource "nodes" '
         'in API group "" at the cluster scope'
     )
-    # pods: get by name, and list (the node checks find their Job's pod by its label), never delete; nodes: never list
+    # pods: listed (the node checks find their Job's pod by its label), never deleted; nodes: never listed;
+    # reading a pod by name is resolve's, of the read-only group.
     assert "in the namespace" in _forbidden(lambda: core.delete_namespaced_pod("any", NAMESPACE))["message"]
+    _forbidden(lambda: core.read_namespaced_pod("any", NAMESPACE))
     _forbidden(core.list_node)
     _forbidden(lambda: core.create_namespace({"metadata": {"name": "not-allowed"}}))
     assert admin.read_node(node).metadata.name == node
 
 
+def test_the_pipeline_may_not_touch_another_namespace(rbac_server: EksApiServer, sts: Any) -> None:
+    admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    _, node = _node(admin)
+    _in(OTHER_NAMESPACE, admin, "theirs-0", node, "theirs")
+    core = k8s.CoreV1Api(_pipeline(rbac_server))
+    batch = k8s.BatchV1Api(core.api_client)
+    custom = k8s.CustomObjectsApi(core.api_client)
+
+    refused = _forbidden(lambda: batch.create_namespaced_job(OTHER_NAMESPACE, _check_job("check-x", node)))
+    assert refused["message"] == (
+        'jobs.batch is forbidden: User "sdcguard-pipeline" cannot create resource "jobs" '
+        f'in API group "batch" in the namespace "{OTHER_NAMESPACE}"'
+    )
+    _forbidden(lambda: core.list_namespaced_pod(OTHER_NAMESPACE))
+    _forbidden(lambda: core.read_namespaced_pod_log("theirs-0", OTHER_NAMESPACE))
+    _forbidden(lambda: custom.list_namespaced_custom_object("kubeflow.org", "v1", OTHER_NAMESPACE, "pytorchjobs"))
+    # Nor every namespace at once: a list across namespaces is at the cluster scope.
+    _forbidden(core.list_pod_for_all_namespaces)
+    _forbidden(batch.list_job_for_all_namespaces)
+
+    assert admin.list_namespaced_pod(OTHER_NAMESPACE).items[0].metadata.name == "theirs-0"
+    assert k8s.BatchV1Api(admin.api_client).list_namespaced_job(OTHER_NAMESPACE).items == []
+    assert core.list_namespaced_pod(NAMESPACE).kind == "PodList"  # its own namespace still answers
+
+
+def test_the_read_group_reads_and_changes_nothing(rbac_server: EksApiServer, sts: Any) -> None:
+    admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+    _, node = _node(admin)
+    _pod(admin, "read-worker-0", node, "read-job")
+    _job(k8s.CustomObjectsApi(_api(rbac_server, eks_bearer_token(CLUSTER, sts))), "read-job")
+    _in(OTHER_NAMESPACE, admin, "read-theirs-0", node, "theirs")
+    core = k8s.CoreV1Api(_reader(rbac_server))
+    custom = k8s.CustomObjectsApi(core.api_client)
+
+    # What resolve and guard read: the suspect's pod, the job, the node.
+    assert core.read_namespaced_pod("read-worker-0", NAMESPACE).spec.node_name == node
+    job = custom.get_namespaced_custom_object("kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "read-job")
+    assert job["metadata"]["name"] == "read-job"
+    assert core.read_node(node).metadata.name == node
+
+    refused = _forbidden(lambda: core.patch_node(node, {"spec": {"unschedulable": True}}))
+    assert refused["message"] == (
+        f'nodes "{node}" is forbidden: User "sdcguard-pipeline-read" cannot patch resource "nodes" '
+        'in API group "" at the cluster scope'
+    )
+    _forbidden(lambda: custom.patch_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "read-job", {"spec": {"runPolicy": {"suspend": True}}}
+    ))  # fmt: skip
+    _forbidden(lambda: k8s.BatchV1Api(core.api_client).create_namespaced_job(NAMESPACE, _check_job("check-r", node)))
+    _forbidden(lambda: core.list_namespaced_pod(NAMESPACE))
+    _forbidden(lambda: core.read_namespaced_pod("read-theirs-0", OTHER_NAMESPACE))
+
+    assert not admin.read_node(node).spec.unschedulable
+    assert not k8s.CustomObjectsApi(admin.api_client).get_namespaced_custom_object(
+        "kubeflow.org", "v1", NAMESPACE, "pytorchjobs", "read-job"
+    )["spec"]["runPolicy"]["suspend"]
+
+
 def test_a_verb_taken_out_of_the_manifest_is_refused(sts: Any) -> None:
-    with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=_manifest(("nodes", "patch"))) as server:
+    with EksApiServer(access=_access(), manifest=_manifest(("nodes", "patch"))) as server:
         admin = k8s.CoreV1Api(_api(server, eks_bearer_token(CLUSTER, sts)))
         _, node = _node(admin)
         core = k8s.CoreV1Api(_pipeline(server))
@@ -954,54 +1059,121 @@ def test_a_verb_taken_out_of_the_manifest_is_refused(sts: Any) -> None:
         assert core.read_node(node).metadata.name == node  # get is still granted
 
 
+def test_without_the_namespaced_manifest_the_job_namespace_is_closed(sts: Any) -> None:
+    with EksApiServer(access=_access(), manifest=_manifest()) as server:
+        _rbac_world(server, namespaced=[])
+        admin = k8s.CoreV1Api(_api(server, eks_bearer_token(CLUSTER, sts)))
+        _, node = _node(admin)
+        _pod(admin, "closed-0", node, "closed")
+        core = k8s.CoreV1Api(_pipeline(server))
+
+        _forbidden(lambda: k8s.BatchV1Api(core.api_client).create_namespaced_job(NAMESPACE, _check_job("c", node)))
+        _forbidden(lambda: core.list_namespaced_pod(NAMESPACE))
+        _forbidden(lambda: k8s.CoreV1Api(_reader(server)).read_namespaced_pod("closed-0", NAMESPACE))
+        assert core.read_node(node).metadata.name == node  # the nodes come from the cluster-scoped part
+
+        server.apply(_docs(RBAC_NAMESPACE_MANIFEST), namespace=NAMESPACE)
+
+        assert core.list_namespaced_pod(NAMESPACE).items[0].metadata.name == "closed-0"
+        assert k8s.CoreV1Api(_reader(server)).read_namespaced_pod("closed-0", NAMESPACE).metadata.name == "closed-0"
+
+
+def test_a_role_binding_grants_a_cluster_role_in_its_namespace_only(sts: Any) -> None:
+    # As in Kubernetes: a RoleBinding may name a ClusterRole, whose rules then hold in the binding's namespace.
+    reader = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "pod-reader"},
+              "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]}  # fmt: skip
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "pod-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "pod-reader"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": PIPELINE_GROUP}],
+    }  # fmt: skip
+    with EksApiServer(access=_access(), manifest=[reader]) as server:
+        _rbac_world(server, namespaced=[binding])
+        core = k8s.CoreV1Api(_pipeline(server))
+
+        assert core.list_namespaced_pod(NAMESPACE).kind == "PodList"
+        _forbidden(lambda: core.list_namespaced_pod(OTHER_NAMESPACE))
+        _forbidden(core.list_pod_for_all_namespaces)
+
+
 def test_a_role_patched_through_the_api_applies_at_once(rbac_server: EksApiServer, sts: Any) -> None:
     rbac_api = k8s.RbacAuthorizationV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
     core = k8s.CoreV1Api(_pipeline(rbac_server))
-    role = rbac_api.read_cluster_role("sdcguard-pipeline")
-    original = [r.to_dict() for r in role.rules]
-    narrowed = [
-        {"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": [v for v in r["verbs"] if v != "get"]}
-        for r in original
-    ]
     admin = k8s.CoreV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
     _, node = _node(admin)
+    role = rbac_api.read_namespaced_role("sdcguard-pipeline", NAMESPACE)
+    original = [{"apiGroups": r.api_groups, "resources": r.resources, "verbs": r.verbs} for r in role.rules]
+    narrowed = [{**r, "verbs": [v for v in r["verbs"] if v != "list"]} for r in original]
 
-    rbac_api.patch_cluster_role("sdcguard-pipeline", {"rules": narrowed})
+    rbac_api.patch_namespaced_role("sdcguard-pipeline", NAMESPACE, {"rules": narrowed})
     try:
-        _forbidden(lambda: core.read_node(node))
+        _forbidden(lambda: core.list_namespaced_pod(NAMESPACE))
     finally:
-        rbac_api.patch_cluster_role(
-            "sdcguard-pipeline",
-            {"rules": [{"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": r["verbs"]} for r in original]},
-        )
+        rbac_api.patch_namespaced_role("sdcguard-pipeline", NAMESPACE, {"rules": original})
+    assert core.list_namespaced_pod(NAMESPACE).kind == "PodList"
+    cluster_role = rbac_api.read_cluster_role("sdcguard-pipeline")
+    assert [r.resources for r in cluster_role.rules] == [["nodes"]]
     assert core.read_node(node).metadata.name == node
+
+
+def test_the_rbac_objects_are_served_per_namespace(rbac_server: EksApiServer, sts: Any) -> None:
+    rbac_api = k8s.RbacAuthorizationV1Api(_api(rbac_server, eks_bearer_token(CLUSTER, sts)))
+
+    roles = rbac_api.list_namespaced_role(NAMESPACE).items
+    bindings = rbac_api.list_namespaced_role_binding(NAMESPACE).items
+
+    assert sorted(r.metadata.name for r in roles) == ["sdcguard-pipeline", "sdcguard-pipeline-read"]
+    assert {b.metadata.name: (b.role_ref.kind, b.subjects[0].name) for b in bindings} == {
+        "sdcguard-pipeline": ("Role", PIPELINE_GROUP), "sdcguard-pipeline-read": ("Role", READ_GROUP),
+    }  # fmt: skip
+    assert all(r.metadata.namespace == NAMESPACE for r in roles)
+    assert rbac_api.list_namespaced_role(OTHER_NAMESPACE).items == []
 
 
 def test_access_reviews_answer_for_the_caller_and_for_whom_an_admin_impersonates(
     rbac_server: EksApiServer, sts: Any
 ) -> None:
-    def review(api: k8s.ApiClient, verb: str, resource: str, group: str = "", **headers: str) -> bool:
+    def review(
+        api: k8s.ApiClient, verb: str, resource: str, group: str = "", namespace: str = "", **headers: str
+    ) -> bool:
         authz = k8s.AuthorizationV1Api(api)
         for key, value in headers.items():
             api.set_default_header(key.replace("_", "-"), value)
-        body = {"spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}}}
-        return bool(authz.create_self_subject_access_review(body).status.allowed)
+        attributes = {"verb": verb, "resource": resource, "group": group, "namespace": namespace}
+        return bool(authz.create_self_subject_access_review({"spec": {"resourceAttributes": attributes}}).status.allowed)
 
     pipeline = _pipeline(rbac_server)
+    reader = _reader(rbac_server)
     admin = _api(rbac_server, eks_bearer_token(CLUSTER, sts))
     impersonating = _api(rbac_server, eks_bearer_token(CLUSTER, sts))
 
     assert review(pipeline, "patch", "nodes")
-    assert review(pipeline, "patch", "pytorchjobs", "kubeflow.org")
+    assert review(pipeline, "patch", "pytorchjobs", "kubeflow.org", NAMESPACE)
+    assert not review(pipeline, "patch", "pytorchjobs", "kubeflow.org", OTHER_NAMESPACE)
+    assert not review(pipeline, "patch", "pytorchjobs", "kubeflow.org")  # in every namespace: no
     assert not review(pipeline, "delete", "nodes")
-    assert review(pipeline, "get", "pods")
-    assert review(pipeline, "create", "jobs", "batch")
-    assert not review(pipeline, "delete", "pods")
+    assert review(pipeline, "list", "pods", namespace=NAMESPACE)
+    assert review(pipeline, "create", "jobs", "batch", NAMESPACE)
+    assert not review(pipeline, "create", "jobs", "batch", OTHER_NAMESPACE)
+    assert not review(pipeline, "delete", "pods", namespace=NAMESPACE)
+    assert review(reader, "get", "nodes")
+    assert review(reader, "get", "pods", namespace=NAMESPACE)
+    assert not review(reader, "patch", "nodes")
+    assert not review(reader, "get", "pods", namespace=OTHER_NAMESPACE)
     assert review(admin, "delete", "nodes")
     assert review(impersonating, "patch", "nodes", Impersonate_User="x", Impersonate_Group=PIPELINE_GROUP)
     assert not review(impersonating, "delete", "nodes")
     pipeline.set_default_header("Impersonate-User", "kubernetes-admin")
     _forbidden(lambda: k8s.CoreV1Api(pipeline).delete_node("any"))
+
+
+def test_a_namespaced_document_needs_a_namespace_that_exists() -> None:
+    with EksApiServer() as server:
+        with pytest.raises(ValueError, match="give the namespace"):
+            server.apply(_docs(RBAC_NAMESPACE_MANIFEST))
+        with pytest.raises(ValueError, match="namespace 'nowhere' does not exist"):
+            server.apply(_docs(RBAC_NAMESPACE_MANIFEST), namespace="nowhere")
+        assert server.store.list(ROLES)[0] == []
 
 
 def test_a_manifest_with_other_kinds_is_refused() -> None:

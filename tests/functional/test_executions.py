@@ -879,3 +879,44 @@ def test_a_replacement_that_fails_its_qualification_is_never_resumed_onto(pipeli
     assert "RewritePointer" not in states
     assert "ResumeJob" not in states
     assert check_jobs(p, incident.incident_id) == []
+
+
+def test_aborting_an_incident_that_waits_for_approval_ends_its_execution_at_once(pipeline: Pipeline) -> None:
+    from botocore.exceptions import ClientError
+
+    from lambdas.abort import abort_incident
+    from lambdas.task_tokens import TaskTokens
+
+    # Given an incident whose execution waits on the reviewers' task token,
+    p, node = pipeline, pipeline.node(1)
+    p.job_running()
+    alarm = p.alarm(1, ring_clean=23_000)
+    p.publish(alarm)
+    incident = p.incident_for(alarm["alarm_id"])
+    p.wait_state(incident.incident_id, S.AWAITING_APPROVAL)
+    execution = p.execution_of(incident.incident_id)
+    sfn = p.standin.client("stepfunctions")
+    environment = p.standin.client("lambda").get_function_configuration(FunctionName=f"{p.stack}-decide")["Environment"]
+    stored = TaskTokens(environment["Variables"]["TOKEN_TABLE"], p.standin.client("dynamodb")).get(incident.incident_id)
+    assert stored is not None
+
+    # when an operator aborts it,
+    aborted = abort_incident(p.ledger, p.kube, incident.incident_id, operator="oncall", reason="wrong job", sfn=sfn)
+
+    # its execution is ABORTED at once (StopExecution ends the token wait, as on AWS), nothing else ran after it,
+    assert sfn.describe_execution(executionArn=execution)["status"] == "ABORTED"
+    assert aborted.state == S.ABORTED
+    assert not p.read_node(node["node_name"]).spec.unschedulable
+    assert not p.read_job()["spec"]["runPolicy"].get("suspend")
+    # the token is dead,
+    with pytest.raises(ClientError) as refused:
+        sfn.send_task_success(taskToken=stored[0], output="{}")
+    assert refused.value.response["Error"]["Code"] == "TaskTimedOut"
+    # and a reviewer who approves late changes nothing.
+    assert p.decide(incident.incident_id, "approve", "late")["status"] == "FAILED"
+    time.sleep(1)  # had the execution gone on, its next state would have written by now
+    assert p.ledger.get(incident.incident_id).state == S.ABORTED
+    history = sfn.get_execution_history(executionArn=execution, maxResults=1000)["events"]
+    assert history[-1]["type"] == "ExecutionAborted"
+    entered = [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+    assert entered[-1] == "RequestApproval"  # its Catch (ApprovalTimedOut, NeedsAttention) never ran

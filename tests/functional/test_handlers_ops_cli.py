@@ -23,6 +23,7 @@ import pytest
 from contract import Alarm, Incident, IncidentState, ResolvedSuspect
 from infra.local.standin import LocalStandIn
 from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
+from lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
 from sdcguard.cli import main
 from tests.events import load_event
 from tests.functional.task_token import waiting_token
@@ -38,6 +39,7 @@ class Setup:
     ledger: Ledger
     table: str
     machine: str
+    tokens: TaskTokens
 
 
 def code_zip() -> bytes:
@@ -62,14 +64,21 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
         GlobalSecondaryIndexes=[OPEN_INDEX_DEFINITION],
         BillingMode="PAY_PER_REQUEST",
     )
+    tokens = f"cli-tokens-{suffix}"
+    ddb.create_table(
+        TableName=tokens, KeySchema=TOKEN_TABLE_KEY, AttributeDefinitions=TOKEN_TABLE_ATTRIBUTES,
+        BillingMode="PAY_PER_REQUEST",
+    )
     role = standin.client("iam").create_role(RoleName=f"decide-{suffix}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
     # What the template's DecideRole grants (the stand-in evaluates the function's calls against it).
     standin.client("iam").put_role_policy(
         RoleName=f"decide-{suffix}",
         PolicyName="decide",
         PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
-            {"Effect": "Allow", "Action": ["dynamodb:GetItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"],
+            {"Effect": "Allow", "Action": ["dynamodb:GetItem", "dynamodb:UpdateItem"],
              "Resource": f"arn:aws:dynamodb:us-east-1:123456789012:table/{table}"},
+            {"Effect": "Allow", "Action": ["dynamodb:GetItem", "dynamodb:DeleteItem"],
+             "Resource": f"arn:aws:dynamodb:us-east-1:123456789012:table/{tokens}"},
             {"Effect": "Allow", "Action": "states:SendTaskSuccess", "Resource": "*"},
             {"Effect": "Allow", "Action": "states:DescribeExecution",
              "Resource": f"arn:aws:states:us-east-1:123456789012:execution:cli-{suffix}-decide:*"},
@@ -85,6 +94,7 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
         Environment={
             "Variables": {
                 "LEDGER_TABLE": table,
+                "TOKEN_TABLE": tokens,
                 "IDEMPOTENCY_TABLE": f"unused-{suffix}",
                 "TOPIC_ARN": f"arn:aws:sns:us-east-1:123456789012:unused-{suffix}",
                 "HYPERPOD_CLUSTER": "ml-cluster",
@@ -104,7 +114,7 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
     saved = {k: os.environ.get(k) for k in standin.env}
     os.environ.update(standin.env)
     try:
-        yield Setup(standin, Ledger(table, standin.client("dynamodb")), table, machine)
+        yield Setup(standin, Ledger(table, standin.client("dynamodb")), table, machine, TaskTokens(tokens, ddb))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -132,7 +142,7 @@ def open_incident(setup: Setup, *, waiting: bool, **alarm: Any) -> str:
     for state in TO_WAITING if waiting else TO_WAITING[:2]:
         setup.ledger.update(incident.incident_id, moved(state))
     if waiting:
-        setup.ledger.put_token(incident.incident_id, real_token(setup), expires_at=time.time() + 120)
+        setup.tokens.put(incident.incident_id, real_token(setup), expires_at=time.time() + 120)
     return incident.incident_id
 
 
@@ -224,7 +234,7 @@ def test_reject_of_an_incident_that_never_waited_changes_nothing(setup: Setup, c
 
 def test_an_expired_approval_is_reported_as_such(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
     incident_id = open_incident(setup, waiting=True)
-    setup.ledger.put_token(incident_id, "a-token-that-no-execution-holds", expires_at=time.time() + 60)
+    setup.tokens.put(incident_id, "a-token-that-no-execution-holds", expires_at=time.time() + 60)
     argv = ["approve", incident_id, "--reason", "late", "--table", setup.table, "--state-machine-arn", setup.machine]
     assert main(argv) == 1
     assert f"the approval request of incident {incident_id} has expired" in capsys.readouterr().err

@@ -67,6 +67,7 @@ from lambdas.ledger import (
     Ledger,
 )
 from lambdas.settings import get_settings
+from lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
 from lineage.commit import commit, put_object
 from lineage.errors import NoSafeCheckpoint
 from lineage.pointer import read_pointer
@@ -101,6 +102,11 @@ class World:
     ledger: Ledger
     queue_url: str
 
+    @property
+    def tokens(self) -> TaskTokens:
+        """The approval task tokens of this world's pipeline (the table the fixture names in TOKEN_TABLE)."""
+        return TaskTokens(get_settings().token_table, self.standin.client("dynamodb"))
+
     def node(self, index: int) -> dict[str, Any]:
         return dict(self.seeded["nodes"][index])
 
@@ -129,6 +135,11 @@ def world(standin: LocalStandIn) -> Iterator[World]:
     ddb = standin.client("dynamodb")
     ledger_table, idem_table = f"ledger-{suffix}", f"idem-{suffix}"
     create_ledger_table(ddb, ledger_table)
+    token_table = f"tokens-{suffix}"
+    ddb.create_table(
+        TableName=token_table, KeySchema=TOKEN_TABLE_KEY, AttributeDefinitions=TOKEN_TABLE_ATTRIBUTES,
+        BillingMode="PAY_PER_REQUEST",
+    )
     ddb.create_table(
         TableName=idem_table,
         KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
@@ -149,6 +160,7 @@ def world(standin: LocalStandIn) -> Iterator[World]:
     env = {
         **standin.env,
         "LEDGER_TABLE": ledger_table,
+        "TOKEN_TABLE": token_table,
         "IDEMPOTENCY_TABLE": idem_table,
         "TOPIC_ARN": topic,
         "HYPERPOD_CLUSTER": seeded["hyperpod_cluster"],
@@ -652,7 +664,7 @@ def test_request_approval_stores_the_token_and_tells_the_reviewers_how_to_answer
 
     incident = world.ledger.get(incident_id)
     assert incident.state == S.AWAITING_APPROVAL
-    stored = world.ledger.get_token(incident_id)
+    stored = world.tokens.get(incident_id)
     assert stored is not None
     assert stored[0] == request["task_token"]
     mine = [m for m in world.messages() if m.get("MessageAttributes", {}).get("incident_id", {}).get("Value") == incident_id]
@@ -693,7 +705,7 @@ def test_no_safe_checkpoint_stops_before_asking_and_replaces_nothing(world: Worl
     # before any token is stored or any reviewer asked: nobody can approve a replacement.
     incident = world.ledger.get(incident_id)
     assert (incident.state, incident.rollback) == (S.EVIDENCE_COLLECTED, None)
-    assert world.ledger.get_token(incident_id) is None
+    assert world.tokens.get(incident_id) is None
 
 
 def waiting_with_real_token(world: World) -> tuple[str, str]:
@@ -741,7 +753,7 @@ def test_decide_answers_the_token_and_records_who_decided(world: World) -> None:
     assert incident.decision is not None
     assert (incident.decision.decision, incident.decision.reviewer) == ("approve", "arn:aws:iam::123456789012:user/oncall")
     assert incident.transitions[-1].actor == "arn:aws:iam::123456789012:user/oncall"
-    assert world.ledger.get_token(incident_id) is None
+    assert world.tokens.get(incident_id) is None
     ended = wait_for_end(world, execution)
     assert ended["status"] == "SUCCEEDED"
     assert json.loads(ended["output"])["decision"] == "approve"
@@ -785,7 +797,7 @@ def test_a_decision_in_a_handlers_input_is_ignored(world: World) -> None:
     incident = world.ledger.get(incident_id)
     assert (incident.state, incident.decision, incident.replacements) == (S.AWAITING_APPROVAL, None, [])
     assert read_node(world, node["node_name"]).spec.unschedulable is True
-    assert world.ledger.get_token(incident_id) is not None
+    assert world.tokens.get(incident_id) is not None
     described = world.standin.client("stepfunctions").describe_execution(executionArn=execution)
     assert described["status"] == "RUNNING"
 
@@ -824,7 +836,7 @@ def test_a_decision_is_in_the_ledger_before_the_token_is_answered(world: World) 
 
     request = decision_of(world, incident_id, "approve", "seen first", "oncall")
     deliver(
-        world.ledger, incident_id, "approve", reviewer="oncall", reason="seen first",
+        world.ledger, world.tokens, incident_id, "approve", reviewer="oncall", reason="seen first",
         execution_arn=request["execution_arn"], decide_machine_arn=get_settings().decide_state_machine_arn, sfn=Watching(),
     )  # fmt: skip
     assert [d.reason if d else None for d in seen] == ["seen first"]
@@ -854,7 +866,7 @@ def test_the_approve_path_replaces_rolls_back_and_resumes(world: World) -> None:
     )
     incident_id = drive(world, alarm_event(world, 2, ring_clean=clean), through="evidence")
     assert read_job(world)["spec"]["runPolicy"]["suspend"] is True
-    world.ledger.put_token(incident_id, "t", expires_at=time.time() + 60)
+    world.tokens.put(incident_id, "t", expires_at=time.time() + 60)
     world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
     approved_in_the_ledger(world, incident_id)
 

@@ -18,8 +18,11 @@ alarm spool are attributed to the training policy; the operator CLI's
 list/show/approve to the reviewer policy. Each role must grant what its code
 called (nothing missing) and nothing else (nothing unused), apart from
 :data:`NOT_EXERCISED`: actions that are needed on AWS but that no code here
-calls, each with the reason. The ClusterRole of ``infra/deploy/rbac.yaml``
-must grant exactly the Kubernetes requests the handlers made.
+calls, each with the reason. The Kubernetes groups of the template's access
+entries must be granted exactly the Kubernetes requests their handlers made,
+per group and per scope: the cluster-scoped ones by ``infra/deploy/rbac.yaml``,
+the namespaced ones (all in the job's namespace) by
+``infra/deploy/rbac-namespace.yaml``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = load_template(ROOT / "infra" / "deploy" / "template.yaml")
-RBAC = list(yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()))
+RBAC = [d for d in yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()) if d]
+RBAC_NAMESPACE = [d for d in yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac-namespace.yaml").read_text()) if d]
 
 world = pipeline.world  # the handler scenarios' stand-in set-up (a module fixture)
 setup = ops_cli.setup  # the operator CLI's ledger and decide machine
@@ -77,6 +81,7 @@ _VERSIONED = (
 NOT_EXERCISED: dict[str, dict[str, str]] = {
     "LedgerRole": {**LAMBDA_RUNTIME, **PUBLISHES},
     "KubernetesRole": {**LAMBDA_RUNTIME, **PUBLISHES},
+    "KubernetesReadRole": {**LAMBDA_RUNTIME},
     "EvidenceRole": {**LAMBDA_RUNTIME},
     "ApprovalRole": {
         **LAMBDA_RUNTIME,
@@ -316,6 +321,8 @@ def world_values(world: pipeline.World) -> dict[str, str]:
     return {
         "LedgerTable": world.ledger.table,
         "LedgerTable.Arn": _table_arn(world.ledger.table),
+        # The node checks' world asks no approval and names no token table.
+        "TokenTable.Arn": _table_arn(settings.get("TOKEN_TABLE") or "no-token-table"),
         "IdempotencyTable.Arn": _table_arn(settings["IDEMPOTENCY_TABLE"]),
         "ReviewerTopic": settings["TOPIC_ARN"],
         "HyperPodClusterArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:cluster/{world.seeded['hyperpod_cluster']}",
@@ -383,8 +390,8 @@ NODE_CHECK_SCENARIOS = (
 )
 """The node checks' scenarios replayed here: between them every call the three handlers make (the PyTorchJob
 read, the capsule's S3 head found and missing, a Job created, read and deleted, its pod listed and its log read,
-a failed new node cordoned). The others repeat those calls with other answers, each a Job (a process that
-imports torch), so they run once, in test_node_check_handlers itself."""
+a failed new node cordoned). The others repeat those calls with other answers, each a Job on the
+stand-in, so they run once, in test_node_check_handlers itself."""
 
 
 @dataclass
@@ -543,25 +550,69 @@ def test_the_handlers_read_the_ledger_only_through_its_indexes(
     }  # fmt: skip
 
 
-def test_the_cluster_role_grants_exactly_the_kubernetes_requests_made(recorded: Recorder) -> None:
-    used = {rbac_request(c) for calls in recorded.kube.values() for c in calls}
-    role = next(d for d in RBAC if d["kind"] == "ClusterRole")
-    granted_rbac = {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-    assert granted_rbac == used
+def access_entry_groups(template: dict[str, Any]) -> dict[str, str]:
+    """Role -> the Kubernetes group its EKS access entry gives it (the group parameter's default)."""
+    out = {}
+    for resource in template["Resources"].values():
+        if resource["Type"] == "AWS::EKS::AccessEntry":
+            (group,) = resource["Properties"]["KubernetesGroups"]
+            out[resource["Properties"]["PrincipalArn"]["Fn::GetAtt"][0]] = template["Parameters"][group["Ref"]]["Default"]
+    return out
+
+
+def rbac_grants() -> dict[tuple[str, str], set[tuple[str, str, str]]]:
+    """(group, scope) -> the (API group, resource, verb) its roles grant; scope "cluster" for rbac.yaml's
+    ClusterRoleBindings, "namespace" for the RoleBindings of rbac-namespace.yaml (applied in the job's namespace)."""
+    out: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+    for scope, docs, binding_kind in (("cluster", RBAC, "ClusterRoleBinding"), ("namespace", RBAC_NAMESPACE, "RoleBinding")):
+        roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in ("ClusterRole", "Role")}
+        for binding in (d for d in docs if d["kind"] == binding_kind):
+            role = roles[(binding["roleRef"]["kind"], binding["roleRef"]["name"])]
+            for subject in binding["subjects"]:
+                out.setdefault((subject["name"], scope), set()).update(
+                    (api_group, resource, verb)
+                    for rule in role["rules"]
+                    for api_group in rule["apiGroups"]
+                    for resource in rule["resources"]
+                    for verb in rule["verbs"]
+                )
+    return out
+
+
+def _namespace(path: str) -> str | None:
+    _, found, rest = path.partition("/namespaces/")
+    return rest.split("/", 1)[0] if found and "/" in rest else None
+
+
+def test_each_group_is_granted_exactly_the_kubernetes_requests_its_handlers_made(
+    recorded: Recorder, standin: LocalStandIn
+) -> None:
+    from infra.local.eks.resources import ROLE_BINDINGS
+
+    groups = access_entry_groups(TEMPLATE)
+    used: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+    namespaces: set[str] = set()
+    for actor, calls in recorded.kube.items():
+        group = groups[function_roles(TEMPLATE)[actor]]
+        for call in calls:
+            namespace = _namespace(call.path)
+            used.setdefault((group, "namespace" if namespace else "cluster"), set()).add(rbac_request(call))
+            namespaces |= {namespace} if namespace else set()
+    # Every grant used, nothing used that is not granted: per group, cluster-wide (the nodes) and in the
+    # job's namespace (pods, PyTorchJobs, Jobs); nothing at the cluster scope but the nodes.
+    assert used == rbac_grants()
+    assert {resource for (_, scope), requests in used.items() if scope == "cluster" for _, resource, _ in requests} == {"nodes"}
+    # resolve and guard only read.
+    assert {verb for (group, _), requests in used.items() if group == groups["KubernetesReadRole"] for *_, verb in requests} == {"get"}
+    assert {groups[function_roles(TEMPLATE)[actor]] for actor in ("resolve", "guard")} == {groups["KubernetesReadRole"]}
+    # The namespaced requests went to the jobs' namespaces only, each holding the namespaced manifest's bindings.
+    assert standin.eks is not None
+    for namespace in namespaces:
+        bound = {b["metadata"]["name"] for b in standin.eks.store.list(ROLE_BINDINGS, namespace)[0]}
+        assert bound == {d["metadata"]["name"] for d in RBAC_NAMESPACE if d["kind"] == "RoleBinding"}, namespace
     # Only the roles with an EKS access entry talk to the Kubernetes API.
     kube_roles = {function_roles(TEMPLATE)[actor] for actor in recorded.kube}
-    entries = {
-        r["Properties"]["PrincipalArn"]["Fn::GetAtt"][0]
-        for r in TEMPLATE["Resources"].values()
-        if r["Type"] == "AWS::EKS::AccessEntry"
-    }
-    assert kube_roles == entries
+    assert kube_roles == set(groups)
 
 
 def test_each_run_once_handler_ends_with_its_named_error_under_enforcement(recorded: Recorder) -> None:
@@ -606,7 +657,7 @@ def test_without_deleting_idempotency_records_a_named_error_is_lost(
     values = world_values(world)
     acting = ActingWithRoles(standin)
     acting.give("record", create_role(standin, TEMPLATE, "LedgerRole", values))
-    acting.give("resolve", create_role(standin, TEMPLATE, "KubernetesRole", values))
+    acting.give("resolve", create_role(standin, TEMPLATE, "KubernetesReadRole", values))
     acting.give("whole", create_role(standin, TEMPLATE, role, values))
     acting.give("lacking", create_role(standin, TEMPLATE, role, values, leave_out=("ClearFailedIdempotencyRecords", "dynamodb:DeleteItem")))
     module = importlib.import_module(f"lambdas.handlers.{handler}")

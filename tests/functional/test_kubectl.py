@@ -35,7 +35,13 @@ from infra.local.kubeconfig import (
     write_kubeconfig,
 )
 from infra.local.seed import seed
-from infra.local.standin import PIPELINE_GROUP, RBAC_MANIFEST, LocalStandIn
+from infra.local.standin import (
+    PIPELINE_GROUP,
+    RBAC_MANIFEST,
+    RBAC_NAMESPACE_MANIFEST,
+    READ_GROUP,
+    LocalStandIn,
+)
 
 # SDCGUARD_KUBECTL picks another binary, e.g. an older kubectl that reads the legacy discovery documents.
 KUBECTL = os.environ.get("SDCGUARD_KUBECTL") or shutil.which("kubectl")
@@ -291,28 +297,66 @@ def test_a_bad_token_fails_kubectl(kubectl_binary: str, kubeconfig: Path, tmp_pa
 # --- RBAC: the pipeline's identity, as kubectl and the handlers' credentials see it -----------------
 
 
-def test_the_stand_in_binds_the_templates_group_to_the_manifests_role() -> None:
-    template = load_template(RBAC_MANIFEST.parent / "template.yaml")
-    binding = next(d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d["kind"] == "ClusterRoleBinding")
+def test_the_stand_in_binds_the_templates_groups_to_the_manifests_roles() -> None:
+    parameters = load_template(RBAC_MANIFEST.parent / "template.yaml")["Parameters"]
+    bindings = [
+        d for path in (RBAC_MANIFEST, RBAC_NAMESPACE_MANIFEST) for d in yaml.safe_load_all(path.read_text())
+        if d["kind"].endswith("Binding")
+    ]  # fmt: skip
 
-    assert template["Parameters"]["KubernetesGroup"]["Default"] == PIPELINE_GROUP
-    assert {"kind": "Group", "name": PIPELINE_GROUP} in [
-        {"kind": s["kind"], "name": s["name"]} for s in binding["subjects"]
-    ]
+    assert parameters["KubernetesGroup"]["Default"] == PIPELINE_GROUP
+    assert parameters["KubernetesReadGroup"]["Default"] == READ_GROUP
+    bound = {(b["kind"], s["name"]) for b in bindings for s in b["subjects"]}
+    assert bound == {(kind, group) for kind in ("ClusterRoleBinding", "RoleBinding") for group in (PIPELINE_GROUP, READ_GROUP)}
 
 
-def test_can_i_answers_for_the_pipeline_as_a_cluster_would(kubectl_binary: str, kubeconfig: Path) -> None:
+def test_can_i_answers_for_the_pipeline_as_a_cluster_would(
+    kubectl_binary: str, kubeconfig: Path, seeded: dict[str, Any]
+) -> None:
     as_pipeline = ("--as", "sdcguard-pipeline", "--as-group", PIPELINE_GROUP)
+    as_reader = ("--as", "sdcguard-pipeline-read", "--as-group", READ_GROUP)
+    ns = seeded["namespace"]
 
-    granted = _run(kubectl_binary, kubeconfig, "auth", "can-i", "patch", "nodes", *as_pipeline)
-    job = _run(kubectl_binary, kubeconfig, "auth", "can-i", "patch", "pytorchjobs.kubeflow.org", *as_pipeline)
-    refused = _run(kubectl_binary, kubeconfig, "auth", "can-i", "delete", "nodes", *as_pipeline)
-    admin = _run(kubectl_binary, kubeconfig, "auth", "can-i", "delete", "nodes")
+    def can_i(*args: str) -> tuple[int, str]:
+        result = _run(kubectl_binary, kubeconfig, "auth", "can-i", *args)
+        return result.returncode, result.stdout.strip()
 
-    assert (granted.returncode, granted.stdout.strip()) == (0, "yes")
-    assert (job.returncode, job.stdout.strip()) == (0, "yes")
-    assert (refused.returncode, refused.stdout.strip()) == (1, "no")
-    assert (admin.returncode, admin.stdout.strip()) == (0, "yes")
+    assert can_i("patch", "nodes", *as_pipeline) == (0, "yes")
+    assert can_i("patch", "pytorchjobs.kubeflow.org", "-n", ns, *as_pipeline) == (0, "yes")
+    assert can_i("create", "jobs.batch", "-n", ns, *as_pipeline) == (0, "yes")
+    # Only in the job's namespace: not in another, nor in all of them.
+    assert can_i("create", "jobs.batch", "-n", "default", *as_pipeline) == (1, "no")
+    assert can_i("list", "pods", "--all-namespaces", *as_pipeline) == (1, "no")
+    assert can_i("delete", "nodes", *as_pipeline) == (1, "no")
+    # resolve and guard: reads only.
+    assert can_i("get", "pods", "-n", ns, *as_reader) == (0, "yes")
+    assert can_i("get", "nodes", *as_reader) == (0, "yes")
+    assert can_i("patch", "nodes", *as_reader) == (1, "no")
+    assert can_i("patch", "pytorchjobs.kubeflow.org", "-n", ns, *as_reader) == (1, "no")
+    assert can_i("delete", "nodes") == (0, "yes")
+
+
+def test_kubectl_applies_the_namespaced_manifest_into_a_namespace(
+    kubectl_binary: str, kubeconfig: Path, kube: k8s.ApiClient
+) -> None:
+    ns = _name("team")
+    k8s.CoreV1Api(kube).create_namespace({"metadata": {"name": ns}})
+    as_pipeline = ("--as", "sdcguard-pipeline", "--as-group", PIPELINE_GROUP)
+    before = _run(kubectl_binary, kubeconfig, "auth", "can-i", "create", "jobs.batch", "-n", ns, *as_pipeline)
+
+    # The stand-in serves no OpenAPI document, which kubectl's client-side validation downloads.
+    apply = ("apply", "--validate=false", "-n", ns, "-f", str(RBAC_NAMESPACE_MANIFEST))
+    applied = _ok(kubectl_binary, kubeconfig, *apply)
+    again = _ok(kubectl_binary, kubeconfig, *apply)
+    after = _run(kubectl_binary, kubeconfig, "auth", "can-i", "create", "jobs.batch", "-n", ns, *as_pipeline)
+
+    assert before.stdout.strip() == "no"
+    assert "role.rbac.authorization.k8s.io/sdcguard-pipeline created" in applied
+    assert "rolebinding.rbac.authorization.k8s.io/sdcguard-pipeline-read created" in applied
+    assert "created" not in again
+    assert after.stdout.strip() == "yes"
+    roles = _rows(_ok(kubectl_binary, kubeconfig, "get", "roles", "-n", ns))
+    assert [row[0] for row in roles] == ["NAME", "sdcguard-pipeline", "sdcguard-pipeline-read"]
 
 
 def test_kubectl_as_the_pipeline_cannot_delete_a_node(
@@ -338,16 +382,17 @@ def test_the_handlers_credentials_get_exactly_the_manifests_grants(
     )
     pipeline = cluster_api_client(seeded["eks_cluster"], standin.client("eks"), sts)
     core = k8s.CoreV1Api(pipeline)
-    node, pod = seeded["nodes"][0]["node_name"], seeded["nodes"][0]["pod"]
+    node, pod, ns = seeded["nodes"][0]["node_name"], seeded["nodes"][0]["pod"], seeded["namespace"]
     rbac_api = k8s.RbacAuthorizationV1Api(kube)
     rules = rbac_api.read_cluster_role("sdcguard-pipeline").to_dict()["rules"]
 
     core.patch_node(node, {"metadata": {"annotations": {"sdcguard.io/rbac-probe": "1"}}})
     assert k8s.CoreV1Api(kube).read_node(node).metadata.annotations["sdcguard.io/rbac-probe"] == "1"
-    assert core.read_namespaced_pod(pod, seeded["namespace"]).spec.node_name == node  # pods: get by name
-    with pytest.raises(k8s.ApiException) as caught:
-        core.delete_namespaced_pod(pod, seeded["namespace"])  # but never delete
-    assert caught.value.status == 403
+    assert pod in [p.metadata.name for p in core.list_namespaced_pod(ns).items]  # pods: listed in the namespace
+    for refused in (lambda: core.delete_namespaced_pod(pod, ns), lambda: core.list_pod_for_all_namespaces()):
+        with pytest.raises(k8s.ApiException) as caught:
+            refused()  # but never deleted, nor listed across namespaces
+        assert caught.value.status == 403
 
     # patch taken out of the role: the same call is refused, and nothing changes
     narrowed = [
@@ -365,6 +410,31 @@ def test_the_handlers_credentials_get_exactly_the_manifests_grants(
     assert caught.value.status == 403
     assert "sdcguard.io/rbac-probe" not in (k8s.CoreV1Api(kube).read_node(node).metadata.annotations or {})
     pipeline.close()
+
+
+def test_the_read_roles_credentials_read_and_change_nothing(
+    standin: LocalStandIn, seeded: dict[str, Any], kube: k8s.ApiClient
+) -> None:
+    # A role named as CloudFormation names the template's KubernetesReadRole: its access entry is the read group's.
+    iam = standin.client("iam")
+    name = _name("stack-KubernetesReadRole")
+    arn = iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    env = standin.role_env(arn)
+    sts = standin.client("sts", aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], aws_session_token=env["AWS_SESSION_TOKEN"])  # fmt: skip
+    reader = cluster_api_client(seeded["eks_cluster"], standin.client("eks"), sts)
+    core = k8s.CoreV1Api(reader)
+    node, pod, ns = seeded["nodes"][0]["node_name"], seeded["nodes"][0]["pod"], seeded["namespace"]
+
+    assert core.read_namespaced_pod(pod, ns).spec.node_name == node
+    assert core.read_node(node).metadata.name == node
+    with pytest.raises(k8s.ApiException) as caught:
+        core.patch_node(node, {"spec": {"unschedulable": True}})
+    reader.close()
+
+    assert caught.value.status == 403
+    assert 'User "sdcguard-pipeline-read" cannot patch resource "nodes"' in json.loads(caught.value.body)["message"]
+    assert not k8s.CoreV1Api(kube).read_node(node).spec.unschedulable
 
 
 # --- the lines an operator runs at each stage of an incident -----------------------------------------

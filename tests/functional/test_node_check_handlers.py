@@ -152,7 +152,7 @@ def replaced_by(world: World, incident_id: str, new_index: int) -> None:
     world.ledger.update(incident_id, change)
 
 
-@pytest.mark.slow  # a Job is a fresh process that imports torch
+@pytest.mark.slow  # a replay Job (forked from the stand-in's zygote: the first one waits for its torch import)
 def test_a_persistent_fault_reproduces_on_the_suspect_every_time(world: World) -> None:
     incident_id = cordoned_suspect(world, FAULTY[0], window=0)
     polled = run_checks(world, incident_id, "reproduce")
@@ -163,7 +163,7 @@ def test_a_persistent_fault_reproduces_on_the_suspect_every_time(world: World) -
     assert jobs_of(world, incident_id) == []  # finished Jobs are deleted
 
 
-@pytest.mark.slow  # a Job is a fresh process that imports torch
+@pytest.mark.slow  # a replay Job (forked from the stand-in's zygote: the first one waits for its torch import)
 def test_a_healthy_suspect_reproduces_nothing_and_a_healthy_replacement_qualifies(world: World) -> None:
     incident_id = cordoned_suspect(world, 0, window=1)
     polled = run_checks(world, incident_id, "reproduce")
@@ -175,7 +175,7 @@ def test_a_healthy_suspect_reproduces_nothing_and_a_healthy_replacement_qualifie
     assert qualified["summary"] == f"qualified {REPEATS}/{REPEATS} on {new_node}"
 
 
-@pytest.mark.slow  # a Job is a fresh process that imports torch
+@pytest.mark.slow  # a replay Job (forked from the stand-in's zygote: the first one waits for its torch import)
 def test_a_faulty_replacement_fails_qualification_and_is_cordoned(world: World) -> None:
     incident_id = cordoned_suspect(world, 0, window=2)
     replaced_by(world, incident_id, FAULTY[1])
@@ -192,7 +192,7 @@ def test_a_faulty_replacement_fails_qualification_and_is_cordoned(world: World) 
     assert [r.status for r in world.ledger.get(incident_id).replacements] == ["Rejected"]
 
 
-@pytest.mark.slow  # a Job is a fresh process that imports torch
+@pytest.mark.slow  # a replay Job (forked from the stand-in's zygote: the first one waits for its torch import)
 def test_a_flipped_byte_in_the_capsule_is_inconclusive_never_reproduced(world: World) -> None:
     s3 = world.standin.client("s3")
     bucket = world.seeded["bucket"]

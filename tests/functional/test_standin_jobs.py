@@ -32,7 +32,8 @@ from infra.local.eks.hyperpod_node import hyperpod_node
 from infra.local.eks.rbac import AccessEntries
 from infra.local.eks.resources import NODES
 from infra.local.eks.server import EksApiServer
-from infra.local.standin import PIPELINE_GROUP, RBAC_MANIFEST
+from infra.local.seed import apply_namespace_rbac
+from infra.local.standin import PIPELINE_GROUP, RBAC_MANIFEST, RBAC_NAMESPACE_MANIFEST
 from tests.capsules import write
 
 CLUSTER = "jobs"
@@ -65,7 +66,9 @@ def server() -> Iterator[EksApiServer]:
     manifest = [d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d]
     with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=manifest) as running:
         running.workload_env = {"AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "workload"}
-        k8s.CoreV1Api(_client(running)).create_namespace({"metadata": {"name": NAMESPACE}})
+        admin = _client(running)
+        k8s.CoreV1Api(admin).create_namespace({"metadata": {"name": NAMESPACE}})
+        apply_namespace_rbac(k8s.RbacAuthorizationV1Api(admin), NAMESPACE)  # the Jobs are granted per namespace
         yield running
 
 
@@ -331,18 +334,19 @@ def test_node_faults_over_http_and_a_replacement_that_inherits_its_nodes_fault(s
     server.workload_env = {"AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "workload"}
 
 
-def _manifest_without(resource: str) -> list[dict[str, Any]]:
-    """The repository's RBAC manifest with every rule on ``resource`` taken out."""
-    docs = [d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d]
+def _namespaced_without(resource: str) -> list[dict[str, Any]]:
+    """The repository's namespaced RBAC manifest with every rule on ``resource`` taken out."""
+    docs = [d for d in yaml.safe_load_all(RBAC_NAMESPACE_MANIFEST.read_text()) if d]
     for doc in docs:
-        doc["rules"] = [r for r in doc.get("rules", []) if resource not in r["resources"]]
+        if "rules" in doc:
+            doc["rules"] = [r for r in doc["rules"] if resource not in r["resources"]]
     return docs
 
 
 def test_rbac_covers_jobs_and_pod_logs_as_for_other_resources(
     server: EksApiServer, pipeline: k8s.ApiClient, admin: k8s.ApiClient
 ) -> None:
-    # The repository's manifest grants the pipeline what the node checks need, and no more.
+    # The repository's manifests grant the pipeline what the node checks need, in the job's namespace, and no more.
     node = _node(admin)
     batch, core = k8s.BatchV1Api(pipeline), k8s.CoreV1Api(pipeline)
     name = batch.create_namespaced_job(NAMESPACE, _job(node, _python("print('hello')"))).metadata.name
@@ -357,6 +361,12 @@ def test_rbac_covers_jobs_and_pod_logs_as_for_other_resources(
             refused()
         assert caught.value.status == 403
     batch.delete_namespaced_job(name, NAMESPACE, propagation_policy="Background")
+    # Only in the job's namespace: a node check's Job anywhere else is refused.
+    k8s.CoreV1Api(admin).create_namespace({"metadata": {"name": "elsewhere"}})
+    with pytest.raises(k8s.ApiException) as caught:
+        batch.create_namespaced_job("elsewhere", _job(node, _python("print('elsewhere')")))
+    assert caught.value.status == 403
+    assert k8s.BatchV1Api(admin).list_namespaced_job("elsewhere").items == []
     # Without the rules, Jobs and logs are refused as any other resource is.
     for taken, call, message in (
         ("jobs", lambda api: k8s.BatchV1Api(api).create_namespaced_job(NAMESPACE, _job(node, _python("1"))),
@@ -364,7 +374,10 @@ def test_rbac_covers_jobs_and_pod_logs_as_for_other_resources(
         ("pods/log", lambda api: k8s.CoreV1Api(api).read_namespaced_pod_log("any", NAMESPACE),
          'cannot get resource "pods" with subresource "log" in API group "" in the namespace "training"'),
     ):
-        with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=_manifest_without(taken)) as narrow:
+        manifest = [d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d]
+        with EksApiServer(access=AccessEntries((PIPELINE_GROUP,)), manifest=manifest) as narrow:
+            k8s.CoreV1Api(_client(narrow)).create_namespace({"metadata": {"name": NAMESPACE}})
+            narrow.apply(_namespaced_without(taken), namespace=NAMESPACE)
             with pytest.raises(k8s.ApiException) as caught:
                 call(_client(narrow, temporary=True))
             assert caught.value.status == 403

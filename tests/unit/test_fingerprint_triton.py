@@ -391,11 +391,12 @@ def test_the_weight_check_packs_its_rows_with_the_kernels_in_the_same_order(monk
 
     monkeypatch.setattr(weights, "PACK_BELOW", 2048)  # small enough for the interpreter
     tensors = [sample(torch.float32, (3000,), 1), sample(torch.float32, (7,), 2), sample(torch.bfloat16, (100,), 3),
-               sample(torch.int64, (2500,), 4), sample(torch.float32, (1500,), 5), torch.tensor(2.0)]
+               sample(torch.int64, (2500,), 4), sample(torch.float32, (1500,), 5), torch.tensor(2.0),
+               sample(torch.float64, (10, 20), 6)]  # a small tensor alone in its group: packed by its length
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(native.KERNEL_ENV, "auto")
     want = [fp.to_hex(r) for r in weights.packed_fingerprints(tensors)]
-    assert len(want) == 4  # two large rows, then the small ones per dtype (float32, bfloat16)
+    assert len(want) == 5  # two large rows, then the small ones per dtype (float32, bfloat16, float64)
     built: list[int] = []
     real = tf.layout_for
 
@@ -406,4 +407,4 @@ def test_the_weight_check_packs_its_rows_with_the_kernels_in_the_same_order(monk
     monkeypatch.setattr(tf, "layout_for", layout_for)
     monkeypatch.setenv(native.KERNEL_ENV, "triton")
     assert [fp.to_hex(r) for r in weights.packed_fingerprints(tensors)] == want
-    assert built == [4]
+    assert built == [5]

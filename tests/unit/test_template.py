@@ -29,7 +29,7 @@ HANDLERS = {
 }  # fmt: skip
 # The environment every handler validates at cold start (lambdas/settings.py).
 SETTINGS_ENV = {
-    "LEDGER_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "JOB_NAMESPACE", "JOB_NAME",
+    "LEDGER_TABLE", "TOKEN_TABLE", "IDEMPOTENCY_TABLE", "TOPIC_ARN", "HYPERPOD_CLUSTER", "EKS_CLUSTER", "JOB_NAMESPACE", "JOB_NAME",
     "CHECKPOINT_BUCKET", "CHECKPOINT_PREFIX", "MODE", "MAX_QUARANTINED_NODES", "MAX_REPLACEMENTS_PER_DAY",
     "APPROVAL_TIMEOUT_SECONDS", "DCGM_METRIC_NAMES", "DECIDE_STATE_MACHINE_ARN", "REPLACEMENT_POLL_SECONDS",
     "REPLACEMENT_MAX_POLLS", "MAX_ALARM_AGE_SECONDS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
@@ -188,15 +188,18 @@ def test_only_the_replace_role_may_replace_nodes(template: dict[str, Any]) -> No
     assert holders == {"ReplaceRole"}
 
 
-def test_kubernetes_roles_have_access_entries_in_the_rbac_group(template: dict[str, Any]) -> None:
+def test_kubernetes_roles_have_access_entries_in_the_rbac_groups(template: dict[str, Any]) -> None:
     entries = _resources(template, "AWS::EKS::AccessEntry")
-    principals = {e["Properties"]["PrincipalArn"]["Fn::GetAtt"][0] for e in entries.values()}
+    groups = {e["Properties"]["PrincipalArn"]["Fn::GetAtt"][0]: e["Properties"]["KubernetesGroups"] for e in entries.values()}
     # The replacement handlers ask HyperPod only (tests/functional/test_iam_inventory.py records it); the node
-    # checks run Kubernetes Jobs.
-    assert principals == {"KubernetesRole", "NodeCheckRole"}
-    for entry in entries.values():
-        assert entry["Properties"]["KubernetesGroups"] == [{"Ref": "KubernetesGroup"}]
+    # checks run Kubernetes Jobs; resolve and guard only read (KubernetesReadRole).
+    assert groups == {
+        "KubernetesRole": [{"Ref": "KubernetesGroup"}],
+        "NodeCheckRole": [{"Ref": "KubernetesGroup"}],
+        "KubernetesReadRole": [{"Ref": "KubernetesReadGroup"}],
+    }
     assert template["Parameters"]["KubernetesGroup"]["Default"] == "sdcguard-pipeline"
+    assert template["Parameters"]["KubernetesReadGroup"]["Default"] == "sdcguard-pipeline-read"
 
 
 def test_settings_environment_matches_the_handlers_settings() -> None:
@@ -423,14 +426,14 @@ def test_the_topic_has_a_policy_of_its_own(template: dict[str, Any]) -> None:
     assert statements["TlsOnly"]["Effect"] == "Deny"
 
 
-def test_only_the_decide_role_deletes_from_the_ledger(template: dict[str, Any]) -> None:
+def test_no_role_deletes_from_the_ledger(template: dict[str, Any]) -> None:
     deleters = set()
     for where, statement in policy_statements(template):
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
         resources = statement.get("Resource", []) if isinstance(statement.get("Resource"), list) else [statement.get("Resource")]
         if statement["Effect"] == "Allow" and "dynamodb:DeleteItem" in actions and {"Fn::GetAtt": ["LedgerTable", "Arn"]} in resources:
             deleters.add(where.split(".")[1])
-    assert deleters == {"DecideRole"}  # an answered task token goes; incidents never do
+    assert deleters == set()  # the audit trail: no role deletes from the ledger (answered tokens go from TokenTable)
 
 
 def test_one_approval_timeout_everywhere(template: dict[str, Any]) -> None:
@@ -539,7 +542,8 @@ def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: d
             queries.setdefault(role, []).extend(resources)
     index_arn = "${{LedgerTable.Arn}}/index/{}".format
     assert queries == {
-        "KubernetesRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],
+        "KubernetesRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],  # reject_replacement: the limits
+        "KubernetesReadRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],  # the guard
         "ReplaceRole": [{"Fn::Sub": index_arn(OPEN_INDEX_DEFINITION["IndexName"])}],  # the limits again, at replace
         "EvidenceRole": [{"Fn::Sub": index_arn(SUSPECT_INDEX_DEFINITION["IndexName"])}],
     }

@@ -5,5 +5,6 @@ incident pipeline touches (nodes, pods, Jobs, Kubeflow PyTorchJobs) and accepts 
 EKS-style bearer tokens, so the handlers reach it through exactly the code
 path they use against a real cluster. Jobs run for real, as local processes
 with their node's identity and simulated hardware faults (``jobs``,
-``job_runner``, ``node_faults``). ``server`` puts the parts together.
+``job_runner``, ``node_faults``); a replay Job is forked from a process that
+imported torch once (``zygote``). ``server`` puts the parts together.
 """

@@ -21,6 +21,12 @@ with
 
 stdout and stderr are kept, together, for ``GET .../pods/NAME/log``.
 Killing a run (a deadline, a deletion) kills its whole process group.
+
+A ``sdcguard replay`` (a node check) is forked from the runner's zygote
+(:mod:`infra.local.eks.zygote`), which imported torch once, instead of
+starting an interpreter that imports it again; what the Kubernetes API shows
+is the same. Every other command, and a replay the zygote cannot serve, runs
+as a plain process. :meth:`JobRunner.stop_all` stops the zygote too.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from infra.local.eks.zygote import ForkedProcess, Zygote
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,10 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any]) -> dict[
     return env
 
 
+def _without_operator(base: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in base.items() if not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED}
+
+
 def process_env(
     container: Mapping[str, Any],
     pod: Mapping[str, Any],
@@ -111,7 +123,7 @@ def process_env(
 ) -> dict[str, str]:
     """The whole environment of a pod's process (see the module docstring for the layers and their order)."""
     base = os.environ if base is None else base
-    env = {k: v for k, v in base.items() if not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED}
+    env = _without_operator(base)
     env.update(container_env(container, pod))
     env.update(identity)
     env.pop("SDCGUARD_INJECT", None)
@@ -126,7 +138,7 @@ class Run:
 
     namespace: str
     pod: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     output: bytearray = field(default_factory=bytearray)
     killed: str | None = None
     """Why it was killed (a reason such as ``DeadlineExceeded``), None while not."""
@@ -143,33 +155,52 @@ Exited = Callable[[int, "str | None"], None]
 
 
 class JobRunner:
-    """Runs pods' containers as local processes in ``workdir`` (default: the current directory)."""
+    """Runs pods' containers as local processes in ``workdir`` (default: the current directory); replays
+    forked from a zygote unless ``zygote`` is False."""
 
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, *, zygote: bool = True) -> None:
         self.workdir = workdir or Path.cwd()
         self._runs: dict[tuple[str, str], Run] = {}
         self._lock = threading.Lock()
+        self._use_zygote = zygote
+        self.zygote: Zygote | None = None
+        """The zygote, once the first replay asked for it."""
 
     def start(self, namespace: str, pod: str, argv: list[str], env: dict[str, str], on_exit: Exited) -> Run:
         """Start ``argv`` for pod ``namespace/pod`` and return its run; ``on_exit`` is called from a
         background thread when it ends. Raises OSError when the program cannot be started."""
-        process = subprocess.Popen(
-            argv,
-            cwd=self.workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so a kill reaches its children too
-        )
+        process: subprocess.Popen[bytes] | ForkedProcess | None = self._forked(argv, env)
+        if process is None:
+            process = subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so a kill reaches its children too
+            )
         run = Run(namespace, pod, process)
         with self._lock:
             self._runs[(namespace, pod)] = run
-        log.info("pod %s/%s: started %s (pid %d)", namespace, pod, " ".join(argv), process.pid)
+        how = f"pid {process.pid}" if isinstance(process, subprocess.Popen) else "from the zygote"
+        log.info("pod %s/%s: started %s (%s)", namespace, pod, " ".join(argv), how)
         threading.Thread(
             target=self._follow, args=(run, on_exit), name=f"pod-{namespace}-{pod}", daemon=True
         ).start()
         return run
+
+    def _forked(self, argv: list[str], env: dict[str, str]) -> ForkedProcess | None:
+        """``argv`` forked from the zygote (started on the first replay), or None: run it plainly."""
+        if not self._use_zygote:
+            return None
+        with self._lock:
+            if self.zygote is None:
+                if not Zygote.runs(argv):
+                    return None
+                self.zygote = Zygote(self.workdir, _without_operator(os.environ))
+            zygote = self.zygote
+        return zygote.spawn(argv, env) if zygote.serves(argv, env) else None
 
     def _follow(self, run: Run, on_exit: Exited) -> None:
         stream = run.process.stdout
@@ -196,8 +227,11 @@ class JobRunner:
         if run is None or run.process.poll() is not None:
             return False
         run.killed = reason
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(run.process.pid, signal.SIGKILL)
+        if isinstance(run.process, ForkedProcess):
+            run.process.kill_group()
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(run.process.pid, signal.SIGKILL)
         return True
 
     def log(self, namespace: str, pod: str) -> str | None:
@@ -213,8 +247,11 @@ class JobRunner:
             self._runs.pop((namespace, pod), None)
 
     def stop_all(self) -> None:
-        """Kill every run still going (the server stops)."""
+        """Kill every run still going and stop the zygote (the server stops)."""
         with self._lock:
             runs = list(self._runs.values())
+            zygote, self.zygote = self.zygote, None
         for run in runs:
             self.kill(run.namespace, run.pod, "Stopped")
+        if zygote is not None:
+            zygote.stop()

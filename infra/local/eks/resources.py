@@ -131,6 +131,12 @@ CLUSTER_ROLE_BINDINGS = Resource(
     namespaced=False,
     singular="clusterrolebinding",
 )
+# Their namespaced counterparts: a Role grants in its own namespace only; a RoleBinding there may refer
+# to a Role of that namespace or to a ClusterRole (whose rules then apply in that namespace only).
+ROLES = Resource("roles", "Role", "rbac.authorization.k8s.io", "v1", namespaced=True, singular="role")
+ROLE_BINDINGS = Resource(
+    "rolebindings", "RoleBinding", "rbac.authorization.k8s.io", "v1", namespaced=True, singular="rolebinding"
+)
 # Answered, never stored: what ``kubectl auth can-i`` asks.
 SELF_SUBJECT_ACCESS_REVIEWS = Resource(
     "selfsubjectaccessreviews",
@@ -153,6 +159,8 @@ RESOURCES: dict[tuple[str, str], Resource] = {
         JOBS,
         CLUSTER_ROLES,
         CLUSTER_ROLE_BINDINGS,
+        ROLES,
+        ROLE_BINDINGS,
         SELF_SUBJECT_ACCESS_REVIEWS,
     )
 }

@@ -8,6 +8,8 @@ It serves
   and ``pods/NAME/eviction``, ``pods/NAME/log``;
 - ``/apis/batch/v1[/namespaces/NS]/jobs[/NAME]``: the same verbs; a created Job runs for real (``jobs``);
 - ``/apis/kubeflow.org/v1[/namespaces/NS]/pytorchjobs[/NAME]``: the same verbs;
+- ``/apis/rbac.authorization.k8s.io/v1/``: ClusterRoles and ClusterRoleBindings, and Roles and
+  RoleBindings in a namespace (enforced by ``rbac``); ``/apis/authorization.k8s.io/v1/selfsubjectaccessreviews``;
 - ``/version`` and ``/healthz`` without a token;
 
 lists honour ``labelSelector``, ``fieldSelector``, ``limit`` and ``continue``;
@@ -42,7 +44,14 @@ from infra.local.eks.job_runner import JobRunner
 from infra.local.eks.jobs import JobController
 from infra.local.eks.node_faults import NodeFaults
 from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import CLUSTER_ROLE_BINDINGS, CLUSTER_ROLES, NAMESPACES
+from infra.local.eks.resources import (
+    CLUSTER_ROLE_BINDINGS,
+    CLUSTER_ROLES,
+    NAMESPACES,
+    ROLE_BINDINGS,
+    ROLES,
+    Resource,
+)
 from infra.local.eks.rest import RestApi
 from infra.local.eks.tls import issue_server_certificate
 from infra.local.eks.transport import HttpServer, RequestRecord
@@ -95,25 +104,42 @@ class EksApiServer:
             self.store.create(NAMESPACES, None, {"metadata": {"name": namespace}})
         self.apply(manifest or [])
 
-    def apply(self, documents: list[dict[str, Any]]) -> None:
-        """Create or replace ClusterRoles and ClusterRoleBindings, as ``kubectl apply -f`` of an RBAC manifest does.
+    def apply(self, documents: list[dict[str, Any]], namespace: str | None = None) -> None:
+        """Create or replace RBAC objects, as ``kubectl apply [-n NAMESPACE] -f`` of an RBAC manifest does.
 
-        Raises ValueError naming a document of any other kind (nothing is
-        applied then), ApiError 422 for an invalid one.
+        ClusterRoles and ClusterRoleBindings are cluster-scoped; Roles and
+        RoleBindings go into their ``metadata.namespace`` or, without one, into
+        ``namespace``. Raises ValueError (nothing is applied then) naming a
+        document of any other kind, a namespaced one with no namespace or
+        another than ``namespace``, or a namespace that does not exist;
+        ApiError 422 for an invalid document.
         """
-        kinds = {CLUSTER_ROLES.kind: CLUSTER_ROLES, CLUSTER_ROLE_BINDINGS.kind: CLUSTER_ROLE_BINDINGS}
+        kinds = {r.kind: r for r in (CLUSTER_ROLES, CLUSTER_ROLE_BINDINGS, ROLES, ROLE_BINDINGS)}
+        placed: list[tuple[Resource, str | None, dict[str, Any]]] = []
         for i, document in enumerate(documents):
             if not isinstance(document, dict) or document.get("kind") not in kinds:
                 kind = document.get("kind") if isinstance(document, dict) else type(document).__name__
-                raise ValueError(f"document {i} is a {kind}; only ClusterRole and ClusterRoleBinding apply here")
+                raise ValueError(
+                    f"document {i} is a {kind}; only ClusterRole, ClusterRoleBinding, Role and RoleBinding apply here"
+                )
+            resource = kinds[document["kind"]]
+            where = (document.get("metadata") or {}).get("namespace") if resource.namespaced else None
+            if resource.namespaced:
+                if where and namespace and where != namespace:
+                    raise ValueError(f"document {i} is in namespace {where!r}, not {namespace!r}")
+                where = where or namespace
+                if not where:
+                    raise ValueError(f"document {i} is a {resource.kind}: give the namespace to apply it into")
+                if not self.store.exists(NAMESPACES, None, where):
+                    raise ValueError(f"namespace {where!r} does not exist")
+            placed.append((resource, where, document))
         with self.store.transaction():
-            for document in documents:
-                resource = kinds[document["kind"]]
+            for resource, where, document in placed:
                 name = str((document.get("metadata") or {}).get("name", ""))
-                if self.store.exists(resource, None, name):
-                    self.store.update(resource, None, name, _replacing(document))
+                if self.store.exists(resource, where, name):
+                    self.store.update(resource, where, name, _replacing(document))
                 else:
-                    self.store.create(resource, None, document)
+                    self.store.create(resource, where, document)
 
     @property
     def workload_env(self) -> dict[str, str]:

@@ -3,7 +3,7 @@
 kubectl asks for ``application/json;as=Table;v=v1;g=meta.k8s.io`` and prints
 the columns the server chooses (``-o wide`` adds those of priority 1). The
 columns and cell values follow the API server's own printers for nodes, pods,
-namespaces, events and Jobs, and the Kubeflow CRD's ``additionalPrinterColumns``
+namespaces, events, Jobs and RBAC objects, and the Kubeflow CRD's ``additionalPrinterColumns``
 for PyTorchJobs, so the output reads as it does against EKS.
 """
 
@@ -22,6 +22,8 @@ from infra.local.eks.resources import (
     NODES,
     PODS,
     PYTORCHJOBS,
+    ROLE_BINDINGS,
+    ROLES,
     Resource,
 )
 
@@ -272,6 +274,21 @@ _PRINTERS: dict[tuple[str, str], Printer] = {
         _cluster_role_cells,
     ),
     (CLUSTER_ROLE_BINDINGS.group, CLUSTER_ROLE_BINDINGS.plural): (
+        (
+            _NAME,
+            ("Role", "string", 0, ""),
+            _AGE,
+            ("Users", "string", 1, ""),
+            ("Groups", "string", 1, ""),
+            ("ServiceAccounts", "string", 1, ""),
+        ),
+        _binding_cells,
+    ),
+    (ROLES.group, ROLES.plural): (
+        (_NAME, ("Created At", "date", 0, "")),
+        _cluster_role_cells,
+    ),
+    (ROLE_BINDINGS.group, ROLE_BINDINGS.plural): (
         (
             _NAME,
             ("Role", "string", 0, ""),

@@ -197,7 +197,7 @@ class Handler(BaseHTTPRequestHandler):
             identity = self._identify()
             action = verb(method, target, query)
             if target.resource is not SELF_SUBJECT_ACCESS_REVIEWS and not rbac.allowed(
-                api.store, identity, action, target.resource.group, resource_name, name
+                api.store, identity, action, target.resource.group, resource_name, name, target.namespace
             ):
                 raise rbac.forbidden(
                     identity, action, target.resource.group, resource_name, target.namespace, name

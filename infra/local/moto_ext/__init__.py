@@ -18,6 +18,7 @@ from infra.local.moto_ext import (
     hyperpod,
     lambda_runner,
     stepfunctions_cfn,
+    stepfunctions_stop,
 )
 
 MOTO_VERSION = "5.2.5"
@@ -36,6 +37,6 @@ def install() -> None:
     if moto.__version__ != MOTO_VERSION:
         raise RuntimeError(f"the stand-in's moto extensions need moto {MOTO_VERSION}, found {moto.__version__}")
     for extension in (lambda_runner, eventbridge_targets, stepfunctions_cfn, eventbus_ref, hyperpod, eks_endpoint,
-                      dynamodb_atomic):
+                      dynamodb_atomic, stepfunctions_stop):
         extension.install()
     _installed = True
