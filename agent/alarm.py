@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from agent.config import GuardConfig
-from agent.topology import Topology
-from contract import (
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.topology import Topology
+from sdcguard.contract import (
     Alarm,
     Detector,
     FingerprintEvidence,
@@ -24,8 +24,8 @@ from contract import (
     RingPair,
     Suspect,
 )
-from contract.alarm import MAX_SUSPECTS, FaultPersistence
-from contract.checkpoint import POINTER_NAME
+from sdcguard.contract.alarm import MAX_SUSPECTS, FaultPersistence
+from sdcguard.contract.checkpoint import POINTER_NAME
 
 # Fixed width of one rank's identity on the wire (three names of <= 253 bytes and JSON).
 IDENTITY_BYTES = 1024

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from agent import fingerprint as fp
+from sdcguard.agent import fingerprint as fp
 
 BatchFor = Callable[[int, int], Any]
 

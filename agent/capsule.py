@@ -21,7 +21,7 @@ checkpoints, under ``<checkpoint prefix>/capsules/step-<step>-rank-<rank>/``:
 :func:`load_capsule` verifies all of it before anything is loaded
 (``torch.load`` always with ``weights_only=True``) and raises
 :class:`CapsuleCorrupt` otherwise: a corrupt capsule is never used.
-:mod:`agent.capsule_replay` recomputes a capsule on a device and compares
+:mod:`sdcguard.agent.capsule_replay` recomputes a capsule on a device and compares
 the bits (``sdcguard replay``).
 
 The factory is ``package.module:function``: ``function(**factory_args)``
@@ -48,13 +48,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
-from agent import fingerprint as fp
-from agent.recompute import Recomputation
-from agent.ring_audit import bits_to_hex, loss_bits
-from contract.checkpoint import ObjectDigest
-from lineage.errors import CheckpointCorrupt, LineageError, ObjectNotFound
-from lineage.store import ObjectStore, open_store, sha256_hex
-from lineage.verify import check_object
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.recompute import Recomputation
+from sdcguard.agent.ring_audit import bits_to_hex, loss_bits
+from sdcguard.contract.checkpoint import ObjectDigest
+from sdcguard.lineage.errors import CheckpointCorrupt, LineageError, ObjectNotFound
+from sdcguard.lineage.store import ObjectStore, open_store, sha256_hex
+from sdcguard.lineage.verify import check_object
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +169,16 @@ class Expected(_Model):
     """The healthy recomputation's result: what a replay on healthy hardware must give, bit for bit."""
 
     loss_bits: int
-    """The loss as the int64 view of its fp64 value (:func:`agent.ring_audit.loss_bits`)."""
+    """The loss as the int64 view of its fp64 value (:func:`sdcguard.agent.ring_audit.loss_bits`)."""
     loss: str
     """The same value as ``float.hex``, for people."""
     grads: dict[str, Hex]
-    """Each trainable parameter's local-gradient fingerprint (:func:`agent.fingerprint.to_hex`), by name, in
+    """Each trainable parameter's local-gradient fingerprint (:func:`sdcguard.agent.fingerprint.to_hex`), by name, in
     the order the recomputation takes the parameters."""
 
     @classmethod
     def from_recomputation(cls, recomputation: Recomputation) -> Expected:
-        """The loss bits and gradient fingerprints of a recomputation (:func:`agent.recompute.recompute_step`)."""
+        """The loss bits and gradient fingerprints of a recomputation (:func:`sdcguard.agent.recompute.recompute_step`)."""
         names = list(recomputation.grads)
         lanes = fp.fingerprint_many([recomputation.grads[n] for n in names]).cpu() if names else None
         bits = int(loss_bits(recomputation.loss))
@@ -187,7 +187,7 @@ class Expected(_Model):
 
     @classmethod
     def from_record(cls, record: torch.Tensor, names: Sequence[str]) -> Expected:
-        """From an audit record (:func:`agent.ring_audit.audit_record` or ``owner_record``): the loss bits, then
+        """From an audit record (:func:`sdcguard.agent.ring_audit.audit_record` or ``owner_record``): the loss bits, then
         3 lanes per parameter in the order of ``names``. Raises :class:`ValueError` when the lengths differ."""
         values = record.detach().reshape(-1).cpu()
         if values.numel() != 1 + fp.LANES * len(names):
@@ -211,7 +211,7 @@ class CapsuleManifest(_Model):
     """Keyword arguments of the factory (JSON values)."""
     settings: ReplaySettings
     signature: dict[str, str]
-    """The writing process's environment signature (``agent.determinism.environment_signature``)."""
+    """The writing process's environment signature (``sdcguard.agent.determinism.environment_signature``)."""
     expected: Expected
     batches: list[list[Hex]]
     """Per micro-batch, the fingerprint of each of its tensors in traversal order."""
@@ -329,7 +329,7 @@ def batch_digests(batch: Any) -> list[str]:
 def estimated_bytes(state_bytes: int, batches: Sequence[Any]) -> int:
     """What a capsule of a state of ``state_bytes`` bytes and these micro-batches would hold, before
     anything is serialised: the size :func:`write_capsule` compares with the cap first. Under a mesh the
-    state is not gathered yet when this is asked (agent.sharded_capsule), so its size comes from the global
+    state is not gathered yet when this is asked (sdcguard.agent.sharded_capsule), so its size comes from the global
     shapes. Raises :class:`ValueError` for a micro-batch a capsule cannot store."""
     stored = _compacted(batches)
     return state_bytes + _storage_bytes([t for b in stored for t in _leaves(b)])
@@ -492,7 +492,7 @@ def _load(data: bytes, name: str, where: str) -> Any:
 
 def capsule_store(location: str) -> ObjectStore:
     """The store of the capsule at ``location``: its folder (``s3://...`` or a path), or its ``CAPSULE.json``.
-    Raises ``lineage.errors.InvalidStoreUri`` for a location that is neither."""
+    Raises ``sdcguard.lineage.errors.InvalidStoreUri`` for a location that is neither."""
     location = location.strip().rstrip("/")
     if location.endswith(f"/{MANIFEST_NAME}") or location == MANIFEST_NAME:
         location = location[: -len(MANIFEST_NAME)].rstrip("/") or "."

@@ -1,12 +1,12 @@
 """Replaying a capsule on this machine's device: does it compute the failing step's healthy bits?
 
-:func:`replay` verifies the capsule (:func:`agent.capsule.load_capsule`),
+:func:`replay` verifies the capsule (:func:`sdcguard.agent.capsule.load_capsule`),
 picks this machine's device of the capsule's kind, applies the capsule's
 settings (threads, determinism flags, TF32, SDPA backends) for the duration,
 rebuilds the model through the recorded factory and loads the capsule's state
 into it strictly, checks the environment signature
-(:mod:`agent.determinism`), and recomputes the step N times with
-:func:`agent.recompute.recompute_step`, the recomputation the ring audit and
+(:mod:`sdcguard.agent.determinism`), and recomputes the step N times with
+:func:`sdcguard.agent.recompute.recompute_step`, the recomputation the ring audit and
 the confirmation run, comparing every repetition's loss bits and gradient
 fingerprints with the expected ones. What makes a capsule unusable here is a
 :class:`CapsuleUnusable` with a :data:`Problem`, reported, never raised to
@@ -32,8 +32,8 @@ from typing import Any, Final, Literal
 import torch
 from torch import nn
 
-from agent import replay as seeding
-from agent.capsule import (
+from sdcguard.agent import replay as seeding
+from sdcguard.agent.capsule import (
     Capsule,
     CapsuleCorrupt,
     CapsuleError,
@@ -43,11 +43,11 @@ from agent.capsule import (
     load_capsule,
     map_tensors,
 )
-from agent.determinism import environment_signature, signature_differences
-from agent.inject import ENV_VAR, Injector, from_env
-from agent.recompute import recompute_step
-from lineage.errors import LineageError
-from lineage.store import ObjectStore
+from sdcguard.agent.determinism import environment_signature, signature_differences
+from sdcguard.agent.recompute import recompute_step
+from sdcguard.agent.testing.inject import ENV_VAR, Injector, from_env
+from sdcguard.lineage.errors import LineageError
+from sdcguard.lineage.store import ObjectStore
 
 REPORT_SCHEMA_VERSION: Final = "1"
 """The version of :meth:`ReplayReport.to_dict`'s object."""
@@ -393,7 +393,7 @@ def injected(prepared: Prepared, report: ReplayReport) -> Injector | None:
     """The simulated faulty hardware of ``SDCGUARD_INJECT``, installed on the replay's module as on a training
     rank's: this replay runs as the capsule's rank, at its step, on node ``NODE_NAME``. A persistent fault
     (``repeat`` > 1) whose steps cover the capsule's step and bound to that rank or node corrupts every
-    repetition; a transient one corrupts none (see :meth:`agent.inject.Injector.install_on_module`). Says so
+    repetition; a transient one corrupts none (see :meth:`sdcguard.agent.testing.inject.Injector.install_on_module`). Says so
     loudly on stderr; records the fault in ``report.injection``. None when it is off. Raises
     :class:`CapsuleUnusable` ("injection") for a malformed value or a model the fault cannot hook."""
     try:

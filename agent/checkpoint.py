@@ -1,4 +1,4 @@
-"""Checkpoints written and read by the training job, in the layout of ``contract.checkpoint``.
+"""Checkpoints written and read by the training job, in the layout of ``sdcguard.contract.checkpoint``.
 
 A save (every rank calls it, at the same step) writes:
 
@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contract.checkpoint import CheckpointManifest, ObjectDigest, ResumePointer, checkpoint_dir
-from lineage.commit import commit, put_object, uncommit
-from lineage.errors import CheckpointCorrupt, LineageError, PointerConflict
-from lineage.listing import newest_committed
-from lineage.pointer import advance_pointer, read_pointer
-from lineage.store import ObjectStore, open_store, sha256_hex
-from lineage.verify import check_fingerprint, read_manifest, read_verified
+from sdcguard.contract.checkpoint import CheckpointManifest, ObjectDigest, ResumePointer, checkpoint_dir
+from sdcguard.lineage.commit import commit, put_object, uncommit
+from sdcguard.lineage.errors import CheckpointCorrupt, LineageError, PointerConflict
+from sdcguard.lineage.listing import newest_committed
+from sdcguard.lineage.pointer import advance_pointer, read_pointer
+from sdcguard.lineage.store import ObjectStore, open_store, sha256_hex
+from sdcguard.lineage.verify import check_fingerprint, read_manifest, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ OPTIMIZER = "optimizer.pt"
 TRAINER = "trainer.pt"
 
 # A hook that may alter an object's bytes after they were digested and before
-# they are stored (fault injection for drills: agent.inject.corrupt_checkpoint_bytes).
+# they are stored (fault injection for drills: sdcguard.agent.testing.inject.corrupt_checkpoint_bytes).
 Corrupter = Callable[..., bytes]
 
 

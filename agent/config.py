@@ -75,7 +75,7 @@ class GuardConfig:
     """Intra-op threads pinned on every rank (recomputation is bit-identical only with equal counts); 0 leaves torch's."""
     deterministic: bool = True
     """With any recompute-based check on (audit, confirmation), turn on torch's deterministic algorithms (not
-    warn_only), deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG on CUDA (``agent.determinism``); False leaves
+    warn_only), deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG on CUDA (``sdcguard.agent.determinism``); False leaves
     them to the job."""
     on_environment_mismatch: OnEnvironmentMismatch = "refuse"
     """When ranks differ in what bit-exact recomputation depends on (GPU model, software versions, TF32, SDPA

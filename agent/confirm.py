@@ -25,7 +25,7 @@ record from its gradients, laid out as DDP's buckets.
 Two kinds of disagreement are not hardware's, and blame nobody:
 
 - The micro-batch itself differs. Every claim starts with the digest of the
-  micro-batches its rank trained on (``agent.batches.batch_digest``); where a
+  micro-batches its rank trained on (``sdcguard.agent.batches.batch_digest``); where a
   confirmer rebuilt a different micro-batch than the owner's, ``batch_for``
   did not replay, and that owner is ``unreplayable``, judged no further.
 - All three results differ (the owner's and both confirmers'): two faults in
@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent import fingerprint as fp
-from agent.ddp_hook import GradientHook
-from agent.nonfinite import MASK_BUCKETS, measure
-from agent.ring_audit import Recomputation, bits_to_hex, layout_order, loss_bits
-from contract.alarm import FaultPersistence
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.ddp_hook import GradientHook
+from sdcguard.agent.nonfinite import MASK_BUCKETS, measure
+from sdcguard.agent.ring_audit import Recomputation, bits_to_hex, layout_order, loss_bits
+from sdcguard.contract.alarm import FaultPersistence
 
 BATCH_LANES = fp.LANES
 """Width of the micro-batch digest at the head of every claim."""
@@ -69,7 +69,7 @@ CLAIM_NORMS = BATCH_LANES + 2
 # Why a rank's micro-batch is confirmed.
 NONFINITE, AUDIT, MAGNITUDE = "nonfinite", "audit", "magnitude"
 PRODUCT = "product"
-"""A matrix product of the rank's own pass failed its checksums (agent.product_checks)."""
+"""A matrix product of the rank's own pass failed its checksums (sdcguard.agent.product_checks)."""
 
 
 def float_bits(values: torch.Tensor) -> torch.Tensor:
@@ -78,13 +78,13 @@ def float_bits(values: torch.Tensor) -> torch.Tensor:
 
 
 def batch_lanes(batch: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The head of a claim: ``batch`` (``agent.batches.batch_digest``) on ``device``, or zeros of its width.
+    """The head of a claim: ``batch`` (``sdcguard.agent.batches.batch_digest``) on ``device``, or zeros of its width.
 
     Raises ValueError unless ``batch`` is None or an int64 tensor of ``BATCH_LANES`` values."""
     if batch is None:
         return torch.zeros(BATCH_LANES, dtype=torch.int64, device=device)
     if batch.dtype != torch.int64 or batch.numel() != BATCH_LANES:
-        raise ValueError(f"batch: expected {BATCH_LANES} int64 lanes (agent.batches.batch_digest), got "
+        raise ValueError(f"batch: expected {BATCH_LANES} int64 lanes (sdcguard.agent.batches.batch_digest), got "
                          f"{batch.dtype} with {batch.numel()} values")
     return batch.to(device).reshape(-1)
 

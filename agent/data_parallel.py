@@ -3,10 +3,10 @@
 Every rank holds the whole model, so every rank is one vote group: the
 reduced gradients and the weights must have the same bits on all of them.
 The rank's own pass runs its K micro-batches through DDP (``no_sync`` for all
-but the last), so the hook (agent.ddp_hook) sees the accumulated local
+but the last), so the hook (sdcguard.agent.ddp_hook) sees the accumulated local
 gradients before their all-reduce and checks them as they are reduced. A
 recomputation runs another rank's micro-batches on the bare module
-(agent.recompute), with no communication, and lays its gradients out as DDP's
+(sdcguard.agent.recompute), with no communication, and lays its gradients out as DDP's
 buckets were, so its claim and audit record compare bit for bit with the
 owner's.
 """
@@ -21,15 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import confirm, replay
-from agent.batches import batch_digest
-from agent.checkpoint import CheckpointWriter
-from agent.ddp_hook import GradientHook
-from agent.findings import StepFindings
-from agent.parallelism import Checkpoints, InjectionSite, Job, Parallelism
-from agent.recompute import Recomputation, preserved, recompute_step
-from agent.ring_audit import audit_record, layout_order, owner_record
-from agent.weights import GroupVerdict, checked_buffers, state_fingerprint, state_fingerprint_hex
+from sdcguard.agent import confirm, replay
+from sdcguard.agent.batches import batch_digest
+from sdcguard.agent.checkpoint import CheckpointWriter
+from sdcguard.agent.ddp_hook import GradientHook
+from sdcguard.agent.findings import StepFindings
+from sdcguard.agent.parallelism import Checkpoints, InjectionSite, Job, Parallelism
+from sdcguard.agent.recompute import Recomputation, preserved, recompute_step
+from sdcguard.agent.ring_audit import audit_record, layout_order, owner_record
+from sdcguard.agent.weights import GroupVerdict, checked_buffers, state_fingerprint, state_fingerprint_hex
 
 
 class DataParallel(Parallelism):

@@ -9,7 +9,7 @@ are recorded for the ring audit (digests, never copies). After it, the
 reduced gradients are tested again and fingerprinted: every rank must have
 received the same bits. The results stay on the device as small tensors;
 :meth:`GradientHook.summary` packs them into one int64 vector (the layout of
-agent.nonfinite). The FSDP2 counterpart is agent.reduce_scatter_observer.
+sdcguard.agent.nonfinite). The FSDP2 counterpart is sdcguard.agent.reduce_scatter_observer.
 
 Two facts shape the code. DDP rebuilds its buckets after the first step, so
 nothing is cached by bucket index across steps. The ``.then`` callbacks run on
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from agent import fingerprint as fp
-from agent.nonfinite import MASK_BUCKETS, local_pass, nonfinite_flag, reduced_pass
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.nonfinite import MASK_BUCKETS, local_pass, nonfinite_flag, reduced_pass
 
 
 class GradientHook:

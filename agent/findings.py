@@ -1,7 +1,7 @@
 """One rank's findings of one step, in one int64 layout: the step's agreement vector and, on disagreement, its row.
 
 Every parallelism fills the same :class:`StepFindings`: the loss, detector 1's
-summary (agent.nonfinite's layout: the any-flags and masks of non-finite local
+summary (sdcguard.agent.nonfinite's layout: the any-flags and masks of non-finite local
 and reduced gradients, the loss flag, the reduced-gradient fingerprint lanes),
 the magnitude trigger's flag and whether this rank's audit pair disagreed.
 
@@ -13,7 +13,7 @@ the magnitude trigger's flag and whether this rank's audit pair disagreed.
   group the highest lanes equal the lowest.
 - :func:`pack_row` packs the row every rank contributes when something
   disagreed: the summary, the two flags, the product checks' summary, then the rank's claim
-  (agent.confirm's layout); :meth:`GatheredFindings.unpack` reads the
+  (sdcguard.agent.confirm's layout); :meth:`GatheredFindings.unpack` reads the
   gathered ``[world, width]`` rows.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from agent import fingerprint as fp
-from agent.nonfinite import LOCAL_ANY, LOSS_NONFINITE, REDUCED_ANY, REDUCED_FP, SUMMARY_WIDTH
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.nonfinite import LOCAL_ANY, LOSS_NONFINITE, REDUCED_ANY, REDUCED_FP, SUMMARY_WIDTH
 
 # The agreement vector: these flags, then the lanes of every vote group, then their complements.
 FLAG_NAMES = ("local", "reduced", "loss", "trigger", "audit", "product")
@@ -49,7 +49,7 @@ class StepFindings:
     loss: torch.Tensor
     """The rank's loss, the mean over its micro-batches."""
     summary: torch.Tensor
-    """int64 ``[SUMMARY_WIDTH]``, agent.nonfinite's layout."""
+    """int64 ``[SUMMARY_WIDTH]``, sdcguard.agent.nonfinite's layout."""
     own_record: torch.Tensor | None = None
     """Audit steps: the rank's loss bits and digests (what its auditor's recomputation must match)."""
     audit_record: torch.Tensor | None = None
@@ -59,7 +59,7 @@ class StepFindings:
     trigger: torch.Tensor | None = None
     """0-dim bool, the magnitude trigger fired (None when the trigger is off)."""
     products: torch.Tensor | None = None
-    """int64 ``[2]``: agent.product_checks' summary (first failing site or -1, how many failed); None when the
+    """int64 ``[2]``: sdcguard.agent.product_checks' summary (first failing site or -1, how many failed); None when the
     product checks are off."""
 
 
@@ -117,7 +117,7 @@ def agreed(vector: Sequence[int]) -> bool:
 
 
 def float_of_bits(bits: int) -> float:
-    """The float whose fp64 bits are the int64 ``bits`` (``agent.ring_audit.loss_bits`` read back)."""
+    """The float whose fp64 bits are the int64 ``bits`` (``sdcguard.agent.ring_audit.loss_bits`` read back)."""
     return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
@@ -133,7 +133,7 @@ class GatheredFindings:
     """Every rank's row, read back (on the CPU)."""
 
     summaries: torch.Tensor
-    """``[world, SUMMARY_WIDTH]``: what :func:`agent.nonfinite.judge_nonfinite` reads."""
+    """``[world, SUMMARY_WIDTH]``: what :func:`sdcguard.agent.nonfinite.judge_nonfinite` reads."""
     triggered: list[int]
     """Ranks whose magnitude trigger fired."""
     audit_failed: bool

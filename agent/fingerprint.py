@@ -36,9 +36,9 @@ Integer sums are exact and independent of order, so the result does not
 depend on the thread count, the chunk size, the kernel or the device.
 
 Three implementations compute it. With ``SDCGUARD_FINGERPRINT_KERNEL=triton``
-a fused Triton kernel (``agent.kernels.triton_fingerprint``) reads a GPU tensor
+a fused Triton kernel (``sdcguard.agent.kernels.triton_fingerprint``) reads a GPU tensor
 once, in place, whatever its strides. On the CPU a C kernel (``agent/csrc``, built
-and loaded by ``agent.native``) reads the tensor in place in one vectorised
+and loaded by ``sdcguard.agent.native``) reads the tensor in place in one vectorised
 pass; it runs at a good fraction of memory bandwidth, where torch's CPU int64
 multiply is not vectorised. Everywhere else (GPUs by default, or a CPU without a C
 compiler) the torch implementation makes one pass over the tensor in chunks
@@ -67,7 +67,7 @@ from types import ModuleType
 
 import torch
 
-from agent import native
+from sdcguard.agent import native
 
 LANES = 3
 """Lanes per fingerprint."""
@@ -373,7 +373,7 @@ def _kernel_for(device: torch.device) -> native.Kernel | None:
 
 
 def triton_kernels_for(device: torch.device) -> ModuleType | None:
-    """``agent.kernels.triton_fingerprint`` when its kernels do the work for tensors on ``device``, else None.
+    """``sdcguard.agent.kernels.triton_fingerprint`` when its kernels do the work for tensors on ``device``, else None.
 
     The one place the Triton kernels are chosen: ``SDCGUARD_FINGERPRINT_KERNEL=triton``
     and a device other than the CPU (there its calls raise ``TritonKernelError`` with
@@ -383,7 +383,7 @@ def triton_kernels_for(device: torch.device) -> ModuleType | None:
         return None
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "").strip() in ("", "0"):
         return None
-    return importlib.import_module("agent.kernels.triton_fingerprint")
+    return importlib.import_module("sdcguard.agent.kernels.triton_fingerprint")
 
 
 def _fingerprint(
@@ -414,9 +414,9 @@ def fingerprint(t: torch.Tensor, *, chunk: int | None = None) -> torch.Tensor:
     Equal bits, dtype and shape give equal lanes on any device, thread count
     or ``chunk`` (elements per chunk; None picks ``default_chunk(t.device)``);
     see the module docstring for the exact definition. On the CPU the C kernel
-    (``agent.native``) does the work when it is available, else torch; with
+    (``sdcguard.agent.native``) does the work when it is available, else torch; with
     ``SDCGUARD_FINGERPRINT_KERNEL=triton``, the fused Triton kernel on a GPU
-    (``agent.kernels.triton_fingerprint``). Does
+    (``sdcguard.agent.kernels.triton_fingerprint``). Does
     not synchronise with the device. Raises ValueError if ``chunk`` is not a
     positive multiple of ``BLOCK``, TypeError for an unsupported dtype."""
     lanes, _ = _fingerprint(t, _checked_chunk(chunk, t.device), None)
@@ -459,7 +459,7 @@ class _NativeFeeder(_Feeder):
 
 
 def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | None = None) -> torch.Tensor:
-    """``fingerprint`` of a CPU tensor by the C kernel ``kernel`` (``agent.native.kernel()``).
+    """``fingerprint`` of a CPU tensor by the C kernel ``kernel`` (``sdcguard.agent.native.kernel()``).
 
     A contiguous tensor is read in place (split across torch's intra-op
     threads from ``PARALLEL_MIN`` elements); a strided one is gathered
@@ -557,7 +557,7 @@ def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int)
 
 
 def packed_rows(tensors: Sequence[torch.Tensor], pack_below: int) -> list[list[torch.Tensor]]:
-    """The rows of a packed fingerprint (``agent.weights.packed_fingerprints``), as a multi-tensor kernel
+    """The rows of a packed fingerprint (``sdcguard.agent.weights.packed_fingerprints``), as a multi-tensor kernel
     takes them (a row of one tensor is ``fingerprint`` of it, a longer one ``fingerprint_concat``): every
     tensor of at least ``pack_below`` elements alone, in order; then the smaller ones, concatenated per
     (dtype, device) in order of first appearance. A smaller one alone in its group is given flattened

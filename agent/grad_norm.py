@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from agent import native
+from sdcguard.agent import native
 
 SQ_ROW = native.SQ_ROW
 SQ_CHUNK = native.SQ_CHUNK

@@ -1,8 +1,8 @@
 """SDCGuard: one checked training step (forward, backward, detectors, confirmation, update or skip).
 
 One step for every parallelism: what differs between DDP and FSDP2 (HSDP or
-pure FSDP) sits behind :class:`agent.parallelism.Parallelism`
-(agent.data_parallel, agent.sharded), chosen when the guard is built.
+pure FSDP) sits behind :class:`sdcguard.agent.parallelism.Parallelism`
+(sdcguard.agent.data_parallel, sdcguard.agent.sharded), chosen when the guard is built.
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
@@ -18,19 +18,19 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
    fingerprints the reduced gradients and, on audit steps, records digests of
    the local gradients. With ``product_checks`` on, every matrix product of
    this pass (and of no recomputation) is checked by checksums
-   (agent.product_checks); its flag joins the step's all-reduce.
+   (sdcguard.agent.product_checks); its flag joins the step's all-reduce.
 3. On audit steps, recompute the audited rank's whole step, all K
    micro-batches (detector 2), and send the record to its owner, who compares.
 4. The magnitude trigger compares this rank's loss and gradient norm with its
    own history (restored from the checkpoint on a resume); during a fresh
    job's warm-up, also with the other ranks' (an all-gather on those steps).
-5. One small all-reduce (agent.findings: flags, and the min and max of each
+5. One small all-reduce (sdcguard.agent.findings: flags, and the min and max of each
    vote group's reduced-gradient fingerprint) tells every rank whether all
    agree: O(1) in the world size; its result, the loss, the gradient norm and
    the trigger's flag come back to the host in one copy. Only when something
    disagrees are the ranks' findings gathered (:meth:`SDCGuard._resolve`),
    and a suspicious micro-batch is recomputed on other nodes before anything
-   is blamed (agent.confirm): the same data fault on any GPU is the data's;
+   is blamed (sdcguard.agent.confirm): the same data fault on any GPU is the data's;
    a recomputation that differs is the hardware's, and the suspect replays
    once to say whether it persists.
 6. Update (unscale, clip to ``max_grad_norm``, ``optimizer.step()`` or the
@@ -58,8 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import confirm, findings, native, replay
-from agent.alarm import (
+from sdcguard.agent import confirm, findings, native, replay
+from sdcguard.agent.alarm import (
     RankIdentity,
     build_alarm,
     fingerprint_evidence,
@@ -67,24 +67,30 @@ from agent.alarm import (
     nonfinite_evidence,
     ring_evidence,
 )
-from agent.batches import BatchNotReplayable, check_replayable
-from agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
-from agent.config import ALARM_EXIT_CODE, GuardConfig
-from agent.data_parallel import DataParallel
-from agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
-from agent.findings import GatheredFindings, StepFindings
-from agent.inject import Injection, Injector, corrupt_checkpoint_bytes
-from agent.inject import from_env as injection_from_env
-from agent.nonfinite import NonFiniteVerdict, judge_nonfinite
-from agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
-from agent.product_checks import ProductChecks
-from agent.publisher import DEFAULT_PUBLISHER, NoPublisher, Publisher, PublisherDefault, PublishOutcome
-from agent.ring_audit import AuditVerdict, loss_bits
-from agent.ring_audit import judge as judge_audit
-from agent.topology import Topology
-from agent.trigger import MagnitudeTrigger, cross_rank_outliers
-from agent.weights import vote_in_groups
-from contract import (
+from sdcguard.agent.batches import BatchNotReplayable, check_replayable
+from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
+from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
+from sdcguard.agent.data_parallel import DataParallel
+from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
+from sdcguard.agent.findings import GatheredFindings, StepFindings
+from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
+from sdcguard.agent.product_checks import ProductChecks
+from sdcguard.agent.publisher import (
+    DEFAULT_PUBLISHER,
+    NoPublisher,
+    Publisher,
+    PublisherDefault,
+    PublishOutcome,
+)
+from sdcguard.agent.ring_audit import AuditVerdict, loss_bits
+from sdcguard.agent.ring_audit import judge as judge_audit
+from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes
+from sdcguard.agent.testing.inject import from_env as injection_from_env
+from sdcguard.agent.topology import Topology
+from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
+from sdcguard.agent.weights import vote_in_groups
+from sdcguard.contract import (
     Alarm,
     Detector,
     LastClean,
@@ -93,7 +99,7 @@ from contract import (
     ProductSite,
     RingPair,
 )
-from contract.alarm import FaultPersistence
+from sdcguard.contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +212,14 @@ class SDCGuard:
     DDP-wrapped, a bad setting, or a ``batch_for`` that returns other than K
     micro-batches. With a recompute-based check on (the audit, the
     confirmation), it first compares every rank's environment of bit-exact
-    recomputation (``agent.determinism``; ``DeterminismUnavailable`` naming
+    recomputation (``sdcguard.agent.determinism``; ``DeterminismUnavailable`` naming
     what differs under ``on_environment_mismatch="refuse"``, else the checks
     are turned off with a warning) and calls ``batch_for(0, rank)`` twice
-    (``agent.batches.BatchNotReplayable`` when the two differ).
+    (``sdcguard.agent.batches.BatchNotReplayable`` when the two differ).
 
     With ``mesh`` (a ``DeviceMesh``), ``model`` is an FSDP2 model
     (``fully_shard(..., mesh=mesh)``) and the step runs through
-    :class:`agent.sharded.ShardedDataParallel` (see there for what it raises).
+    :class:`sdcguard.agent.sharded.ShardedDataParallel` (see there for what it raises).
     """
 
     def __init__(
@@ -241,7 +247,7 @@ class SDCGuard:
         job = Job(config=cfg, loss_fn=loss_fn, batch_for=batch_for, topology=self.topology, scaler=self.scaler)
         self.parallel: Parallelism
         if mesh is not None:
-            from agent.sharded import ShardedDataParallel  # FSDP2 and DCP: imported only for a mesh
+            from sdcguard.agent.sharded import ShardedDataParallel  # FSDP2 and DCP: imported only for a mesh
 
             self.parallel = ShardedDataParallel(model, optimizer, job, mesh=mesh, group=group)
         else:
@@ -351,7 +357,7 @@ class SDCGuard:
         published, then ``on_alarm`` applies: "stop" exits the process with
         ALARM_EXIT_CODE, "raise" raises GuardAlarm, "continue" returns it in
         the result. Raises DataFaultLimit after more than ``max_data_faults``
-        consecutive data faults, ``agent.batches.BatchNotReplayable`` when a
+        consecutive data faults, ``sdcguard.agent.batches.BatchNotReplayable`` when a
         recomputation rebuilt other micro-batches than the owner trained on
         (the loader's error, no alarm), and NonReproducible when the
         recomputations of a micro-batch all disagree under
@@ -895,7 +901,7 @@ class SDCGuard:
         so the resumed run is the one that stopped, learning rate included. The
         last clean audit and fingerprint steps come back from the manifest, so
         an alarm after the restart never claims a trusted step later than what
-        was checked. Raises ``lineage.errors.CheckpointCorrupt`` on every rank
+        was checked. Raises ``sdcguard.lineage.errors.CheckpointCorrupt`` on every rank
         when an object fails its sha256 or the loaded state does not give the
         manifest's fingerprint: the job refuses to train from it.
         """
@@ -1018,7 +1024,7 @@ class SDCGuard:
         return result
 
     def _capsule_note(self, alarm: Alarm) -> str:
-        """Write a replay capsule (agent.capsule) of each localised suspect whose own step a recomputation on
+        """Write a replay capsule (sdcguard.agent.capsule) of each localised suspect whose own step a recomputation on
         another node disagreed with, before the alarm is published; on the publishing rank the sentence for
         the alarm's message ("" when none applies, and on every other rank). Never raises: a capsule that
         fails to be written is logged and said in the message, never a reason not to publish.
@@ -1028,7 +1034,7 @@ class SDCGuard:
         step started from, and the healthy result is this (non-suspect) rank's recomputation of the
         suspect's step. Under a mesh (FSDP2, HSDP) every rank agrees whether a capsule is due and gathers
         the unsharded state, and the publishing rank recomputes the step on the factory's plain model
-        (agent.sharded_capsule)."""
+        (sdcguard.agent.sharded_capsule)."""
         cfg = self.config
         evidence = alarm.evidence
         pairs = [*getattr(evidence, "pairs", []), *getattr(evidence, "confirmation", [])]
@@ -1051,8 +1057,8 @@ class SDCGuard:
         origins = {s: {"alarm_id": alarm.alarm_id, "detector": alarm.detector.value, "suspect_rank": str(s),
                        "node": nodes[s], "written_by_rank": str(alarm.publisher_rank)} for s in suspects}
         if not isinstance(parallel, DataParallel):
-            from agent.sharded import ShardedDataParallel
-            from agent.sharded_capsule import write_sharded_capsules  # only on an alarm
+            from sdcguard.agent.sharded import ShardedDataParallel
+            from sdcguard.agent.sharded_capsule import write_sharded_capsules  # only on an alarm
 
             assert isinstance(parallel, ShardedDataParallel)
             try:
@@ -1067,8 +1073,8 @@ class SDCGuard:
             return self._capsule_sentence(alarm.step, suspects, written)
         if not (publishing and cfg.capsule_factory):
             return ""
-        from agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
-        from agent.determinism import environment_signature
+        from sdcguard.agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
+        from sdcguard.agent.determinism import environment_signature
 
         notes: dict[int, str] = {}
         for suspect in suspects:

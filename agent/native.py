@@ -6,7 +6,7 @@ does the same arithmetic in one vectorised pass (AVX-512 or AVX2 picked at run
 time on x86-64, plain C elsewhere) and gives the same bits. The same library
 has detector 1's test for NaN/Inf, one pass over the raw bits where torch
 needed five ops per bucket, and the communication hook's fused bucket passes:
-a sum of squares (whose order is part of its definition, ``agent.grad_norm``)
+a sum of squares (whose order is part of its definition, ``sdcguard.agent.grad_norm``)
 together with the division by the world size before the all-reduce, or
 together with the fingerprint after it.
 
@@ -17,7 +17,7 @@ second. The shared library is cached under ``$SDCGUARD_CACHE_DIR`` (default
 source, the flags and the machine type; a cached library needs no compiler.
 Concurrent ranks build into temporary files and the first rename wins. After loading, a self-check
 compares the kernel with known answers of the torch implementation on every element width
-(``KNOWN_ANSWERS``; a unit test recomputes them with ``agent.fingerprint``), so this module needs
+(``KNOWN_ANSWERS``; a unit test recomputes them with ``sdcguard.agent.fingerprint``), so this module needs
 neither torch nor the fingerprint module, and the element kinds are the library's own
 (``sdc_fp_kind``), not a copy.
 
@@ -28,7 +28,7 @@ neither torch nor the fingerprint module, and the element kinds are the library'
 - ``native``: the C kernel or an error (``NativeKernelError``) saying why not;
 - ``torch``: never build or load the C kernel;
 - ``triton``: tensors on a CUDA device are fingerprinted by the fused Triton
-  kernels (``agent.kernels``; the ``gpu`` extra), and asking fails with
+  kernels (``sdcguard.agent.kernels``; the ``gpu`` extra), and asking fails with
   ``TritonKernelError`` saying why where they cannot run (Triton not
   importable; no GPU and ``TRITON_INTERPRET`` unset): never a silent
   fallback. CPU tensors keep the C kernel as in ``auto``, except under
@@ -97,14 +97,14 @@ DIVIDE_FORMATS = frozenset({"float32"})
 fp32 in torch, so torch divides those)."""
 SQ_ROW = 16
 SQ_CHUNK = 4096
-"""The sum of squares' rows (lanes) and chunk (256 rows), part of its definition (``agent.grad_norm``)."""
+"""The sum of squares' rows (lanes) and chunk (256 rows), part of its definition (``sdcguard.agent.grad_norm``)."""
 
 
 class NativeKernelError(RuntimeError):
     """The C kernel could not be built, loaded or trusted (the message says which and why)."""
 
 
-# -- whether the Triton kernels can run (here, not in agent.kernels, which imports this module) --------------
+# -- whether the Triton kernels can run (here, not in sdcguard.agent.kernels, which imports this module) --------------
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -195,7 +195,7 @@ class Kernel:
         return bool(found)
 
     def sum_of_squares(self, data: int, n: int, float_format: int) -> float:
-        """The sum of squares (``agent.grad_norm``'s definition) of ``n`` floats of ``float_format`` (see
+        """The sum of squares (``sdcguard.agent.grad_norm``'s definition) of ``n`` floats of ``float_format`` (see
         ``SUM_FORMATS``) at ``data``; not finite exactly when one of them is not."""
         total = ctypes.c_double()
         if self.lib.sdc_sumsq(data, n, float_format, self.isa, ctypes.byref(total)) != 0:
@@ -299,7 +299,7 @@ def build(directory: Path | None = None) -> Path:
     """Compile the kernel into the cache (unless it is there already) and return the library's path.
 
     A library already in the cache is used without looking for a compiler, so
-    an image can be built with one (``python -m agent.native``) and run without."""
+    an image can be built with one (``python -m sdcguard.agent.native``) and run without."""
     try:
         source = SOURCE.read_bytes()
     except OSError as exc:
@@ -440,7 +440,7 @@ def _finite_bits(name: str, rng: random.Random, n: int) -> list[int]:
 
 
 def sum_of_squares_reference(values: list[float]) -> float:
-    """The sum of squares by its definition (``agent.grad_norm``), in plain Python floats (IEEE doubles):
+    """The sum of squares by its definition (``sdcguard.agent.grad_norm``), in plain Python floats (IEEE doubles):
     the reference the kernel's self-check and the tests hold both implementations to.
 
     Chunks of ``SQ_CHUNK`` elements, 256 rows of ``SQ_ROW``, the last padded with zeros; squares in fp64; rows
@@ -534,11 +534,11 @@ def reset_for_tests() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m agent.native``: build the kernel into the cache now (say, in a training image) and report."""
+    """``python -m sdcguard.agent.native``: build the kernel into the cache now (say, in a training image) and report."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m agent.native",
+        prog="python -m sdcguard.agent.native",
         description="Build the fingerprint C kernel into the cache, load it and check it against torch.",
     )
     parser.parse_args(argv)

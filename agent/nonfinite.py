@@ -3,12 +3,12 @@
 :func:`nonfinite_flag` says whether a tensor holds a NaN or an infinity without
 a host synchronisation. The bucket passes (:func:`local_pass`,
 :func:`reduced_pass`) are what the DDP communication hook
-(agent.ddp_hook) runs on each bucket before and after its all-reduce: done one
+(sdcguard.agent.ddp_hook) runs on each bucket before and after its all-reduce: done one
 by one, the checks are five passes over every gradient besides the division,
 each about as long as a memory copy; on the CPU the C kernel does each side
 in one (the sum of squares and the division before, the fingerprint and the
 sum of squares after; the non-finite flag comes with the sum,
-``agent.grad_norm``), with the bits the separate passes give.
+``sdcguard.agent.grad_norm``), with the bits the separate passes give.
 :func:`judge_nonfinite` reads every rank's findings (the summary layout
 below) into a verdict, vectorised and without a process group.
 :func:`any_nonfinite` is the flag of many tensors at once (FSDP2's reduced
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from agent import fingerprint as fp
-from agent import grad_norm, native
-from agent.kernels import triton_fingerprint as tf  # imports Triton only when a kernel runs
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import grad_norm, native
+from sdcguard.agent.kernels import triton_fingerprint as tf  # imports Triton only when a kernel runs
 
 # Bucket masks are one int64 word each; buckets beyond this still count in the
 # any-flags, they are only left out of the per-bucket evidence.
@@ -86,7 +86,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensor on an accelerator.
 
     Under ``SDCGUARD_FINGERPRINT_KERNEL=triton`` one multi-tensor Triton pass per element width reads the raw
-    exponent bits (``agent.kernels.triton_fingerprint.any_nonfinite``). Elsewhere on an accelerator,
+    exponent bits (``sdcguard.agent.kernels.triton_fingerprint.any_nonfinite``). Elsewhere on an accelerator,
     ``torch._foreach_norm(ord=inf)``: a multi-tensor kernel whose maximum of absolute values propagates a NaN
     (``max_propagate_nan`` in torch's CUDA kernel) and shows an infinity as one; it adds nothing, so a large
     finite value cannot overflow to a false alarm. On the CPU there are no launches to save: the C scan of
@@ -133,7 +133,7 @@ def local_pass(buffer: torch.Tensor, divisor: int, *, flag: bool, norm: bool) ->
     """Before the all-reduce: ``measure(buffer)``, then ``buffer.div_(divisor)`` (the all-reduce sums, the hook
     wants the mean), with the same bits; one pass on the CPU for fp32 (halves: the kernel's pass, then torch's
     division, which rounds through fp32), and one fused pass under ``SDCGUARD_FINGERPRINT_KERNEL=triton``
-    (``agent.kernels.triton_fingerprint.local_pass``) where its kernels take the bucket's device."""
+    (``sdcguard.agent.kernels.triton_fingerprint.local_pass``) where its kernels take the bucket's device."""
     return _local(buffer, divisor, flag=flag, norm=norm)
 
 

@@ -1,13 +1,13 @@
 """The seam between the guard's one step and the way the job is parallelised (DDP, or FSDP2 on a mesh).
 
-:class:`agent.guard.SDCGuard` runs the same step, the same verdicts and the
+:class:`sdcguard.agent.guard.SDCGuard` runs the same step, the same verdicts and the
 same decisions for every parallelism; a :class:`Parallelism` answers what
 differs: the rank's own forward and backward (and what its gradient observer
 saw), a recomputation of another rank's work and the claim it makes, the audit
 records, the vote groups (who must hold the same bits as whom), the state
 detector 3 fingerprints, the checkpoint writer, the injection site and how
-an alarm labels a digest. The DDP one is agent.data_parallel, the FSDP2 one
-agent.sharded.
+an alarm labels a digest. The DDP one is sdcguard.agent.data_parallel, the FSDP2 one
+sdcguard.agent.sharded.
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from agent.batches import micro_batches
-from agent.config import GuardConfig
-from agent.confirm import Ring
-from agent.findings import StepFindings
-from agent.topology import Topology
-from agent.weights import GroupVerdict
+from sdcguard.agent.batches import micro_batches
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.confirm import Ring
+from sdcguard.agent.findings import StepFindings
+from sdcguard.agent.topology import Topology
+from sdcguard.agent.weights import GroupVerdict
 
 if TYPE_CHECKING:
-    from agent.checkpoint import LoadedCheckpoint, SaveResult
+    from sdcguard.agent.checkpoint import LoadedCheckpoint, SaveResult
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 BatchFor = Callable[[int, int], Any]
 
 
 class Checkpoints(Protocol):
-    """What the guard asks of a checkpoint writer (agent.checkpoint's, or agent.sharded_checkpoint's)."""
+    """What the guard asks of a checkpoint writer (sdcguard.agent.checkpoint's, or sdcguard.agent.sharded_checkpoint's)."""
 
     def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
              fingerprint: str, data_position: Any = None, extra: dict[str, Any] | None = None,
@@ -49,7 +49,7 @@ class Checkpoints(Protocol):
 
 @dataclass(frozen=True)
 class InjectionSite:
-    """What ``agent.inject.Injector.install`` reaches for: the model as DDP shows it (``model.module`` is the
+    """What ``sdcguard.agent.testing.inject.Injector.install`` reaches for: the model as DDP shows it (``model.module`` is the
     bare module), the optimizer, the gradient observer (``after_reduce``, under FSDP2 ``before_reduce``
     observers) and the guard's per-step hooks."""
 
@@ -70,7 +70,7 @@ class Job:
     scaler: torch.amp.GradScaler | None
 
     def micro_batches(self, step: int, rank: int) -> list[Any]:
-        """``batch_for(step, rank)`` as a list of K micro-batches (``agent.batches.micro_batches``: ValueError
+        """``batch_for(step, rank)`` as a list of K micro-batches (``sdcguard.agent.batches.micro_batches``: ValueError
         naming ``batch_for`` and what it must return when it returns something else)."""
         return micro_batches(self.batch_for, step, rank, self.config.grad_accum_steps)
 
@@ -146,7 +146,7 @@ class Parallelism(ABC):
 
     @abstractmethod
     def own_claim(self, found: StepFindings, *, digests: bool) -> torch.Tensor:
-        """This rank's claim about its own pass (agent.confirm's layout, int64 on the device)."""
+        """This rank's claim about its own pass (sdcguard.agent.confirm's layout, int64 on the device)."""
 
     @abstractmethod
     def audit_records(self, step: int, found: StepFindings) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import ValidationError
 
-from agent.alarm import job_identity
-from contract import DETAIL_TYPE, EVENT_SOURCE, Alarm
+from sdcguard.agent.alarm import job_identity
+from sdcguard.contract import DETAIL_TYPE, EVENT_SOURCE, Alarm
 
 if TYPE_CHECKING:
     from mypy_boto3_events import EventBridgeClient
     from mypy_boto3_s3 import S3Client
 
-    from agent.config import GuardConfig
+    from sdcguard.agent.config import GuardConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Recompute a rank's step on the bare module, bit for bit as its own pass ran it, changing nothing.
 
-The ring audit (agent.ring_audit) and the confirmations (agent.confirm) both
+The ring audit (sdcguard.agent.ring_audit) and the confirmations (sdcguard.agent.confirm) both
 recompute another rank's micro-batches with the same pre-update weights, the
 same data and the same random state; the module's buffers (batch-norm
 statistics) and the random state are saved before and restored after, so a

@@ -7,7 +7,7 @@ before any communication: a NaN there names the rank that made it, its norm is
 the magnitude trigger's statistic and part of a confirmation's claim, and on
 audit steps its fingerprint (one per FSDP group) is this rank's record.
 During a recomputation the reduce-scatter is answered locally with zeros, so
-nothing is sent. The DDP counterpart is agent.ddp_hook.
+nothing is sent. The DDP counterpart is sdcguard.agent.ddp_hook.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from agent import fingerprint as fp
-from agent.nonfinite import nonfinite_flag
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.nonfinite import nonfinite_flag
 
 
 class GroupFindings:

@@ -5,7 +5,7 @@ holds only if the recomputation draws the same random numbers (dropout) and
 runs the same kernels (the same intra-op thread count: measured, a different
 count changed the bits). The guard seeds every forward from (seed, step, rank)
 and pins the thread count, so the owner and the auditor agree; with the audit
-on it also turns on torch's deterministic algorithms (``agent.determinism``),
+on it also turns on torch's deterministic algorithms (``sdcguard.agent.determinism``),
 without which a GPU's atomic-add reductions (an embedding's backward, for
 one) may round differently on every run and the audit would accuse healthy
 hardware.
@@ -17,7 +17,7 @@ import hashlib
 
 import torch
 
-from agent.determinism import CUBLAS_WORKSPACE, require_deterministic
+from sdcguard.agent.determinism import CUBLAS_WORKSPACE, require_deterministic
 
 __all__ = ["CUBLAS_WORKSPACE", "pin_threads", "seed_for", "seed_micro_batch", "use_deterministic_algorithms"]
 
@@ -55,7 +55,7 @@ def pin_threads(threads: int) -> None:
 
 
 def use_deterministic_algorithms(device: torch.device) -> None:
-    """``agent.determinism.require_deterministic(device)``: the name the guard calls (kept for it).
+    """``sdcguard.agent.determinism.require_deterministic(device)``: the name the guard calls (kept for it).
 
     Raises DeterminismUnavailable where deterministic recomputation cannot be set up (see there)."""
     require_deterministic(device)

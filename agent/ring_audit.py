@@ -1,4 +1,4 @@
-"""Detector 2: the ring re-execution audit (the recomputation itself is agent.recompute).
+"""Detector 2: the ring re-execution audit (the recomputation itself is sdcguard.agent.recompute).
 
 On an audit step every rank recomputes the micro-batch of the same local rank
 on the next node, with the same pre-update weights, the same data and the same
@@ -14,7 +14,7 @@ A rank whose two audits both disagree (its own micro-batch recomputed by the
 previous node, and its recomputation of the next node's) is the suspect: its
 hardware got both wrong while its neighbours agree elsewhere. That needs at
 least 3 nodes and a fault that hits every computation; the guard asks a third
-opinion (agent.confirm) for every failed pair, which also localises a fault
+opinion (sdcguard.agent.confirm) for every failed pair, which also localises a fault
 that hit only the rank's own pass.
 """
 
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agent import fingerprint as fp
-from agent.recompute import Recomputation
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.recompute import Recomputation
 
 if TYPE_CHECKING:
-    from agent.ddp_hook import GradientHook
+    from sdcguard.agent.ddp_hook import GradientHook
 
 
 def loss_bits(loss: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@
 Where each detector gets its data (nothing is copied whole):
 
 - **Local gradients** (non-finite check, ring audit): every FSDP module's
-  reduce-scatter input is shown to agent.reduce_scatter_observer first: that
+  reduce-scatter input is shown to sdcguard.agent.reduce_scatter_observer first: that
   group's unsharded local gradients, before any communication.
 - **Reduced shards** (non-finite check, cross-replica comparison): after the
   backward, each parameter's ``.grad`` is a DTensor whose local tensor is the
@@ -30,7 +30,7 @@ Where each detector gets its data (nothing is copied whole):
   are set aside (references, not copies) and put back afterwards. Its extra
   memory is what one backward needs anyway (one FSDP group's unsharded
   gradients at a time) plus one sharded gradient, dropped at the end.
-- **Confirmation before blame**: as for DDP (agent.confirm's ring and
+- **Confirmation before blame**: as for DDP (sdcguard.agent.confirm's ring and
   verdict), with a claim per FSDP group (which groups were non-finite, each
   group's local-gradient norm and, on audit steps, fingerprint). Every
   recomputation is a forward through the FSDP model, a collective of the
@@ -40,7 +40,7 @@ Where each detector gets its data (nothing is copied whole):
 - **Replay capsules**: on a localised recomputation alarm every rank
   gathers the unsharded state (one all-gather per parameter) for the
   publishing rank, which recomputes the suspect's step on the plain model
-  and writes the capsule (agent.sharded_capsule).
+  and writes the capsule (sdcguard.agent.sharded_capsule).
 
 Not yet under a mesh: a GradScaler.
 """
@@ -60,18 +60,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from agent import confirm, replay, weights
-from agent import fingerprint as fp
-from agent.batches import batch_digest
-from agent.findings import StepFindings
-from agent.nonfinite import MASK_BUCKETS, any_nonfinite, nonfinite_flag
-from agent.parallelism import Checkpoints, InjectionSite, Job, Parallelism, gather_rows
-from agent.recompute import preserved
-from agent.reduce_scatter_observer import GroupFindings, ObservedReduceScatter, ReduceScatterObserver
-from agent.ring_audit import loss_bits
-from agent.sharded_checkpoint import ShardedCheckpointWriter
-from agent.topology import node_of
-from agent.weights import GroupVerdict, packed_fingerprints, vote_in_groups
+from sdcguard.agent import confirm, replay, weights
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.batches import batch_digest
+from sdcguard.agent.findings import StepFindings
+from sdcguard.agent.nonfinite import MASK_BUCKETS, any_nonfinite, nonfinite_flag
+from sdcguard.agent.parallelism import Checkpoints, InjectionSite, Job, Parallelism, gather_rows
+from sdcguard.agent.recompute import preserved
+from sdcguard.agent.reduce_scatter_observer import GroupFindings, ObservedReduceScatter, ReduceScatterObserver
+from sdcguard.agent.ring_audit import loss_bits
+from sdcguard.agent.sharded_checkpoint import ShardedCheckpointWriter
+from sdcguard.agent.topology import node_of
+from sdcguard.agent.weights import GroupVerdict, packed_fingerprints, vote_in_groups
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +99,11 @@ class ShardsPass:
     nonfinite: torch.Tensor | None = None
     """0-dim bool on the shards' device: does a shard hold a NaN or an infinity?"""
     fingerprints: torch.Tensor | None = None
-    """int64 [rows, 3]: ``agent.weights.packed_fingerprints`` of the shards."""
+    """int64 [rows, 3]: ``sdcguard.agent.weights.packed_fingerprints`` of the shards."""
 
 
 def reduced_shards(shards: Sequence[torch.Tensor], *, flag: bool, fingerprint: bool) -> ShardsPass:
-    """``agent.nonfinite.any_nonfinite(shards)`` and ``agent.weights.packed_fingerprints(shards)``, as asked,
+    """``sdcguard.agent.nonfinite.any_nonfinite(shards)`` and ``sdcguard.agent.weights.packed_fingerprints(shards)``, as asked,
     with their bits, and no kernel per shard where the device has launches to save.
 
     Under ``SDCGUARD_FINGERPRINT_KERNEL=triton`` both come from one read of every shard: the multi-tensor
@@ -241,7 +241,7 @@ class ShardedDataParallel(Parallelism):
         lanes = (fp.combine(reduced.fingerprints) if reduced.fingerprints is not None
                  else torch.zeros(fp.LANES, dtype=torch.int64, device=self.device))
         loss_nonfinite = nonfinite_flag(loss) if cfg.nonfinite else zero
-        # agent.nonfinite's summary layout: a shard's reduction is one "bucket" (bit 0 of the reduced mask).
+        # sdcguard.agent.nonfinite's summary layout: a shard's reduction is one "bucket" (bit 0 of the reduced mask).
         flags = torch.stack([local_any.to(self.device), reduced_any.to(self.device)]).to(torch.int64)
         summary = torch.cat([flags, _mask(seen, self.device).reshape(1), flags[1:],
                              loss_nonfinite.to(self.device, torch.int64).reshape(1), lanes.to(self.device)])
@@ -262,7 +262,7 @@ class ShardedDataParallel(Parallelism):
     # -- recomputations --------------------------------------------------------------------------------
 
     def _claim(self, loss: torch.Tensor, seen: GroupFindings, batches: list[Any], *, digests: bool) -> torch.Tensor:
-        """A rank's claim about one pass (``agent.confirm``'s layout): the digest of its micro-batches, loss
+        """A rank's claim about one pass (``sdcguard.agent.confirm``'s layout): the digest of its micro-batches, loss
         bits, the mask of non-finite FSDP groups, each group's local-gradient norm bits, and with ``digests``
         each group's fingerprint."""
         head = confirm.batch_lanes(batch_digest(batches, self.device), self.device)

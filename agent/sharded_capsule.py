@@ -1,6 +1,6 @@
 """Replay capsules under FSDP2 (HSDP or pure FSDP): the unsharded state, and the suspect's step on a plain model.
 
-``sdcguard replay`` (agent.capsule_replay) rebuilds the plain model from the
+``sdcguard replay`` (sdcguard.agent.capsule_replay) rebuilds the plain model from the
 capsule's factory on one device, loads the capsule's state strictly and
 recomputes the step there; no mesh, no process group. So under sharded
 training the capsule holds what DDP's does, in the same format: the *full*
@@ -22,7 +22,7 @@ and the expected bits. Where they come from differs:
    model, the gathered state is loaded strictly, and the suspect's
    micro-batches (``batch_for(step, suspect)``) are recomputed on this rank's
    device with the step's seed (seed, step, suspect) and autocast, by
-   :func:`agent.recompute.recompute_step`, the computation the replay runs.
+   :func:`sdcguard.agent.recompute.recompute_step`, the computation the replay runs.
    Its loss bits and per-parameter gradient fingerprints are the capsule's
    expected result.
 
@@ -50,13 +50,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from agent import replay
-from agent.capsule import Expected, ReplaySettings, estimated_bytes, map_tensors, over_cap, write_capsule
-from agent.determinism import environment_signature
-from agent.recompute import recompute_step
+from sdcguard.agent import replay
+from sdcguard.agent.capsule import (
+    Expected,
+    ReplaySettings,
+    estimated_bytes,
+    map_tensors,
+    over_cap,
+    write_capsule,
+)
+from sdcguard.agent.determinism import environment_signature
+from sdcguard.agent.recompute import recompute_step
 
 if TYPE_CHECKING:
-    from agent.sharded import ShardedDataParallel
+    from sdcguard.agent.sharded import ShardedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +176,7 @@ def _plain_model(factory: str, state: dict[str, torch.Tensor], device: torch.dev
                  training: bool) -> tuple[nn.Module, Any]:
     """The factory's model with the gathered state loaded strictly, on ``device``, in ``training`` mode, and
     the factory's loss function (what the replay will run). Raises what the factory or the load raises."""
-    from agent.capsule_replay import resolve_factory  # the replay's own resolution of the factory
+    from sdcguard.agent.capsule_replay import resolve_factory  # the replay's own resolution of the factory
 
     built = resolve_factory(factory)()
     if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1])):

@@ -1,7 +1,7 @@
 """Sharded checkpoints of an FSDP2 job: torch.distributed.checkpoint (DCP) files under a manifest.
 
 A save (every rank calls it, at the same step) writes, in the layout of
-``contract.checkpoint``:
+``sdcguard.contract.checkpoint``:
 
 - ``dcp__R_N.distcp``: the shards rank R holds of the weights and optimizer
   state, written by DCP on that rank (DCP writes a shard that several replicas
@@ -21,7 +21,7 @@ every rank, refuses a checkpoint of another mesh shape, and fetches only the
 shard files this rank's load plan reads, each verified against its sha256
 before DCP opens it; then it checks this rank's loaded shards against the
 manifest's fingerprint of its shard position, and the combined digest. Any
-failure on any rank makes every rank raise :class:`lineage.errors.CheckpointCorrupt`.
+failure on any rank makes every rank raise :class:`sdcguard.lineage.errors.CheckpointCorrupt`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from agent.checkpoint import (
+from sdcguard.agent.checkpoint import (
     TRAINER,
     CheckpointSaveFailed,
     Corrupter,
@@ -56,12 +56,12 @@ from agent.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from contract.checkpoint import CheckpointManifest, ObjectDigest, ShardedLayout, checkpoint_dir
-from lineage.commit import commit, uncommit
-from lineage.errors import CheckpointCorrupt, PointerConflict
-from lineage.pointer import advance_pointer, read_pointer
-from lineage.store import ObjectStore, open_store, sha256_hex
-from lineage.verify import check_fingerprint, read_manifest, read_verified
+from sdcguard.contract.checkpoint import CheckpointManifest, ObjectDigest, ShardedLayout, checkpoint_dir
+from sdcguard.lineage.commit import commit, uncommit
+from sdcguard.lineage.errors import CheckpointCorrupt, PointerConflict
+from sdcguard.lineage.pointer import advance_pointer, read_pointer
+from sdcguard.lineage.store import ObjectStore, open_store, sha256_hex
+from sdcguard.lineage.verify import check_fingerprint, read_manifest, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class _VerifyingReader(FileSystemReader):
 
 
 class ShardPositions(Protocol):
-    """What a sharded checkpoint needs of the job's mesh (agent.sharded's ``ShardedDataParallel`` offers it)."""
+    """What a sharded checkpoint needs of the job's mesh (sdcguard.agent.sharded's ``ShardedDataParallel`` offers it)."""
 
     replicas: int
     """Replica groups in the mesh."""

@@ -20,7 +20,7 @@ checkpoint and :meth:`MagnitudeTrigger.load_state_dict` restores it, so the
 trigger watches from the first step after the restart.
 
 The trigger never raises an alarm. It only asks the guard to recompute the
-rank's micro-batch on other nodes (agent.confirm) before the update; a jump
+rank's micro-batch on other nodes (sdcguard.agent.confirm) before the update; a jump
 that the recomputation reproduces is real training, not a fault. Its history
 stays on the device, so the test adds no host synchronisation; only steps
 that passed every check join the history.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent import fingerprint as fp
+from sdcguard.agent import fingerprint as fp
 
 
 def state_tensors(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None,

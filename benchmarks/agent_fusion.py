@@ -3,7 +3,7 @@
 
 Before the all-reduce the hook wants, of each bucket, the NaN/Inf flag, the
 norm and the division by the world size; after it, the flag, the fingerprint
-and the norm. The C kernel does each side in one pass (``agent.nonfinite``'s
+and the norm. The C kernel does each side in one pass (``sdcguard.agent.nonfinite``'s
 ``local_pass`` and ``reduced_pass``). The baseline here gets the same results
 one pass each (``nonfinite_flag``, ``grad_norm.bucket_norm``, ``div_``,
 ``fingerprint``), as the hook took them before the fusion, so its rows differ
@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import fingerprint as fp
-from agent import grad_norm, nonfinite
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.nonfinite import BucketPass, nonfinite_flag
-from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 from benchmarks.interleave import launch_timed, plain_step, ratio_table, timed_rounds, write_timings
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import grad_norm, nonfinite
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.nonfinite import BucketPass, nonfinite_flag
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 
 ROWS = ("plain DDP", "defaults, one pass per result", "defaults, fused passes")
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 from benchmarks.interleave import launch_timed, ratio_table, timed_rounds, write_timings
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 
 ROWS = ("plain loop (no guard)", "guarded, defaults (audit /100, weights /10)", "guarded, audit every step")
 MAX_GRAD_NORM = 1.0

@@ -3,7 +3,7 @@ a ratio to the same FSDP2 loop without the guard, measured in the same run.
 
 Four gloo ranks on the CPU as 2 replica groups of 2 shards (a ``("replicate",
 "shard")`` mesh; ``fully_shard`` on each block and on the root, as
-``agent.train --sharding hsdp`` builds it), each replica group its own
+``sdcguard.agent.testing.train --sharding hsdp`` builds it), each replica group its own
 simulated node, so the ring audit runs (rank (g, s) recomputes (g+1, s)); one
 intra-op thread each. The configurations take turns as in the DDP table (one
 burst each, in an order rotated every round), so noise falls on all alike.
@@ -24,9 +24,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.train import (
+from benchmarks.bench_agent import BIG, CONFIGS, TRIGGER_ROWS, overhead_figures
+from benchmarks.interleave import Timings, launch_timed, plain_step, ratio_table, timed_rounds, write_timings
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing.train import (
     JobShape,
     SyntheticData,
     TinyGPT,
@@ -35,8 +37,6 @@ from agent.train import (
     loss_fn,
     shutdown,
 )
-from benchmarks.bench_agent import BIG, CONFIGS, TRIGGER_ROWS, overhead_figures
-from benchmarks.interleave import Timings, launch_timed, plain_step, ratio_table, timed_rounds, write_timings
 
 WORLD, REPLICAS, RANKS_PER_NODE = 4, 2, 2
 PLAIN = "plain FSDP2 (no guard)"

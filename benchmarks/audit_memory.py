@@ -1,9 +1,9 @@
 """What an audit step costs in memory (the "memory" part of ``./dev bench agent``).
 
 On an audit step the auditor recomputes its neighbour's micro-batches after
-its own backward (agent.recompute.recompute_step): one more forward and
+its own backward (sdcguard.agent.recompute.recompute_step): one more forward and
 backward, whose local gradients it turns into per-parameter digests
-(agent.confirm.audit_record) and drops. The owner keeps per-parameter
+(sdcguard.agent.confirm.audit_record) and drops. The owner keeps per-parameter
 digests of its own gradients (three 64-bit lanes per parameter tensor), not
 a copy of them, on every audited step, the first included.
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from agent.recompute import recompute_step
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from sdcguard.agent.recompute import recompute_step
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
 
 
 def peak_allocated(fn: Callable[[], Any]) -> int:

@@ -44,13 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import confirm
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.nonfinite import LOCAL_ANY, LOCAL_MASK, REDUCED_FP, SUMMARY_WIDTH, judge_nonfinite
-from agent.ring_audit import judge as judge_audit
-from agent.train import JobShape, SyntheticData, build, init_process_group, launch, loss_fn, shutdown
-from agent.weights import vote
 from benchmarks.agent_fusion import fusion_table
 from benchmarks.agent_loop import loop_table
 from benchmarks.audit_memory import memory_table
@@ -62,6 +55,21 @@ from benchmarks.interleave import (
     timed_rounds,
     write_timings,
 )
+from sdcguard.agent import confirm
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.nonfinite import LOCAL_ANY, LOCAL_MASK, REDUCED_FP, SUMMARY_WIDTH, judge_nonfinite
+from sdcguard.agent.ring_audit import judge as judge_audit
+from sdcguard.agent.testing.train import (
+    JobShape,
+    SyntheticData,
+    build,
+    init_process_group,
+    launch,
+    loss_fn,
+    shutdown,
+)
+from sdcguard.agent.weights import vote
 
 # name -> GuardConfig overrides (None: plain DDP without a guard).
 CONFIGS: dict[str, dict[str, Any] | None] = {
@@ -300,7 +308,7 @@ def trigger_rate(steps: int) -> int:
 
 def build_params(shape: JobShape) -> list[torch.nn.Parameter]:
     """The reference model's parameters (to report its size)."""
-    from agent.train import TinyGPT
+    from sdcguard.agent.testing.train import TinyGPT
 
     return list(TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout).parameters())
 

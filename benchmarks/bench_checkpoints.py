@@ -12,7 +12,7 @@
    manifest" against the choice.
 2. Save and load of a model of ``--params`` parameters with AdamW state
    (30K is the size of the reference job's model): the verified save
-   (``agent.checkpoint.save_checkpoint``: sha256 of every object, RNG, manifest,
+   (``sdcguard.agent.checkpoint.save_checkpoint``: sha256 of every object, RNG, manifest,
    pointer) against ``torch.save`` of the same state written plainly to files,
    and the verified load (sha256 of every object before ``torch.load``, state
    restored, fingerprint recomputed and compared) against reading the files
@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent import fingerprint as fp
-from agent.checkpoint import load_checkpoint, save_checkpoint
-from contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
-from lineage.selection import select_checkpoint
-from lineage.store import ObjectStore, open_store, sha256_hex
-from lineage.verify import read_manifest
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.checkpoint import load_checkpoint, save_checkpoint
+from sdcguard.contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import ObjectStore, open_store, sha256_hex
+from sdcguard.lineage.verify import read_manifest
 
 _SUFFIX = {"K": 1_000, "M": 1_000_000}
 

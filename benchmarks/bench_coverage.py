@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from campaign import main
+from sdcguard.campaign import main
 
 WHOLE_SET_ARGS = ["--quick"]
 """A plain ``./dev bench`` (every benchmark) runs the quick campaign; the full one (~30 min) only when named."""

@@ -20,7 +20,7 @@ any fails; 3, with nothing run, on a machine without CUDA unless
    setting matters on this device;
 4. **the preflight**: this machine's environment signature (what bit-exact
    recomputation depends on) and whether deterministic mode can be set up
-   (``agent.determinism.require_deterministic``);
+   (``sdcguard.agent.determinism.require_deterministic``);
 5. **SDPA attention recomputed**: the flash backend's forward and backward
    twice, bit for bit, with deterministic mode on (judged) and with
    ``warn_only`` (reported: torch keeps the non-deterministic kernel);
@@ -57,16 +57,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent import fingerprint as fp
-from agent import replay
-from agent.config import GuardConfig
-from agent.determinism import DeterminismUnavailable, environment_signature, require_deterministic
-from agent.nonfinite import nonfinite_flag
-from agent.publisher import PublishOutcome
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
 from benchmarks import device_kernels
 from benchmarks.bench_fingerprint import _counts, _label, _median_seconds
 from benchmarks.device_kernels import sample
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import replay
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.determinism import DeterminismUnavailable, environment_signature, require_deterministic
+from sdcguard.agent.nonfinite import nonfinite_flag
+from sdcguard.agent.publisher import PublishOutcome
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool]
@@ -274,7 +274,7 @@ def _counting_syncs(device: torch.device) -> Iterator[list[str]]:
 
 def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
     """A world-1 guard run on ``device``: an injected NaN, a forced trigger, clean steps; syncs per clean step."""
-    from agent.guard import SDCGuard
+    from sdcguard.agent.guard import SDCGuard
 
     nan_step, jump_step = 4, steps - 2
     torch.manual_seed(0)

@@ -4,7 +4,7 @@
 
 For each tensor it times, interleaved in the same run, ``buffer.copy_(t)``
 into a preallocated buffer (memcpy), ``t.sum()``, ``fingerprint(t)`` (the C
-kernel when it is in use, see ``agent.native``) and ``fingerprint_torch(t)``
+kernel when it is in use, see ``sdcguard.agent.native``) and ``fingerprint_torch(t)``
 (the torch implementation, which GPUs use), and reports medians and the
 throughput ratios ``memcpy time / fingerprint time`` (1.0 = as fast as a
 memcpy; the target is >= 0.5) and ``sum time / fingerprint time``.
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from agent import native
-from agent.fingerprint import BLOCK, default_chunk, fingerprint, fingerprint_torch
+from sdcguard.agent import native
+from sdcguard.agent.fingerprint import BLOCK, default_chunk, fingerprint, fingerprint_torch
 
 _SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from agent.product_checks import ProductChecks
-from agent.train import SyntheticData, TinyGPT, init_process_group, shutdown
-from agent.train import loss_fn as tiny_loss
 from benchmarks.interleave import launch_timed, ratio_table, timed_rounds, write_timings
+from sdcguard.agent.product_checks import ProductChecks
+from sdcguard.agent.testing.train import SyntheticData, TinyGPT, init_process_group, shutdown
+from sdcguard.agent.testing.train import loss_fn as tiny_loss
 
 ROWS = ("plain", "dispatch mode alone", "product checks")
 WHOLE_SET_ARGS = ["--rounds", "6", "--models", "gpt-example"]
@@ -62,7 +62,7 @@ def _model(name: str, dim: int, layers: int) -> tuple[torch.nn.Module, Callable[
     """(model, loss_fn, batch of step) for ``name``, seeded."""
     torch.manual_seed(0)
     if name == "tinygpt-24m":
-        from agent.train import JobShape
+        from sdcguard.agent.testing.train import JobShape
 
         shape = JobShape(vocab=256, dim=dim, layers=layers, seq=64, batch=8, heads=8)
         data = SyntheticData(shape, torch.device("cpu"))

@@ -4,7 +4,7 @@ device's own copy bandwidth (``./dev bench device`` calls ``run``; the GPU-kerne
 Checks (each judged): for every dtype the agent fingerprints, sizes either side
 of a block and a chunk and a strided view, the Triton fingerprint equals the
 torch implementation's on the device and the CPU's (C kernel) bit for bit; the
-bucket passes give the CPU's sum of squares (``agent.grad_norm``), the same
+bucket passes give the CPU's sum of squares (``sdcguard.agent.grad_norm``), the same
 flag and, before the all-reduce, torch's CPU division bit for bit (a NaN only
 has to stay a NaN), for clean buckets and ones with a NaN or an infinity.
 
@@ -27,8 +27,8 @@ from typing import Protocol
 
 import torch
 
-from agent import fingerprint as fp
-from agent import grad_norm, native
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import grad_norm, native
 
 MEGABYTES = (25, 256)
 """Tensor sizes timed: a DDP bucket (25 MB, DDP's default) and a large one."""
@@ -136,7 +136,7 @@ def cpu_fingerprint(t: torch.Tensor) -> torch.Tensor:
 def check_fingerprints(device: torch.device, sizes: Sequence[int] = CHECKED_SIZES) -> list[str]:
     """Triton, torch (on ``device``) and the CPU's fingerprint of every checked dtype and size, a strided view
     included: problem lines (empty: all equal)."""
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     problems = []
     for dtype in CHECKED_DTYPES:
@@ -161,7 +161,7 @@ def check_fingerprints(device: torch.device, sizes: Sequence[int] = CHECKED_SIZE
 def check_bucket_passes(device: torch.device, sizes: Sequence[int] = CHECKED_SIZES) -> list[str]:
     """The bucket passes on ``device`` against the CPU's definitions (sum of squares, flag, torch's division,
     fingerprint), clean and with a NaN or an infinity: problem lines (empty: all equal)."""
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     problems = []
     for dtype in tf.BUCKET_DTYPES:
@@ -208,8 +208,8 @@ def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
 def _cases(t: torch.Tensor, buffer: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[str, Callable[[], object], int]]:
     """(kernel, call, bytes the work must move) for one tensor ``t``, its scratch ``buffer`` and ``t`` cut
     into ``pieces``: each Triton kernel, then the torch code it replaces."""
-    from agent.kernels import triton_fingerprint as tf
-    from agent.nonfinite import nonfinite_flag
+    from sdcguard.agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.nonfinite import nonfinite_flag
 
     nbytes = t.numel() * t.element_size()
 
@@ -260,7 +260,7 @@ def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[in
 def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHECKED_SIZES) -> Report:
     """The checks (tensors of ``sizes`` elements), then on a GPU the timings, on ``device``. Without Triton,
     or off a GPU without Triton's interpreter, a single failed check saying why (nothing runs in its place)."""
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     report = Report()
     reason = tf.unavailable_reason(device)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from agent.train import SyntheticData, launch, loss_fn
+from sdcguard.agent.testing.train import SyntheticData, launch, loss_fn
 
 Timings = dict[str, dict[str, list[float]]]
 """``{"wall" | "cpu": {row: [seconds per step, one per timed round]}}``, as rank 0 writes it."""

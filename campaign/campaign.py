@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from agent.train import JobShape, launch
-from campaign import baselines, detectors, options, report
-from campaign.faults import PERSISTENCES, FaultSpec, draw, parse_row_id, row_id
-from campaign.job import REFERENCE_JOB, JobProblem, resolve
-from campaign.outcome import Detection, FaultOutcome, clean_firings, judge, table
-from campaign.rank_plan import Phase, RankPlan
-from campaign.settings import QUICK, Settings
-from campaign.worker import rank_main
+from sdcguard.agent.testing.train import JobShape, launch
+from sdcguard.campaign import baselines, detectors, options, report
+from sdcguard.campaign.faults import PERSISTENCES, FaultSpec, draw, parse_row_id, row_id
+from sdcguard.campaign.job import REFERENCE_JOB, JobProblem, resolve
+from sdcguard.campaign.outcome import Detection, FaultOutcome, clean_firings, judge, table
+from sdcguard.campaign.rank_plan import Phase, RankPlan
+from sdcguard.campaign.settings import QUICK, Settings
+from sdcguard.campaign.worker import rank_main
 
 
 class CampaignFailed(RuntimeError):
@@ -54,7 +54,7 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
     ``replay`` runs the one row with that id (no clean checks, no soak). Raises CampaignFailed
     when a rank fails or times out, or when the clean run does not reproduce
     (then every outcome would be wrong); ValueError for bad settings, among
-    them ``campaign.job.JobProblem`` for a job that cannot be resolved (before
+    them ``sdcguard.campaign.job.JobProblem`` for a job that cannot be resolved (before
     any rank starts) or lacks what the fault models corrupt (found by the ranks).
     """
     resolve(settings.job, settings.job_seed)  # the ranks resolve it again; a bad one fails here, before them

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from agent.config import GuardConfig
+from sdcguard.agent.config import GuardConfig
 
 SAMPLED = {"ring_audit": "audit_every", "weight_fingerprint": "fingerprint_every"}
 PER_STEP = {"nonfinite": "nonfinite", "reduced_grad": "reduced_grad"}

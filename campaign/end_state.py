@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from campaign.observers import ReducedGradWatch
-from campaign.rank import Rank
-from campaign.records import EndState
-from campaign.trajectory import flat_state
+from sdcguard.campaign.observers import ReducedGradWatch
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import EndState
+from sdcguard.campaign.trajectory import flat_state
 
 
 def compared(rank: Rank, module: torch.nn.Module, optimizer: torch.optim.Optimizer, at: int, losses: list[float],

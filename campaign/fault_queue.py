@@ -13,8 +13,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from campaign.collectives import RankGroup
-from campaign.faults import FaultSpec
+from sdcguard.campaign.collectives import RankGroup
+from sdcguard.campaign.faults import FaultSpec
 
 
 class FaultQueue:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
-from campaign.faults import FaultSpec
+from sdcguard.campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
+from sdcguard.campaign.faults import FaultSpec
 
 _aten = torch.ops.aten
 PRODUCTS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution, _aten.convolution_backward}

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
 
-REFERENCE_JOB = "campaign.job:reference_job"
-"""The default ``--job``: ``agent.train``'s TinyGPT on its seeded synthetic data, with AdamW."""
+REFERENCE_JOB = "sdcguard.campaign.job:reference_job"
+"""The default ``--job``: ``sdcguard.agent.testing.train``'s TinyGPT on its seeded synthetic data, with AdamW."""
 
 
 class JobProblem(ValueError):
@@ -45,7 +45,7 @@ class CampaignJob:
 
 
 def reference_job(seed: int) -> CampaignJob:
-    """The reference job at JobShape's sizes: exactly what ``agent.train.build`` builds, unwrapped."""
+    """The reference job at JobShape's sizes: exactly what ``sdcguard.agent.testing.train.build`` builds, unwrapped."""
     shape = JobShape(seed=seed)
 
     def build(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -61,7 +61,7 @@ def module_and_function(spec: str) -> tuple[str, str]:
     module, colon, function = spec.partition(":")
     if not colon or not module.strip() or not function.strip() or ":" in function:
         raise JobProblem(f"--job {spec!r}: expected MODULE:FUNCTION (e.g. mypkg.sdc:campaign_job), "
-                         f"a factory function(seed) -> campaign.job.CampaignJob")
+                         f"a factory function(seed) -> sdcguard.campaign.job.CampaignJob")
     return module.strip(), function.strip()
 
 
@@ -90,7 +90,7 @@ def resolve(spec: str, seed: int) -> CampaignJob:
         raise JobProblem(f"--job {spec!r}: {function_name}({seed}) raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(job, CampaignJob):
         raise JobProblem(f"--job {spec!r}: {function_name}({seed}) returned a {type(job).__name__}, "
-                         f"not a campaign.job.CampaignJob")
+                         f"not a sdcguard.campaign.job.CampaignJob")
     return job
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from campaign.faults import MODELS
+from sdcguard.campaign.faults import MODELS
 
 DESCRIPTION = ("How much silent corruption does sdcguard catch? A fault-injection campaign on 3 simulated nodes "
                "(gloo on CPU, or one GPU per rank): every detector alone and together, and the baselines teams "
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "the same --job and size options as the run that listed it (the reference run and that "
                                                       "row: no clean checks, no soak)")
     p.add_argument("--job", metavar="MODULE:FUNCTION",
-                   help="train your own model: a factory function(seed) -> campaign.job.CampaignJob (its build, "
+                   help="train your own model: a factory function(seed) -> sdcguard.campaign.job.CampaignJob (its build, "
                         "batch_for and loss_fn), importable or in the current directory (default: the reference "
                         "TinyGPT job)")
     p.add_argument("--faults-per-model", type=int, help="faults drawn per fault model (default 51)")

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from campaign import baselines
+from sdcguard.campaign import baselines
 
 SIZES = ("catastrophic", "visible", "tiny")
 VISIBLE = 1e-3

@@ -17,17 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from agent.checkpoint import CheckpointWriter
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.publisher import Publisher, PublishOutcome
-from campaign.collectives import RankGroup
-from campaign.injectors import ModelShape
-from campaign.job import CampaignJob, built, resolve
-from campaign.rank_plan import RankPlan
-from campaign.records import Record
-from campaign.trajectory import CleanTrajectory
-from contract import Alarm
+from sdcguard.agent.checkpoint import CheckpointWriter
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.publisher import Publisher, PublishOutcome
+from sdcguard.campaign.collectives import RankGroup
+from sdcguard.campaign.injectors import ModelShape
+from sdcguard.campaign.job import CampaignJob, built, resolve
+from sdcguard.campaign.rank_plan import RankPlan
+from sdcguard.campaign.records import Record
+from sdcguard.campaign.trajectory import CleanTrajectory
+from sdcguard.contract import Alarm
 
 
 def device_for(name: str, offset: int = 0) -> torch.device:

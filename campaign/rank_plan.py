@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from campaign.faults import FaultSpec
-from campaign.settings import Settings
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.settings import Settings
 
 Phase = Literal["clean", "faults", "soak"]
 """``clean``: every configuration on the clean run (the first world); ``faults``: every fault (all worlds);

@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from campaign.faults import FaultSpec
-from campaign.injectors import ModelShape
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.injectors import ModelShape
 
 Series = list[list[float]]
 """A figure per step and rank: ``series[step][rank]``."""

@@ -6,8 +6,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from campaign.faults import MODELS, PERSISTENCES
-from campaign.outcome import SIZES, FaultOutcome, table
+from sdcguard.campaign.faults import MODELS, PERSISTENCES
+from sdcguard.campaign.outcome import SIZES, FaultOutcome, table
 
 LABELS = {
     "none": "no detector",

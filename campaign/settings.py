@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from campaign.faults import CAMPAIGN_MODELS, MODELS
-from campaign.job import REFERENCE_JOB, module_and_function
+from sdcguard.campaign.faults import CAMPAIGN_MODELS, MODELS
+from sdcguard.campaign.job import REFERENCE_JOB, module_and_function
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Settings:
     """``cpu`` (gloo), or ``cuda``: one GPU per rank (``world`` GPUs), NCCL."""
     job: str = REFERENCE_JOB
     """The job to train: a factory ``package.module:function``, called as ``function(job_seed)`` and returning
-    a ``campaign.job.CampaignJob`` (``--job``; default: the reference TinyGPT job)."""
+    a ``sdcguard.campaign.job.CampaignJob`` (``--job``; default: the reference TinyGPT job)."""
     job_seed: int = 0
     """The seed handed to the job's factory and to the guard's replays."""
     timeout_s: float = 4 * 3600.0

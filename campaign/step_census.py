@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
-from campaign.injectors import ProductMode
+from sdcguard.campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
+from sdcguard.campaign.injectors import ProductMode
 
 
 class StepCensus:

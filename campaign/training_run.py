@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 
-from agent.guard import SDCGuard, StepResult
-from campaign.observers import GradNormProbe
+from sdcguard.agent.guard import SDCGuard, StepResult
+from sdcguard.campaign.observers import GradNormProbe
 
 
 def count_flags(result: StepResult, counters: dict[str, int]) -> None:

@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agent.train import WORLD_INDEX_ENV, shutdown
-from campaign.fault_queue import FaultQueue
-from campaign.faults import FaultSpec
-from campaign.job import JobProblem
-from campaign.phases import checkpoint_fault, clean_checks, compute_fault, reference, soak
-from campaign.rank import Rank, device_for
-from campaign.rank_plan import RankPlan
-from campaign.records import CheckpointFaultRecord, FaultRecord
+from sdcguard.agent.testing.train import WORLD_INDEX_ENV, shutdown
+from sdcguard.campaign.fault_queue import FaultQueue
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.job import JobProblem
+from sdcguard.campaign.phases import checkpoint_fault, clean_checks, compute_fault, reference, soak
+from sdcguard.campaign.rank import Rank, device_for
+from sdcguard.campaign.rank_plan import RankPlan
+from sdcguard.campaign.records import CheckpointFaultRecord, FaultRecord
 
 PROBLEM_EXIT_CODE = 3
 """A rank's exit status when the job cannot be measured; it leaves the reason in ``job_problem.<rank>``."""
@@ -69,7 +69,7 @@ def rank_main(plan_path: str) -> None:
     When the job cannot be measured (JobProblem), the rank writes why to ``job_problem.<rank>`` in the
     plan's folder and exits with PROBLEM_EXIT_CODE, without the teardown's collectives."""
     logging.basicConfig(level=logging.CRITICAL)
-    for name in ("agent", "lineage", "campaign"):
+    for name in ("sdcguard.agent", "sdcguard.lineage", "sdcguard.campaign"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.pop("SDCGUARD_INJECT", None)
     plan = RankPlan.read(plan_path)

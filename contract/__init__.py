@@ -7,7 +7,7 @@ Lambda package needs no torch.
 
 from __future__ import annotations
 
-from contract.alarm import (
+from sdcguard.contract.alarm import (
     ALARM_SCHEMA_VERSION,
     DETAIL_TYPE,
     EVENT_SOURCE,
@@ -25,7 +25,7 @@ from contract.alarm import (
     RingPair,
     Suspect,
 )
-from contract.checkpoint import (
+from sdcguard.contract.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_NAME,
     POINTER_NAME,
@@ -36,7 +36,7 @@ from contract.checkpoint import (
     checkpoint_dir,
     step_of_dir,
 )
-from contract.incident import (
+from sdcguard.contract.incident import (
     Decision,
     Earlier,
     Failure,

@@ -17,7 +17,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from contract.alarm import Fingerprint, Name, Step, Strict, Text
+from sdcguard.contract.alarm import Fingerprint, Name, Step, Strict, Text
 
 MANIFEST_SCHEMA_VERSION: Final = "1"
 POINTER_SCHEMA_VERSION: Final = "1"

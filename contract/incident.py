@@ -13,7 +13,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field
 
-from contract.alarm import Alarm, Name, Rank, Step, Strict, Text
+from sdcguard.contract.alarm import Alarm, Name, Rank, Step, Strict, Text
 
 INCIDENT_SCHEMA_VERSION: Final = "1"
 InstanceId = Annotated[str, Field(pattern=r"^i-[0-9a-f]{8,17}$")]

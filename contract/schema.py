@@ -1,6 +1,6 @@
 """JSON Schemas of the contract, checked into ``contract/schemas/`` and kept in sync by a test.
 
-``python -m contract.schema`` rewrites them; ``python -m contract.schema --check``
+``python -m sdcguard.contract.schema`` rewrites them; ``python -m sdcguard.contract.schema --check``
 exits 1 when a checked-in schema differs from the models.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from contract.alarm import Alarm
-from contract.checkpoint import CheckpointManifest, ResumePointer
-from contract.incident import Incident
+from sdcguard.contract.alarm import Alarm
+from sdcguard.contract.checkpoint import CheckpointManifest, ResumePointer
+from sdcguard.contract.incident import Incident
 
 SCHEMA_DIR = Path(__file__).with_name("schemas")
 MODELS: dict[str, type[BaseModel]] = {
@@ -42,13 +42,13 @@ def stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m contract.schema", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sdcguard.contract.schema", description=__doc__)
     parser.add_argument("--check", action="store_true", help="only report stale schemas; exit 1 if any")
     args = parser.parse_args(argv)
     if args.check:
         names = stale()
         for name in names:
-            print(f"stale: contract/schemas/{name}.schema.json (run: python -m contract.schema)")
+            print(f"stale: contract/schemas/{name}.schema.json (run: python -m sdcguard.contract.schema)")
         return 1 if names else 0
     SCHEMA_DIR.mkdir(exist_ok=True)
     for name, model in MODELS.items():

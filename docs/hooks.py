@@ -207,7 +207,7 @@ def guard_config_env(root: Path = ROOT) -> str:
     with _importable(root):
         import typing
 
-        from agent.config import ENV_PREFIX, GuardConfig
+        from sdcguard.agent.config import ENV_PREFIX, GuardConfig
 
     hints = typing.get_type_hints(GuardConfig)
     docs = _field_docs(GuardConfig)
@@ -223,7 +223,7 @@ def guard_config_env(root: Path = ROOT) -> str:
 
 def _template(root: Path) -> dict[str, Any]:
     with _importable(root):
-        from infra.deploy.cfn_yaml import load_template
+        from sdcguard.infra.deploy.cfn_yaml import load_template
 
     return load_template(root / "infra" / "deploy" / "template.yaml")
 

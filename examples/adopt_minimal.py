@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent import GuardConfig, SDCGuard
+from sdcguard.agent import GuardConfig, SDCGuard
 
 dist.init_process_group("gloo")  # "nccl" on GPUs, with the model on this rank's device
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)))

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent.checkpoint import CheckpointWriter
-from agent.weights import state_fingerprint_hex
+from sdcguard.agent.checkpoint import CheckpointWriter
+from sdcguard.agent.weights import state_fingerprint_hex
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -23,7 +23,7 @@ from gpt_launch import parse_spawn, spawn
 from gpt_model import GPT, GPTConfig, TokenSampler, loss_fn
 from torch import nn
 
-from agent import GuardConfig, SDCGuard
+from sdcguard.agent import GuardConfig, SDCGuard
 
 
 def parser() -> argparse.ArgumentParser:

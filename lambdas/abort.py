@@ -24,13 +24,13 @@ from typing import Any
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from contract import Incident, IncidentState
-from lambdas import notify
-from lambdas.blast_radius import STOPPED_HOLDING
-from lambdas.cordon import uncordon_node
-from lambdas.errors import IncidentNotWaiting
-from lambdas.job import holds_job, resume_job
-from lambdas.ledger import Ledger
+from sdcguard.contract import Incident, IncidentState
+from sdcguard.lambdas import notify
+from sdcguard.lambdas.blast_radius import STOPPED_HOLDING
+from sdcguard.lambdas.cordon import uncordon_node
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.job import holds_job, resume_job
+from sdcguard.lambdas.ledger import Ledger
 
 S = IncidentState
 ABORT_ERROR = "AbortedByOperator"

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from contract import Incident, IncidentState, RollbackPlan
-from lambdas import notify
-from lambdas.errors import IncidentNotWaiting
-from lambdas.ledger import Ledger
-from lambdas.task_tokens import TaskTokens
+from sdcguard.contract import Incident, IncidentState, RollbackPlan
+from sdcguard.lambdas import notify
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.task_tokens import TaskTokens
 
 S = IncidentState
 REPRODUCTION_NOTE = (
@@ -70,7 +70,7 @@ def request_approval(
     """Store ``task_token`` in ``tokens``, move the incident to AWAITING_APPROVAL and notify the reviewers once.
 
     ``plan`` computes the rollback approving means (see
-    :func:`lambdas.pointer.plan_rollback`) before anything is stored: the
+    :func:`sdcguard.lambdas.pointer.plan_rollback`) before anything is stored: the
     reviewers see it, and its errors (``NoSafeCheckpoint``,
     ``PointerOutsidePrefix``) stop the incident before it asks, with nothing
     replaced. A retry with the same token neither notifies again nor writes

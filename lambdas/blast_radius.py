@@ -14,8 +14,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from contract import Incident, IncidentState
-from contract.incident import REPLACEMENT_REJECTED
+from sdcguard.contract import Incident, IncidentState
+from sdcguard.contract.incident import REPLACEMENT_REJECTED
 
 S = IncidentState
 FOREVER = 32_503_680_000.0

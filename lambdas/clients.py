@@ -3,7 +3,7 @@
 Every AWS client retries throttling and transient faults itself (botocore's
 standard mode); what still fails after that comes out of a handler as a named
 error: :func:`named_throttling` turns a throttling ``ClientError`` into
-:class:`~lambdas.errors.Throttled`, which the state machine retries (every
+:class:`~sdcguard.lambdas.errors.Throttled`, which the state machine retries (every
 handler is idempotent, and a throttled call took no effect).
 """
 
@@ -19,10 +19,10 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from lambdas.eks_token import kubernetes_client
-from lambdas.errors import Throttled
-from lambdas.ledger import Ledger
-from lambdas.settings import get_settings
+from sdcguard.lambdas.eks_token import kubernetes_client
+from sdcguard.lambdas.errors import Throttled
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.settings import get_settings
 
 if TYPE_CHECKING:
     from kubernetes import client as k8s

@@ -11,13 +11,13 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from contract import Failure, Incident, IncidentState
-from lambdas import notify
-from lambdas.cordon import uncordon_node
-from lambdas.decide import decided
-from lambdas.errors import IncidentNotWaiting
-from lambdas.job import holds_job, resume_job
-from lambdas.ledger import Ledger
+from sdcguard.contract import Failure, Incident, IncidentState
+from sdcguard.lambdas import notify
+from sdcguard.lambdas.cordon import uncordon_node
+from sdcguard.lambdas.decide import decided
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.job import holds_job, resume_job
+from sdcguard.lambdas.ledger import Ledger
 
 S = IncidentState
 GENERIC_PLACE = "Pipeline"

@@ -14,11 +14,11 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from contract import IncidentState
-from contract.naming import instance_id_of
-from lambdas.errors import IncidentNotWaiting, NotInCluster
-from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
+from sdcguard.contract import IncidentState
+from sdcguard.contract.naming import instance_id_of
+from sdcguard.lambdas.errors import IncidentNotWaiting, NotInCluster
+from sdcguard.lambdas.kube_errors import kubernetes_errors
+from sdcguard.lambdas.ledger import Ledger
 
 S = IncidentState
 

@@ -18,10 +18,10 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from contract import Decision, Incident, IncidentState
-from lambdas.errors import ApprovalExpired, IncidentNotWaiting, UnknownDecision, UnverifiedDecision
-from lambdas.ledger import Ledger
-from lambdas.task_tokens import TaskTokens
+from sdcguard.contract import Decision, Incident, IncidentState
+from sdcguard.lambdas.errors import ApprovalExpired, IncidentNotWaiting, UnknownDecision, UnverifiedDecision
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.task_tokens import TaskTokens
 
 S = IncidentState
 DECISIONS = {"approve": S.APPROVED, "reject": S.REJECTED}

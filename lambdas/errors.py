@@ -7,7 +7,7 @@ renamed casually.
 
 from __future__ import annotations
 
-from lineage.errors import NoSafeCheckpoint
+from sdcguard.lineage.errors import NoSafeCheckpoint
 
 
 class PipelineError(Exception):

@@ -17,10 +17,10 @@ from typing import Any, Final, Literal
 import boto3
 from pydantic import BaseModel
 
-from contract import Incident, IncidentState
-from lambdas.errors import IncidentNotWaiting
-from lambdas.ledger import Ledger
-from lambdas.node_check import checks_of, reproduce_summary
+from sdcguard.contract import Incident, IncidentState
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.node_check import checks_of, reproduce_summary
 
 CORROBORATED: Final = "corroborated"
 NO_HARDWARE_SIGNAL: Final = "no hardware signal"
@@ -235,7 +235,7 @@ def evidence_for_incident(
     found = summary(collect_evidence(incident, history.values(), dcgm_counters=dcgm_counters, client=cloudwatch))
     reproduction = checks_of(incident, "reproduce")
     if reproduction:
-        # The replay of the capsule on the cordoned suspect (lambdas.node_check): beside the hardware's own
+        # The replay of the capsule on the cordoned suspect (sdcguard.lambdas.node_check): beside the hardware's own
         # counters, the one piece of evidence that the node gets the job's computation wrong.
         found["reproduction"] = reproduce_summary(reproduction)
     return ledger.update(

@@ -1,6 +1,6 @@
 """The guard: admit an incident within the blast-radius limits, under the cluster's lock.
 
-The rule itself lives in :mod:`lambdas.blast_radius` (stated once; replace
+The rule itself lives in :mod:`sdcguard.lambdas.blast_radius` (stated once; replace
 applies it again when it acts); this module reads the ledger and the cluster
 for it and records the admission.
 """
@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING
 
 from kubernetes import client as k8s
 
-from contract import Incident, IncidentState
-from lambdas.blast_radius import (
+from sdcguard.contract import Incident, IncidentState
+from sdcguard.lambdas.blast_radius import (
     Verdict,
     check_blast_radius,
     quarantined_nodes,
     rejected_nodes,
     stopped_holding,
 )
-from lambdas.cordon import TAINT_KEY
-from lambdas.errors import BlastRadiusExceeded
-from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.errors import BlastRadiusExceeded
+from sdcguard.lambdas.kube_errors import kubernetes_errors
+from sdcguard.lambdas.ledger import Ledger
 
 if TYPE_CHECKING:
-    from lambdas.ledger import Lease
+    from sdcguard.lambdas.ledger import Lease
 
 S = IncidentState
 __all__ = ["Verdict", "check_blast_radius", "guard_incident", "quarantined_nodes", "released_nodes", "stopped_holding"]
@@ -76,7 +76,7 @@ def guard_incident(
     ``kubernetes`` (a factory, called only when needed; without it they all
     count); a stopped incident whose nodes are all released is marked so and
     stops counting. Raises :class:`BlastRadiusExceeded`, recording nothing,
-    :class:`LedgerConflict` (including :class:`~lambdas.errors.LockLost`) and
+    :class:`LedgerConflict` (including :class:`~sdcguard.lambdas.errors.LockLost`) and
     :class:`TransientKubernetesError`.
     """
     cluster = ledger.get(incident_id).alarm.job.hyperpod_cluster

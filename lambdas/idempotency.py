@@ -21,8 +21,8 @@ from aws_lambda_powertools.utilities.idempotency import (
 )
 from pydantic import BaseModel
 
-from lambdas.clients import aws
-from lambdas.settings import get_settings
+from sdcguard.lambdas.clients import aws
+from sdcguard.lambdas.settings import get_settings
 
 EXPIRES_AFTER_SECONDS = 24 * 3600
 M = TypeVar("M", bound=BaseModel)

@@ -13,8 +13,8 @@ from aws_lambda_powertools.utilities.parser.exceptions import InvalidModelTypeEr
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from contract import DETAIL_TYPE, EVENT_SOURCE, Alarm, Decision
-from lambdas.errors import MalformedEvent
+from sdcguard.contract import DETAIL_TYPE, EVENT_SOURCE, Alarm, Decision
+from sdcguard.lambdas.errors import MalformedEvent
 
 IncidentId = Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
 InstanceId = Annotated[str, Field(pattern=r"^i-[0-9a-f]{8,17}$")]

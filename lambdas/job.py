@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from kubernetes import client as k8s
 
-from contract import IncidentState
-from lambdas.blast_radius import STOPPED_HOLDING
-from lambdas.errors import IncidentNotFound, IncidentNotWaiting
-from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
+from sdcguard.contract import IncidentState
+from sdcguard.lambdas.blast_radius import STOPPED_HOLDING
+from sdcguard.lambdas.errors import IncidentNotFound, IncidentNotWaiting
+from sdcguard.lambdas.kube_errors import kubernetes_errors
+from sdcguard.lambdas.ledger import Ledger
 
 S = IncidentState
 

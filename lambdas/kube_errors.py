@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from lambdas.errors import KubernetesObjectMissing, TransientKubernetesError
+from sdcguard.lambdas.errors import KubernetesObjectMissing, TransientKubernetesError
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ evidence step reads an instance's history and not the whole ledger. Item kinds:
 
 - the incident: ``incident_id``, ``kind="incident"``, ``version`` (N),
   ``state``, ``hyperpod_cluster``, ``created_at``, ``body`` (the
-  :class:`contract.Incident` as JSON), ``duplicates`` (N, an atomic counter of
+  :class:`sdcguard.contract.Incident` as JSON), ``duplicates`` (N, an atomic counter of
   the alarms that collapsed into it, merged into ``duplicate_alarms`` on read),
   ``opened_by`` (the execution that opened it), ``fault_persistence``, and,
   while it counts toward the blast radius (:func:`counts_until`),
@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import boto3
 from botocore.exceptions import ClientError
 
-from contract import Alarm, Earlier, Incident, IncidentState, Transition
-from lambdas.blast_radius import FOREVER, STOPPED_HOLDING, counts_until
-from lambdas.errors import IncidentNotFound, LedgerConflict, LockLost
+from sdcguard.contract import Alarm, Earlier, Incident, IncidentState, Transition
+from sdcguard.lambdas.blast_radius import FOREVER, STOPPED_HOLDING, counts_until
+from sdcguard.lambdas.errors import IncidentNotFound, LedgerConflict, LockLost
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb import DynamoDBClient
@@ -61,7 +61,7 @@ INCIDENT_ATTRIBUTES = (
     "duplicates", "opened_by",
 )
 """The attributes an incident is read with (a projection): the reviewers' policy may read these and no
-others (the template's ReviewerPolicy). Approval task tokens are not in the ledger at all (:mod:`lambdas.task_tokens`)."""
+others (the template's ReviewerPolicy). Approval task tokens are not in the ledger at all (:mod:`sdcguard.lambdas.task_tokens`)."""
 _PROJECTION = {
     "ProjectionExpression": ", ".join(f"#a{n}" for n in range(len(INCIDENT_ATTRIBUTES))),
     "ExpressionAttributeNames": {f"#a{n}": a for n, a in enumerate(INCIDENT_ATTRIBUTES)},
@@ -127,8 +127,8 @@ def idempotency_key(alarm: Alarm) -> str:
     (HyperPod cluster, namespace/job, the agent's run id, the suspect nodes
     sorted, the suspect window's start). The window starts after the last
     trusted step, which every detector on the same fault agrees on (see
-    :meth:`contract.Alarm.trusted_through_step`); the run id (from the alarm id,
-    :attr:`contract.Alarm.run_id`) is one per start of the job, so the same
+    :meth:`sdcguard.contract.Alarm.trusted_through_step`); the run id (from the alarm id,
+    :attr:`sdcguard.contract.Alarm.run_id`) is one per start of the job, so the same
     fault after a restart, or in a new job of the same name, is a new incident.
     An alarm without a run id (older agents) keys as before, without it. An
     unlocalised alarm names no nodes and collapses with other unlocalised

@@ -38,13 +38,13 @@ from typing import Any, Literal
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from contract import Incident, IncidentState, NodeCheck, Replacement
-from contract.incident import REPLACEMENT_REJECTED
-from contract.naming import NODE_PREFIX
-from lambdas.cordon import TAINT_KEY
-from lambdas.errors import IncidentNotWaiting
-from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
+from sdcguard.contract import Incident, IncidentState, NodeCheck, Replacement
+from sdcguard.contract.incident import REPLACEMENT_REJECTED
+from sdcguard.contract.naming import NODE_PREFIX
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.kube_errors import kubernetes_errors
+from sdcguard.lambdas.ledger import Ledger
 
 S = IncidentState
 Purpose = Literal["reproduce", "qualify"]
@@ -63,7 +63,7 @@ LOG_TAIL_LINES = 200
 
 
 def capsule_location(checkpoint_prefix: str, step: int, rank: int) -> str:
-    """Where the agent writes the capsule of ``rank``'s step ``step`` (agent.capsule.capsule_dir's naming)."""
+    """Where the agent writes the capsule of ``rank``'s step ``step`` (sdcguard.agent.capsule.capsule_dir's naming)."""
     return f"{checkpoint_prefix.rstrip('/')}/{CAPSULES_DIR}/step-{step:09d}-rank-{rank:05d}"
 
 
@@ -317,7 +317,7 @@ def answer_from_exit_code(code: int | None, *, repeats: int) -> Answer:
 
 
 def describe(check: NodeCheck) -> str:
-    """The one-line summary of a finished check (see :class:`contract.NodeCheck.summary`)."""
+    """The one-line summary of a finished check (see :class:`sdcguard.contract.NodeCheck.summary`)."""
     n = check.repeats
     if check.purpose == "reproduce":
         if check.state == "skipped":

@@ -8,7 +8,7 @@ from typing import Any
 
 import boto3
 
-from contract import Incident
+from sdcguard.contract import Incident
 
 SUBJECT_LIMIT = 100
 _UNPRINTABLE = re.compile(r"[^\x20-\x7e]")

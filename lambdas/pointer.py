@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract import Incident, IncidentState, RollbackPlan
-from lambdas.errors import IncidentNotWaiting, PointerOutsidePrefix
-from lambdas.ledger import Ledger
-from lineage.errors import PointerCorrupt
-from lineage.pointer import read_pointer, rewrite_pointer
-from lineage.selection import select_checkpoint
-from lineage.store import open_store
+from sdcguard.contract import Incident, IncidentState, RollbackPlan
+from sdcguard.lambdas.errors import IncidentNotWaiting, PointerOutsidePrefix
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lineage.errors import PointerCorrupt
+from sdcguard.lineage.pointer import read_pointer, rewrite_pointer
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import open_store
 
 S = IncidentState
 WRITER = "sdcguard-pipeline"
@@ -34,7 +34,7 @@ def plan_rollback(incident: Incident, *, checkpoint_bucket: str, checkpoint_pref
     (the newest verified checkpoint at or before both the alarm's trusted step
     and the current pointer), so the reviewers see it before they decide and a
     job with nothing safe to resume from is found before anything is replaced.
-    Raises :class:`PointerOutsidePrefix` and ``lineage.errors.NoSafeCheckpoint``.
+    Raises :class:`PointerOutsidePrefix` and ``sdcguard.lineage.errors.NoSafeCheckpoint``.
     """
     location = incident.alarm.checkpoint_prefix
     if not allowed_prefix(location, bucket=checkpoint_bucket, prefix=checkpoint_prefix):
@@ -70,7 +70,7 @@ def rewrite_for_incident(
 
     Idempotent: an incident whose pointer is already rewritten is returned as
     it is. Raises :class:`PointerOutsidePrefix`, :class:`IncidentNotWaiting`
-    (nothing replaced yet) and ``lineage.errors.NoSafeCheckpoint``.
+    (nothing replaced yet) and ``sdcguard.lineage.errors.NoSafeCheckpoint``.
     """
     incident = ledger.get(incident_id)
     if incident.state == S.POINTER_REWRITTEN or incident.entered(S.POINTER_REWRITTEN):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract import Alarm, Incident
-from lambdas.errors import NotInCluster
-from lambdas.ledger import Ledger
-from lambdas.settings import Settings
+from sdcguard.contract import Alarm, Incident
+from sdcguard.lambdas.errors import NotInCluster
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ whose first attempt went through shows up as ``InvalidInstanceStatus`` on a
 node already shutting down, or ``InstanceIdNotFound`` once it is gone (both
 counted as requested); anything else fails the replacement.
 
-A new node must then qualify (:mod:`lambdas.node_check`); one that fails is
+A new node must then qualify (:mod:`sdcguard.lambdas.node_check`); one that fails is
 cordoned and its replacement rejected (:func:`reject_unqualified`), and it is
 replaced once more while the rounds and the daily limit allow.
 """
@@ -20,20 +20,20 @@ from typing import Any
 
 import boto3
 
-from contract import Incident, IncidentState, Replacement
-from lambdas.blast_radius import check_replacement
-from lambdas.cordon import cordon_node
-from lambdas.decide import decided
-from lambdas.errors import (
+from sdcguard.contract import Incident, IncidentState, Replacement
+from sdcguard.lambdas.blast_radius import check_replacement
+from sdcguard.lambdas.cordon import cordon_node
+from sdcguard.lambdas.decide import decided
+from sdcguard.lambdas.errors import (
     BlastRadiusExceeded,
     IncidentNotWaiting,
     NodeHeldByHyperPod,
     NotInCluster,
     ReplacementFailed,
 )
-from lambdas.ledger import Ledger
-from lambdas.node_check import REJECTED, checks_of, current_replacements, origin_of
-from lambdas.resolve import ClusterNode, list_cluster_nodes
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.node_check import REJECTED, checks_of, current_replacements, origin_of
+from sdcguard.lambdas.resolve import ClusterNode, list_cluster_nodes
 
 S = IncidentState
 GOING_AWAY = frozenset({"ShuttingDown", "Terminating", "Terminated", "Deleting", "Replacing"})
@@ -53,9 +53,9 @@ def request_replacement(
     """Ask HyperPod to replace ``instance_id`` of the approved incident, once.
 
     Acts only on an approval the decide function wrote to the ledger (see
-    :func:`lambdas.decide.decided`). Under the cluster's lock (the guard's),
+    :func:`sdcguard.lambdas.decide.decided`). Under the cluster's lock (the guard's),
     the daily limit is checked again at the moment of asking
-    (:func:`lambdas.blast_radius.check_replacement`: approvals that came in
+    (:func:`sdcguard.lambdas.blast_radius.check_replacement`: approvals that came in
     since the admission count, and an instance another incident already asked
     to replace is refused); ``max_replacements_per_day`` None skips that
     check. A second call for the same instance returns the recorded request and
@@ -247,7 +247,7 @@ def reject_unqualified(
 
     Once more only while fewer than ``max_rounds`` replacement rounds were made
     and the daily limit allows one more replacement per rejected node (the rule
-    of :func:`lambdas.blast_radius.check_replacement`, which replace applies
+    of :func:`sdcguard.lambdas.blast_radius.check_replacement`, which replace applies
     again at the moment of asking). Either way the job is never resumed onto a
     rejected node: it stays cordoned. Idempotent through the ledger (a retry
     answers the same; the next round's call sees only that round's nodes). Raises

@@ -6,7 +6,7 @@ deployment guards (``JOB_NAME``), and the suspect's pod is read through the
 Kubernetes API: it must exist in the job's namespace, carry that job in its
 job-name label, and run (``spec.nodeName``) on the node the alarm
 names. That node is then traced to its instance: on HyperPod EKS clusters a
-node is named ``hyperpod-i-0123456789abcdef0`` (:mod:`contract.naming`); a
+node is named ``hyperpod-i-0123456789abcdef0`` (:mod:`sdcguard.contract.naming`); a
 renamed node is matched by its own name or addresses (never by a host name
 the alarm supplies) against the private DNS names of the cluster's node list.
 The instance must be one of the HyperPod cluster's nodes, and the node's
@@ -23,13 +23,13 @@ from typing import Any
 import boto3
 from kubernetes import client as k8s
 
-from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Suspect
-from contract.naming import instance_id_of
-from lambdas.errors import NotInCluster, StaleAlarm, SuspectMismatch, SuspectUnresolvable
-from lambdas.kube_errors import kubernetes_errors
-from lambdas.ledger import Ledger
-from lambdas.record import check_job, check_scope
-from lambdas.settings import Settings
+from sdcguard.contract import Alarm, Incident, IncidentState, ResolvedSuspect, Suspect
+from sdcguard.contract.naming import instance_id_of
+from sdcguard.lambdas.errors import NotInCluster, StaleAlarm, SuspectMismatch, SuspectUnresolvable
+from sdcguard.lambdas.kube_errors import kubernetes_errors
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.record import check_job, check_scope
+from sdcguard.lambdas.settings import Settings
 
 JOB_NAME_LABELS = ("training.kubeflow.org/job-name", "job-name")
 """The Kubeflow training operator's job-name label on the pods it makes (and its older name)."""

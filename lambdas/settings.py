@@ -34,7 +34,7 @@ class Settings(BaseModel):
     """DynamoDB table of the incident ledger."""
     token_table: Annotated[str, Field(alias="TOKEN_TABLE")] = ""
     """DynamoDB table of the approval task tokens, which only request_approval and decide may read
-    (:mod:`lambdas.task_tokens`). Empty: approvals can be neither asked nor answered."""
+    (:mod:`sdcguard.lambdas.task_tokens`). Empty: approvals can be neither asked nor answered."""
     idempotency_table: Annotated[str, Field(alias="IDEMPOTENCY_TABLE", min_length=3)]
     """DynamoDB table of powertools' idempotency records."""
     topic_arn: Annotated[str, Field(alias="TOPIC_ARN", pattern=r"^arn:aws[a-z-]*:sns:")]

@@ -7,9 +7,9 @@ whose digests it lists.
 
 from __future__ import annotations
 
-from contract.checkpoint import CheckpointManifest, ObjectDigest, checkpoint_dir
-from lineage.store import ObjectStore, sha256_hex
-from lineage.verify import manifest_key
+from sdcguard.contract.checkpoint import CheckpointManifest, ObjectDigest, checkpoint_dir
+from sdcguard.lineage.store import ObjectStore, sha256_hex
+from sdcguard.lineage.verify import manifest_key
 
 
 def put_object(store: ObjectStore, step: int, name: str, data: bytes) -> ObjectDigest:

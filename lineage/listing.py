@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contract.checkpoint import CHECKPOINTS_DIR, MANIFEST_NAME, checkpoint_dir, step_of_dir
-from lineage.store import ObjectStore
+from sdcguard.contract.checkpoint import CHECKPOINTS_DIR, MANIFEST_NAME, checkpoint_dir, step_of_dir
+from sdcguard.lineage.store import ObjectStore
 
 
 @dataclass(frozen=True)

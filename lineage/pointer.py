@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from contract.checkpoint import POINTER_NAME, ResumePointer, checkpoint_dir
-from lineage.errors import ObjectNotFound, PointerConflict, PointerCorrupt, PreconditionFailed
-from lineage.selection import Selection, select_checkpoint
-from lineage.store import ObjectStore
+from sdcguard.contract.checkpoint import POINTER_NAME, ResumePointer, checkpoint_dir
+from sdcguard.lineage.errors import ObjectNotFound, PointerConflict, PointerCorrupt, PreconditionFailed
+from sdcguard.lineage.selection import Selection, select_checkpoint
+from sdcguard.lineage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def rewrite_pointer_explained(
     choice in place writes nothing. A pointer that does not parse is replaced
     (bucket versioning keeps it) and the reason says so.
 
-    Raises :class:`lineage.errors.NoSafeCheckpoint` when nothing qualifies (the
+    Raises :class:`sdcguard.lineage.errors.NoSafeCheckpoint` when nothing qualifies (the
     pointer is left as it was), :class:`PointerConflict` if the pointer changed
     under every one of ``max_attempts`` attempts, and :class:`ValueError` for
     an empty ``reason`` or ``written_by``.

@@ -6,7 +6,7 @@ manifest exists and lists every object a resume needs, and whose objects all
 verify. A checkpoint's step is the first
 step a resumed job runs (it holds the updates of steps ``0 .. step-1``), so a
 checkpoint at step ``S <= T`` contains no update made after step ``T-1``; for an
-alarm, ``T`` is :meth:`contract.Alarm.trusted_through_step`.
+alarm, ``T`` is :meth:`sdcguard.contract.Alarm.trusted_through_step`.
 
 Only the candidates are read, newest first, until one verifies: with 10,000
 checkpoints under a prefix the choice costs one delimited listing and the
@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.checkpoint import CheckpointManifest, checkpoint_dir
-from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, NoSafeCheckpoint, PassedOver
-from lineage.listing import checkpoint_steps
-from lineage.store import ObjectStore
-from lineage.verify import RESUME_OBJECTS, missing_for_resume, read_manifest, verify_objects
+from sdcguard.contract.checkpoint import CheckpointManifest, checkpoint_dir
+from sdcguard.lineage.errors import CheckpointCorrupt, CheckpointIncomplete, NoSafeCheckpoint, PassedOver
+from sdcguard.lineage.listing import checkpoint_steps
+from sdcguard.lineage.store import ObjectStore
+from sdcguard.lineage.verify import RESUME_OBJECTS, missing_for_resume, read_manifest, verify_objects
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lineage.errors import CheckpointCorrupt, InvalidStoreUri, ObjectNotFound, PreconditionFailed
+from sdcguard.lineage.errors import CheckpointCorrupt, InvalidStoreUri, ObjectNotFound, PreconditionFailed
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -18,9 +18,9 @@ import hmac
 
 from pydantic import ValidationError
 
-from contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
-from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, ObjectNotFound
-from lineage.store import ObjectStore
+from sdcguard.contract.checkpoint import MANIFEST_NAME, CheckpointManifest, ObjectDigest, checkpoint_dir
+from sdcguard.lineage.errors import CheckpointCorrupt, CheckpointIncomplete, ObjectNotFound
+from sdcguard.lineage.store import ObjectStore
 
 RESUME_OBJECTS = ("model.pt", "optimizer.pt", "trainer.pt")
 """What a resume loads besides each rank's RNG: the weights, the optimizer's state, the trainer's

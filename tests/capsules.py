@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from agent import capsule as cap
-from agent import replay as seeding
-from agent.config import AutocastDtype
-from agent.determinism import environment_signature
-from agent.inject import flip_bit
-from agent.recompute import recompute_step
-from agent.train import JobShape, SyntheticData, TinyGPT
-from agent.train import loss_fn as next_token_loss
+from sdcguard.agent import capsule as cap
+from sdcguard.agent import replay as seeding
+from sdcguard.agent.config import AutocastDtype
+from sdcguard.agent.determinism import environment_signature
+from sdcguard.agent.recompute import recompute_step
+from sdcguard.agent.testing.inject import flip_bit
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT
+from sdcguard.agent.testing.train import loss_fn as next_token_loss
 
 FACTORY = "tests.capsules:reference_model"
 VOCAB, SEQ = 16, 6
@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 
 def reference_model(vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16,
                     dropout: float = 0.1) -> tuple[nn.Module, Any]:
-    """A capsule factory: the reference job's model (``agent.train.TinyGPT``) of this shape, and its loss."""
+    """A capsule factory: the reference job's model (``sdcguard.agent.testing.train.TinyGPT``) of this shape, and its loss."""
     return TinyGPT(vocab, dim, heads, layers, seq, dropout), next_token_loss
 
 

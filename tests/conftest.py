@@ -7,7 +7,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
+from tests.namespace import refuse_old_names
+
+# One module, one name: the old top-level names (the folders, from a checkout) would load second copies.
+refuse_old_names()
 
 
 @pytest.fixture(autouse=True)

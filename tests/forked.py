@@ -2,11 +2,11 @@
 
 A spawned rank imports torch and the agent on its own (seconds each on a
 busy 2-core machine, and a world of 6 pays it six times). Only a process that
-has started no threads and run no torch operation may fork (``agent.train.launch``),
+has started no threads and run no torch operation may fork (``sdcguard.agent.testing.train.launch``),
 and a test process has done both; so the test starts a plain launcher, which
 imports what the ranks need and forks them.
 
-``launch_forked`` takes what ``agent.train.launch`` takes, with ``fn`` a
+``launch_forked`` takes what ``sdcguard.agent.testing.train.launch`` takes, with ``fn`` a
 module-level function (the launcher imports it by name) and ``args`` JSON.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.train import launch
+from sdcguard.agent.testing.train import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from contract.checkpoint import CheckpointManifest, checkpoint_dir
-from lineage.commit import commit, put_object
-from lineage.store import ObjectStore
+from sdcguard.contract.checkpoint import CheckpointManifest, checkpoint_dir
+from sdcguard.lineage.commit import commit, put_object
+from sdcguard.lineage.store import ObjectStore
 
 
 def fingerprint_for(step: int) -> str:

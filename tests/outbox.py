@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from agent.config import GuardConfig
-from agent.publisher import Publisher, PublishOutcome
-from contract import Alarm
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.publisher import Publisher, PublishOutcome
+from sdcguard.contract import Alarm
 
 
 class Outbox(Publisher):

@@ -1,16 +1,16 @@
-"""The Triton kernels themselves (imported only by ``agent.kernels.triton_fingerprint``, only when used).
+"""The Triton kernels themselves (imported only by ``sdcguard.agent.kernels.triton_fingerprint``, only when used).
 
 Importing this module imports Triton, and ``triton.jit`` reads
 ``TRITON_INTERPRET`` when the kernels are defined: set it before the first
 import to run them on the CPU through NumPy.
 
 Every integer lane is a wrapping int64 sum (any order gives the same bits);
-the sum of squares is added exactly in the order ``agent.grad_norm`` defines
+the sum of squares is added exactly in the order ``sdcguard.agent.grad_norm`` defines
 (a fixed tree inside a chunk, the chunks one after another from 0), so
 nothing here depends on how the GPU schedules programs. Integer constants
 above 2**63 are written as their two's-complement signed values, and logical
 right shifts are arithmetic shifts with the sign bits masked off, as in
-``agent.fingerprint``'s torch code.
+``sdcguard.agent.fingerprint``'s torch code.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import triton
 import triton.language as tl
 
 BLOCK: tl.constexpr = tl.constexpr(1024)
-"""``agent.fingerprint.BLOCK``: the period of the position table."""
+"""``sdcguard.agent.fingerprint.BLOCK``: the period of the position table."""
 SQ_ROW: tl.constexpr = tl.constexpr(16)
 SQ_CHUNK: tl.constexpr = tl.constexpr(4096)
-"""``agent.grad_norm``'s rows and chunk; a chunk is exactly 4 fingerprint blocks."""
+"""``sdcguard.agent.grad_norm``'s rows and chunk; a chunk is exactly 4 fingerprint blocks."""
 
 _GOLDEN: tl.constexpr = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15
 _MIX1: tl.constexpr = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
@@ -36,7 +36,7 @@ _CANONICAL_NAN: tl.constexpr = tl.constexpr(0x7FF8000000000000)
 
 @triton.jit
 def _block_weight(blocks):
-    """``agent.fingerprint.block_weight`` of an int64 tensor of block indices (SplitMix64 of 2b + 1, made odd)."""
+    """``sdcguard.agent.fingerprint.block_weight`` of an int64 tensor of block indices (SplitMix64 of 2b + 1, made odd)."""
     z = blocks * 2 + 1 + _GOLDEN
     z = (z ^ ((z >> 30) & _LOW34)) * _MIX1
     z = (z ^ ((z >> 27) & _LOW37)) * _MIX2
@@ -175,7 +175,7 @@ def many_kernel(pieces_ptr, sizes_ptr, tile_piece_ptr, tile_block_ptr, table_ptr
 
 @triton.jit
 def _chunk_sum_of_squares(x):
-    """``agent.grad_norm``'s value of one chunk: ``x`` fp64 [SQ_CHUNK] (zeros past the end), squared, the 256
+    """``sdcguard.agent.grad_norm``'s value of one chunk: ``x`` fp64 [SQ_CHUNK] (zeros past the end), squared, the 256
     rows of 16 added pairwise (row 2i + row 2i+1) level by level, the last row's lanes folded l + l+8, l+4,
     l+2, l+1. A sum over an axis of 2 is one IEEE addition, whatever the order: the bits are the definition's."""
     t = x * x

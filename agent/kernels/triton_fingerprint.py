@@ -1,13 +1,13 @@
 """The fingerprint and the communication hook's bucket passes as fused Triton kernels: the bits of
-``agent.fingerprint`` and ``agent.grad_norm``, at the memory traffic the work needs.
+``sdcguard.agent.fingerprint`` and ``sdcguard.agent.grad_norm``, at the memory traffic the work needs.
 
 What each kernel reads and writes (the physical limit of each check):
 
-- ``fingerprint(t)``: one read of ``t`` (any dtype ``agent.fingerprint`` reads,
+- ``fingerprint(t)``: one read of ``t`` (any dtype ``sdcguard.agent.fingerprint`` reads,
   any strides, no copy), then one small atomic add per program;
 - ``local_pass(buffer, divisor)``, before the all-reduce: one read and one
   write of the bucket: the non-finite flag from the raw exponent bits, the sum
-  of squares (``agent.grad_norm``'s order: per-chunk values into a buffer,
+  of squares (``sdcguard.agent.grad_norm``'s order: per-chunk values into a buffer,
   then one program adds them in order; no float atomics) and the division by
   the world size in place;
 - ``reduced_pass(reduced)``, after it: one read: the fingerprint's lanes, the
@@ -41,8 +41,8 @@ from types import ModuleType
 
 import torch
 
-from agent import fingerprint as fp
-from agent import native
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import native
 
 INTERPRET_ENV = native.TRITON_INTERPRET_ENV
 ROWS = 4
@@ -61,7 +61,7 @@ PACKED = 6
 """int64 words of a bucket pass's result: lane 0-2, flag, sum of squares (fp64 bits), norm (fp64 bits)."""
 
 
-# Defined in agent.native (which chooses the kernels and refuses a setting that cannot be honoured), so that
+# Defined in sdcguard.agent.native (which chooses the kernels and refuses a setting that cannot be honoured), so that
 # the two modules do not import each other; the names stay this module's API.
 TritonKernelError = native.TritonKernelError
 unavailable_reason = native.triton_unavailable_reason
@@ -71,7 +71,7 @@ require = native.require_triton
 @functools.cache
 def _jit() -> ModuleType:
     # Imported on first use: this is where Triton is imported and the kernels defined.
-    return importlib.import_module("agent.kernels._triton_jit")
+    return importlib.import_module("sdcguard.agent.kernels._triton_jit")
 
 
 _tables: dict[torch.device, torch.Tensor] = {}
@@ -152,7 +152,7 @@ def _add_lanes(bits: torch.Tensor, start: int, out: torch.Tensor, flag: torch.Te
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """``agent.fingerprint.fingerprint(t)`` (int64 [3] on ``t``'s device, the same bits) by the Triton kernel.
+    """``sdcguard.agent.fingerprint.fingerprint(t)`` (int64 [3] on ``t``'s device, the same bits) by the Triton kernel.
 
     Reads ``t`` in place whatever its strides. Raises TritonKernelError where
     Triton cannot run on ``t``'s device, TypeError for an unsupported dtype."""
@@ -164,14 +164,14 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``agent.fingerprint.fingerprint_concat(tensors)`` by the Triton kernel: each piece read in place at its
+    """``sdcguard.agent.fingerprint.fingerprint_concat(tensors)`` by the Triton kernel: each piece read in place at its
     offset. Raises ValueError for no tensors or mixed dtypes or devices, TritonKernelError where Triton
     cannot run."""
     return layout_for([list(tensors)])()[0]
 
 
 def fingerprint_many(tensors: Sequence[torch.Tensor], *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``agent.fingerprint.fingerprint_many(tensors)`` (int64 [n, 3]) by the multi-tensor kernel, its
+    """``sdcguard.agent.fingerprint.fingerprint_many(tensors)`` (int64 [n, 3]) by the multi-tensor kernel, its
     metadata cached per layout (``layout_for``). ``out``: a preallocated int64 [n, 3] to write into."""
     tensors = list(tensors)
     if not tensors:
@@ -365,7 +365,7 @@ class BucketSummary:
 
     @property
     def sum_of_squares(self) -> torch.Tensor:
-        """0-dim fp64: ``agent.grad_norm.sum_of_squares`` of the bucket as it was read (canonical NaN)."""
+        """0-dim fp64: ``sdcguard.agent.grad_norm.sum_of_squares`` of the bucket as it was read (canonical NaN)."""
         return self.packed[4:5].view(torch.float64)[0]
 
     @property
@@ -375,7 +375,7 @@ class BucketSummary:
 
     @property
     def fingerprint(self) -> torch.Tensor | None:
-        """int64 [3]: ``agent.fingerprint.fingerprint`` of the bucket, when asked for."""
+        """int64 [3]: ``sdcguard.agent.fingerprint.fingerprint`` of the bucket, when asked for."""
         return self.packed[:3] if self.with_fingerprint else None
 
 
@@ -386,7 +386,7 @@ def bucket_readable(t: torch.Tensor) -> bool:
 
 def chosen_for_bucket(t: torch.Tensor) -> bool:
     """Whether the communication hook should take ``t``'s bucket passes here: the setting sends ``t``'s device
-    to these kernels (``agent.fingerprint.triton_kernels_for``) and they read ``t`` (``bucket_readable``).
+    to these kernels (``sdcguard.agent.fingerprint.triton_kernels_for``) and they read ``t`` (``bucket_readable``).
     Where the setting asks for them and Triton cannot run, the passes themselves raise TritonKernelError."""
     return fp.triton_kernels_for(t.device) is not None and bucket_readable(t)
 

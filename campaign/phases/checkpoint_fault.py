@@ -19,24 +19,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.checkpoint import MODEL, OPTIMIZER, TRAINER, CheckpointWriter, rng_name
-from campaign.end_state import compared
-from campaign.faults import FaultSpec
-from campaign.injectors import checkpoint_corrupter
-from campaign.observers import GradNormProbe
-from campaign.rank import Rank
-from campaign.records import CheckpointFaultRecord, UnverifiedLoad, VerifiedResume
-from campaign.training_run import TrainingRun
-from contract.checkpoint import checkpoint_dir
-from lineage.errors import CheckpointCorrupt, NoSafeCheckpoint
-from lineage.selection import select_checkpoint
-from lineage.store import LocalStore
+from sdcguard.agent.checkpoint import MODEL, OPTIMIZER, TRAINER, CheckpointWriter, rng_name
+from sdcguard.campaign.end_state import compared
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.injectors import checkpoint_corrupter
+from sdcguard.campaign.observers import GradNormProbe
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import CheckpointFaultRecord, UnverifiedLoad, VerifiedResume
+from sdcguard.campaign.training_run import TrainingRun
+from sdcguard.contract.checkpoint import checkpoint_dir
+from sdcguard.lineage.errors import CheckpointCorrupt, NoSafeCheckpoint
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import LocalStore
 
 
 def run(rank: Rank, fault: FaultSpec) -> CheckpointFaultRecord:
     """Write the corrupted checkpoints, resume from them verified and unverified; the scratch folder goes."""
     earlier, last = fault.extra["checkpoints"]
-    # A rank's RNG object holds Python's random state (agent.checkpoint.rng_state), seeded from the OS at
+    # A rank's RNG object holds Python's random state (sdcguard.agent.checkpoint.rng_state), seeded from the OS at
     # start: its bytes, and so where the fault's byte lands, would differ from run to run. Seed it per row.
     random.seed(f"{rank.settings.seed}/{fault.row_id}/{rank.rank}")
     prefix = rank.scratch / "checkpoints" / fault.row_id.replace("/", "-")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from campaign import detectors
-from campaign.rank import Rank
-from campaign.records import CleanAlarm, CleanChecksRecord, CleanRun
-from campaign.training_run import TrainingRun
+from sdcguard.campaign import detectors
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import CleanAlarm, CleanChecksRecord, CleanRun
+from sdcguard.campaign.training_run import TrainingRun
 
 
 def run(rank: Rank) -> None:

@@ -11,16 +11,16 @@ from collections.abc import Callable
 
 import torch
 
-from agent.config import GuardConfig
-from campaign import detectors
-from campaign.end_state import compared
-from campaign.faults import FaultSpec
-from campaign.injectors import Installed, install
-from campaign.observers import GradNormProbe, ReducedGradWatch
-from campaign.rank import Rank
-from campaign.records import BaselineRun, DetectorRun, FaultRecord, FirstAlarm
-from campaign.training_run import TrainingRun
-from contract import Alarm, LastClean
+from sdcguard.agent.config import GuardConfig
+from sdcguard.campaign import detectors
+from sdcguard.campaign.end_state import compared
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.injectors import Installed, install
+from sdcguard.campaign.observers import GradNormProbe, ReducedGradWatch
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import BaselineRun, DetectorRun, FaultRecord, FirstAlarm
+from sdcguard.campaign.training_run import TrainingRun
+from sdcguard.contract import Alarm, LastClean
 
 
 def run(rank: Rank, fault: FaultSpec) -> FaultRecord:

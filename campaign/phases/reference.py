@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import torch
 
-from campaign.injectors import ModelShape
-from campaign.job import JobProblem, measured_problems
-from campaign.observers import GradNormProbe
-from campaign.rank import Rank
-from campaign.records import ReferenceRecord
-from campaign.step_census import StepCensus
-from campaign.training_run import TrainingRun
+from sdcguard.campaign.injectors import ModelShape
+from sdcguard.campaign.job import JobProblem, measured_problems
+from sdcguard.campaign.observers import GradNormProbe
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import ReferenceRecord
+from sdcguard.campaign.step_census import StepCensus
+from sdcguard.campaign.training_run import TrainingRun
 
 CENSUS_STEP = 1
 """The clean step whose products and all-reduces are counted."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from campaign.observers import GradNormProbe
-from campaign.rank import Rank
-from campaign.records import SoakAlarm, SoakRecord
-from campaign.training_run import TrainingRun
+from sdcguard.campaign.observers import GradNormProbe
+from sdcguard.campaign.rank import Rank
+from sdcguard.campaign.records import SoakAlarm, SoakRecord
+from sdcguard.campaign.training_run import TrainingRun
 
 PROGRESS_EVERY = 5_000
 """Soak steps between two progress lines."""

@@ -5,7 +5,7 @@
 Why not plain torchrun, in the pod of a PyTorchJob (``pytorchjob.yaml``):
 
 - torchrun exits 1 whatever its workers exit with, so the pod would never
-  show the guard's code 87 (``agent.ALARM_EXIT_CODE``, "stopped on suspect
+  show the guard's code 87 (``sdcguard.agent.ALARM_EXIT_CODE``, "stopped on suspect
   hardware"). This runs torchrun in-process and exits 87 when any worker did.
 - A PyTorchJob with ``restartPolicy: ExitCode`` fails for good when a pod exits
   87 (below 128: not retryable), which is what must happen rather than a
@@ -34,7 +34,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from agent.config import ALARM_EXIT_CODE
+from sdcguard.agent.config import ALARM_EXIT_CODE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

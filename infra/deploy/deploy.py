@@ -4,7 +4,7 @@ One code path for AWS and the local stand-in: every client comes from a boto3
 session, which honours ``AWS_ENDPOINT_URL`` (as ``sdcguard local up`` prints
 it). The only difference is the package's target: the Lambda runtime (Python
 3.12) on AWS, the interpreter running the stand-in when ``AWS_ENDPOINT_URL`` is
-set (see :mod:`infra.deploy.package`); ``--python-version``/``--architecture``
+set (see :mod:`sdcguard.infra.deploy.package`); ``--python-version``/``--architecture``
 override either.
 
 Steps: check the parameter overrides against the template (unknown names,
@@ -33,10 +33,17 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from infra.deploy.cfn_yaml import load_template
-from infra.deploy.execution_history import POLL_LOOPS, ROUNDS, HistoryBudgetError, check_budget
-from infra.deploy.package import LAMBDA_TARGET, Package, PackageError, Target, build_package, local_target
-from infra.deploy.stack_events import StackTimeout, follow, last_event
+from sdcguard.infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.deploy.execution_history import POLL_LOOPS, ROUNDS, HistoryBudgetError, check_budget
+from sdcguard.infra.deploy.package import (
+    LAMBDA_TARGET,
+    Package,
+    PackageError,
+    Target,
+    build_package,
+    local_target,
+)
+from sdcguard.infra.deploy.stack_events import StackTimeout, follow, last_event
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = Path(__file__).resolve().with_name("template.yaml")
@@ -155,7 +162,7 @@ def check_history_budget(effective: Mapping[str, str], incident_definition: Path
     worst case could overrun the execution history (25,000 events).
 
     The bound is read from the incident machine's definition (see
-    :mod:`infra.deploy.execution_history`). Raises :class:`DeployError`.
+    :mod:`sdcguard.infra.deploy.execution_history`). Raises :class:`DeployError`.
     """
     try:
         definition = json.loads(incident_definition.read_text())

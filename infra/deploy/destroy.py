@@ -12,7 +12,7 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
-from infra.deploy.stack_events import StackTimeout, follow, last_event
+from sdcguard.infra.deploy.stack_events import StackTimeout, follow, last_event
 
 
 class DestroyError(RuntimeError):

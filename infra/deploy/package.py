@@ -1,6 +1,7 @@
 """The Lambda deployment package: the pipeline's code and its dependencies in one zip.
 
-The zip holds ``lambdas/``, ``contract/`` and ``lineage/`` and the third-party
+The zip holds ``sdcguard/lambdas/``, ``sdcguard/contract/`` and ``sdcguard/lineage/`` (with
+``sdcguard/__init__.py``: the installed names, ``sdcguard.lambdas.handlers.record.handler``) and the third-party
 packages that ``pyproject.toml`` declares for them (the core dependencies and
 the ``lambdas`` extra), installed by pip as binary wheels for one
 :class:`Target`: a Python version and an architecture. The Lambda runtime is
@@ -45,12 +46,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("lambdas", "contract", "lineage")
+# The folders above are packed under the one installed name, with its __init__.py (and not the rest of it).
+NAMESPACE = "sdcguard"
 CONSTRAINTS = ROOT / "requirements" / "constraints.txt"
 CACHE = ROOT / "build" / "lambda"
 # Provided by the runtime; never packaged.
 RUNTIME_PROVIDED = frozenset({"boto3", "botocore", "s3transfer"})
 # Bumped when the layout of the zip changes, so old cache entries are not reused.
-FORMAT = "1"
+FORMAT = "2"
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
@@ -137,12 +140,19 @@ def _dist_name(requirement: str) -> str:
 
 
 def _source_files() -> list[Path]:
-    files = []
+    files = [ROOT / NAMESPACE / "__init__.py"]
     for package in SOURCES:
         for path in sorted((ROOT / package).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".json", ".typed"):
+            if (path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".json", ".typed")
+                    and path not in files):
                 files.append(path)
     return files
+
+
+def _arcname(path: Path) -> str:
+    """The name of a source file in the zip: under ``sdcguard/``, as it is installed."""
+    rel = path.relative_to(ROOT).as_posix()
+    return rel if rel.startswith(f"{NAMESPACE}/") else f"{NAMESPACE}/{rel}"
 
 
 def _digest(parts: list[bytes]) -> str:
@@ -163,7 +173,7 @@ def package_key(target: Target, reqs: list[str]) -> str:
     """Cache key of the whole zip: the dependencies' key and every source file's path and bytes."""
     parts = [dependencies_key(target, reqs).encode()]
     for path in _source_files():
-        parts += [str(path.relative_to(ROOT)).encode(), path.read_bytes()]
+        parts += [_arcname(path).encode(), path.read_bytes()]
     return _digest(parts)
 
 
@@ -213,7 +223,7 @@ def write_zip(zip_path: Path, deps: Path, *, compile_sources: bool) -> None:
         # __pycache__ holds bytecode only when the dependencies were compiled for the target.
         if path.is_file() and (path.suffix != ".pyc" or compile_sources):
             entries.append((path.relative_to(deps).as_posix(), path))
-    entries += [(path.relative_to(ROOT).as_posix(), path) for path in _source_files()]
+    entries += [(_arcname(path), path) for path in _source_files()]
     partial = zip_path.with_name(f"{zip_path.name}.{os.getpid()}.{time.monotonic_ns()}.partial")
     with tempfile.TemporaryDirectory(prefix="sdcguard-pyc-") as scratch:
         if compile_sources:
@@ -233,7 +243,7 @@ def _compiled_sources(scratch: Path) -> list[tuple[str, Path]]:
     for path in _source_files():
         if path.suffix != ".py":
             continue
-        rel = path.relative_to(ROOT)
+        rel = Path(_arcname(path))
         name = f"{rel.parent.as_posix()}/__pycache__/{rel.stem}.{sys.implementation.cache_tag}.pyc"
         target = scratch / name
         target.parent.mkdir(parents=True, exist_ok=True)

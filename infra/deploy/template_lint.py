@@ -1,7 +1,7 @@
 """The field's linters on the CloudFormation template, each finding fixed or justified.
 
-``python -m infra.deploy.template_lint checkov TEMPLATE...`` runs checkov's
-CloudFormation checks; ``python -m infra.deploy.template_lint parliament
+``python -m sdcguard.infra.deploy.template_lint checkov TEMPLATE...`` runs checkov's
+CloudFormation checks; ``python -m sdcguard.infra.deploy.template_lint parliament
 TEMPLATE...`` renders every IAM policy of the template (identity and resource
 policies, with the intrinsics resolved against sample parameter values) and
 runs parliament, which knows the real catalogue of actions, their resource
@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.deploy.cfn_yaml import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
 EXCEPTIONS = Path(__file__).resolve().with_name("lint-exceptions.yaml")
@@ -347,7 +347,7 @@ def run(tool: str, templates: Sequence[Path], exceptions: Path = EXCEPTIONS) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] not in ("checkov", "parliament"):
-        print("usage: python -m infra.deploy.template_lint {checkov|parliament} TEMPLATE...", file=sys.stderr)
+        print("usage: python -m sdcguard.infra.deploy.template_lint {checkov|parliament} TEMPLATE...", file=sys.stderr)
         return 2
     return run(args[0], [Path(a) for a in args[1:]])
 

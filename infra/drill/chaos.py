@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from infra.drill.summary import CallChaos, ChaosSummary
-from infra.local.eks.faults import Chaos, ChaosTally
+from sdcguard.infra.drill.summary import CallChaos, ChaosSummary
+from sdcguard.infra.local.eks.faults import Chaos, ChaosTally
 
 _TASK_ENTERED = "TaskStateEntered"
 # A Task calls Lambda through the service integration (``arn:aws:states:::lambda:invoke``: Task* events) or
@@ -40,7 +40,7 @@ class DrillChaos:
     """Both chaos knobs of one stand-in, seeded from one seed; off until ``on()``."""
 
     def __init__(self, standin: Any) -> None:
-        from infra.local.moto_ext import hyperpod_faults
+        from sdcguard.infra.local.moto_ext import hyperpod_faults
 
         eks = standin.eks
         self.knobs: dict[str, Chaos] = {"hyperpod": hyperpod_faults.chaos}

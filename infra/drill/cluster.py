@@ -6,12 +6,12 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from contract import Incident, IncidentState
-from contract.naming import NODE_PREFIX, instance_id_of
-from contract.naming import node_name as hyperpod_node_name
-from infra.drill.failure import DrillFailed
-from infra.drill.job_run import Placement
-from infra.drill.stage import Stage
+from sdcguard.contract import Incident, IncidentState
+from sdcguard.contract.naming import NODE_PREFIX, instance_id_of
+from sdcguard.contract.naming import node_name as hyperpod_node_name
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.job_run import Placement
+from sdcguard.infra.drill.stage import Stage
 
 
 def placements(stage: Stage) -> list[Placement]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infra.drill.summary import DrillSummary
+    from sdcguard.infra.drill.summary import DrillSummary
 
 
 class DrillFailed(RuntimeError):

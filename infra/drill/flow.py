@@ -1,36 +1,36 @@
 """The incident drill: set-up, clean run, faulty run, pipeline, decision, recovery, comparison.
 
-``prepare`` (:mod:`infra.drill.setup`) seeds a simulated HyperPod cluster on a
+``prepare`` (:mod:`sdcguard.infra.drill.setup`) seeds a simulated HyperPod cluster on a
 running local stand-in and deploys the pipeline with the real deploy code
 path; ``run_drill`` then plays one incident on it and returns its
-:class:`~infra.drill.summary.DrillSummary`. A stage can serve several drills
+:class:`~sdcguard.infra.drill.summary.DrillSummary`. A stage can serve several drills
 in a row (the tests do): each drill writes its checkpoints under a prefix of
 its own and runs on whatever nodes the cluster has by then.
 
-The drill is split by idea: :mod:`~infra.drill.options` (what to inject and
-how the job runs), :mod:`~infra.drill.setup` and :mod:`~infra.drill.stage`
-(the stand-in, the cluster, the stack), :mod:`~infra.drill.cluster` (the
-drill's own reads of the cluster), :mod:`~infra.drill.ledger_watch` (the
-pipeline seen through the ledger), :mod:`~infra.drill.operator` (the operator
-CLI and the prompt), :mod:`~infra.drill.runs` (the training runs) and
-:mod:`~infra.drill.stages` (one method per stage, a typed result each). This
+The drill is split by idea: :mod:`~sdcguard.infra.drill.options` (what to inject and
+how the job runs), :mod:`~sdcguard.infra.drill.setup` and :mod:`~sdcguard.infra.drill.stage`
+(the stand-in, the cluster, the stack), :mod:`~sdcguard.infra.drill.cluster` (the
+drill's own reads of the cluster), :mod:`~sdcguard.infra.drill.ledger_watch` (the
+pipeline seen through the ledger), :mod:`~sdcguard.infra.drill.operator` (the operator
+CLI and the prompt), :mod:`~sdcguard.infra.drill.runs` (the training runs) and
+:mod:`~sdcguard.infra.drill.stages` (one method per stage, a typed result each). This
 module plays the stages in order and writes the report;
-:class:`~infra.drill.report.Story` says what happened. A drill that cannot
+:class:`~sdcguard.infra.drill.report.Story` says what happened. A drill that cannot
 detect, localise or recover raises :class:`DrillFailed` naming the step that
 failed; the summary built so far travels with it.
 
 The fault lives in the faulty node's hardware: the drill registers it with
-the stand-in (:mod:`infra.drill.hardware`), so the pipeline's node checks,
+the stand-in (:mod:`sdcguard.infra.drill.hardware`), so the pipeline's node checks,
 Kubernetes Jobs that replay the suspect's capsule on a node, meet it on that
 node and nowhere else; the summary records what they said
-(:mod:`infra.drill.node_checks`). With ``DrillOptions.replacement_faulty``
+(:mod:`sdcguard.infra.drill.node_checks`). With ``DrillOptions.replacement_faulty``
 the stand-in's replacements inherit the fault, and the drill passes only if
 the job never resumes onto one: a further replacement qualifies, or the
 incident stops in NEEDS_ATTENTION with the failed node cordoned.
 
 With ``DrillOptions.chaos`` a fraction of the pipeline's Kubernetes API and
 SageMaker HyperPod calls fail transiently from the faulty run until the
-incident ends (:mod:`infra.drill.chaos`); the drill must pass all the same.
+incident ends (:mod:`sdcguard.infra.drill.chaos`); the drill must pass all the same.
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.drill.cluster import placements
-from infra.drill.failure import DrillFailed
-from infra.drill.job_run import RunResult, Trainer, TrainerError
-from infra.drill.operator import ask as _ask
-from infra.drill.options import EXPECTED_DETECTOR, FAULTS, SHARDINGS, Decision, DrillOptions
-from infra.drill.report import Marks, Say, Story, plot_losses, timeline_lines, write_report
-from infra.drill.runs import run_clean
-from infra.drill.setup import prepare
-from infra.drill.stage import Stage
-from infra.drill.stages import Drill, Outcome, Restart
-from infra.drill.summary import DrillSummary
+from sdcguard.infra.drill.cluster import placements
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.job_run import RunResult, Trainer, TrainerError
+from sdcguard.infra.drill.operator import ask as _ask
+from sdcguard.infra.drill.options import EXPECTED_DETECTOR, FAULTS, SHARDINGS, Decision, DrillOptions
+from sdcguard.infra.drill.report import Marks, Say, Story, plot_losses, timeline_lines, write_report
+from sdcguard.infra.drill.runs import run_clean
+from sdcguard.infra.drill.setup import prepare
+from sdcguard.infra.drill.stage import Stage
+from sdcguard.infra.drill.stages import Drill, Outcome, Restart
+from sdcguard.infra.drill.summary import DrillSummary
 
 __all__ = [
     "FAULTS", "SHARDINGS", "Decision", "DrillFailed", "DrillOptions", "Stage", "placements", "prepare", "run_clean",

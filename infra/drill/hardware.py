@@ -5,7 +5,7 @@ bound to that rank's node). The pipeline's node checks run on the node too,
 as Kubernetes Jobs the stand-in starts as local processes; for a replay there
 to compute wrong bits, the stand-in must know the node's GPU is faulty. The
 drill registers the same spec as the node's hardware fault
-(``infra.local.eks.node_faults``) for the length of the drill, and with
+(``sdcguard.infra.local.eks.node_faults``) for the length of the drill, and with
 ``--replacement-faulty`` asks the stand-in to hand out replacements that
 inherit it (a new node from the same bad batch).
 
@@ -20,12 +20,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from infra.drill.failure import DrillFailed
-from infra.drill.job_run import Placement
-from infra.drill.stage import Stage
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.job_run import Placement
+from sdcguard.infra.drill.stage import Stage
 
 if TYPE_CHECKING:
-    from infra.local.eks.node_faults import NodeFaults
+    from sdcguard.infra.local.eks.node_faults import NodeFaults
 
 
 def node_faults(stage: Stage) -> NodeFaults:

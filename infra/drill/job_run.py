@@ -1,6 +1,6 @@
 """Runs of the reference training job for the drill, started and read back from the drill's process.
 
-A :class:`Trainer` keeps one launcher subprocess (``python -m infra.drill.ranks``)
+A :class:`Trainer` keeps one launcher subprocess (``python -m sdcguard.infra.drill.ranks``)
 that has imported torch once and forks the ranks of each run; the drill
 streams rank 0's progress lines as they come and then reads every rank's
 ``rank-R.json``. This module does not import torch.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract import Alarm
+from sdcguard.contract import Alarm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ class Trainer:
         child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         child_env.pop("SDCGUARD_INJECT", None)
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "infra.drill.ranks"], cwd=ROOT, env=child_env, stdin=subprocess.PIPE,
+            [sys.executable, "-m", "sdcguard.infra.drill.ranks"], cwd=ROOT, env=child_env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self._log, text=True,
         )
         self._ready = False
@@ -204,7 +204,7 @@ class Trainer:
         enforces IAM, so the ranks get exactly what the TrainingPolicy
         allows. Raises TrainerError when no deployed TrainingPolicy covers the prefix.
         """
-        from infra.local.training_role import training_role_env
+        from sdcguard.infra.local.training_role import training_role_env
 
         if checkpoint_prefix not in self._training_envs:
             try:

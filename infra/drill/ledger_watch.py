@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
-from contract import Alarm, Incident, IncidentState
-from infra.drill.report import Story
-from infra.drill.stage import Stage
+from sdcguard.contract import Alarm, Incident, IncidentState
+from sdcguard.infra.drill.report import Story
+from sdcguard.infra.drill.stage import Stage
 
 WAITING = IncidentState.AWAITING_APPROVAL
 ENDS = frozenset({IncidentState.CLOSED, IncidentState.FALSE_ALARM, IncidentState.CONTAINED, IncidentState.DRY_RUN,
@@ -25,7 +25,7 @@ class IncidentWatch:
     """Follows one incident in the ledger and tells each state as it is reached."""
 
     def __init__(self, stage: Stage, alarm: Alarm, story: Story) -> None:
-        from lambdas.ledger import Ledger, idempotency_key, incident_id_for
+        from sdcguard.lambdas.ledger import Ledger, idempotency_key, incident_id_for
 
         self.ledger = Ledger(stage.outputs["LedgerTableName"], stage.client("dynamodb"))
         self.incident_id = incident_id_for(idempotency_key(alarm))
@@ -36,7 +36,7 @@ class IncidentWatch:
 
     def current(self) -> Incident | None:
         """The incident, or None while it is not recorded yet."""
-        from lambdas.errors import IncidentNotFound
+        from sdcguard.lambdas.errors import IncidentNotFound
 
         try:
             return self.ledger.get(self.incident_id)
@@ -84,7 +84,7 @@ def entered_at(incident: Incident, state: IncidentState) -> float | None:
 
 def incidents_since(stage: Stage, began_at: datetime) -> list[Incident]:
     """The incidents the ledger opened for the stage's job at or after ``began_at``."""
-    from lambdas.ledger import Ledger
+    from sdcguard.lambdas.ledger import Ledger
 
     ledger = Ledger(stage.outputs["LedgerTableName"], stage.client("dynamodb"))
     job = stage.seeded["job"]

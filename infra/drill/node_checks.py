@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contract import Incident, NodeCheck
-from infra.drill.summary import NodeCheckRow
+from sdcguard.contract import Incident, NodeCheck
+from sdcguard.infra.drill.summary import NodeCheckRow
 
 
 def rows(incident: Incident, alarm_at: float) -> list[NodeCheckRow]:

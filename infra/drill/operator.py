@@ -6,10 +6,10 @@ import contextlib
 import io
 import sys
 
-from contract import Incident
-from infra.drill.failure import DrillFailed
-from infra.drill.options import REVIEWER_REASON
-from infra.drill.stage import Stage
+from sdcguard.contract import Incident
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.options import REVIEWER_REASON
+from sdcguard.infra.drill.stage import Stage
 
 
 def run_operator(stage: Stage, argv: list[str]) -> tuple[int, list[str]]:

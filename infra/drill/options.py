@@ -21,7 +21,7 @@ CAPSULE_FAULTS = ("finite_activation", "nan_activation", "grad_bitflip")
 """The faults whose alarm comes from a recomputation, so the agent leaves a replay capsule of the suspect's step
 (the weight comparison recomputes nothing): the ones whose node the pipeline can test by replaying it."""
 SHARDINGS = ("ddp", "hsdp")
-"""How the drill's job holds its weights: DDP, or FSDP2 with one replica group per node (``agent.train``'s)."""
+"""How the drill's job holds its weights: DDP, or FSDP2 with one replica group per node (``sdcguard.agent.testing.train``'s)."""
 REVIEWER_REASON = "sdcguard drill: ring audit evidence reviewed"
 
 

@@ -1,10 +1,10 @@
 """The drill's training processes: the reference job, one forked process per rank.
 
-``python -m infra.drill.ranks`` is a launcher that imports torch (and the
+``python -m sdcguard.infra.drill.ranks`` is a launcher that imports torch (and the
 agent, and a boto3 session) once, then reads one run spec path per line on
 stdin and, for each, forks one process per rank (world = nodes x ranks per
 node, gloo on CPU, one intra-op thread each). A rank runs the reference job of
-:mod:`agent.train` under :class:`agent.guard.SDCGuard` (DDP, or with the spec's
+:mod:`sdcguard.agent.testing.train` under :class:`sdcguard.agent.guard.SDCGuard` (DDP, or with the spec's
 ``sharding`` "hsdp" FSDP2 with one replica group per node): resume from the resume
 pointer if there is one, train to the last step, checkpoint every
 ``checkpoint_every`` steps, and stop with ``ALARM_EXIT_CODE`` on an alarm
@@ -66,7 +66,7 @@ def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
 
 
 def _train(rank: int, spec: dict[str, Any], port: int) -> None:
-    """One rank: the reference job's loop (agent.train.train) with the drill's bookkeeping."""
+    """One rank: the reference job's loop (sdcguard.agent.testing.train.train) with the drill's bookkeeping."""
     os.environ.update(spec["env"])
     os.environ.update(spec["rank_env"][rank])
     world, per_node = spec["world_size"], spec["ranks_per_node"]
@@ -75,10 +75,10 @@ def _train(rank: int, spec: dict[str, Any], port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from agent.config import GuardConfig
-    from agent.guard import SDCGuard
-    from agent.train import JobShape, SyntheticData, build, build_sharded, loss_fn
-    from agent.weights import state_fingerprint_hex
+    from sdcguard.agent.config import GuardConfig
+    from sdcguard.agent.guard import SDCGuard
+    from sdcguard.agent.testing.train import JobShape, SyntheticData, build, build_sharded, loss_fn
+    from sdcguard.agent.weights import state_fingerprint_hex
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -156,8 +156,8 @@ def launch(spec: dict[str, Any]) -> list[int]:
 def main() -> int:
     """Serve run specs from stdin (one path a line) until it closes; print each run's exit codes as JSON."""
     # Imported once here, inherited by every fork: DDP's constructor imports torch._dynamo (seconds).
-    for module in ("torch", "torch._dynamo", "agent.guard", "agent.train", "agent.weights", "agent.sharded",
-                   "agent.sharded_checkpoint", "torch.distributed.checkpoint", "boto3"):
+    for module in ("torch", "torch._dynamo", "sdcguard.agent.guard", "sdcguard.agent.testing.train", "sdcguard.agent.weights", "sdcguard.agent.sharded",
+                   "sdcguard.agent.sharded_checkpoint", "torch.distributed.checkpoint", "boto3"):
         importlib.import_module(module)
     import boto3
 

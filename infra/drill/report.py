@@ -1,6 +1,6 @@
 """The drill's report: what it prints as it goes, the JSON summary, the incident and alarm, and the loss plot.
 
-The drill decides (``infra.drill.flow``); this module says. :class:`Story`
+The drill decides (``sdcguard.infra.drill.flow``); this module says. :class:`Story`
 prints each thing the drill saw, in the words a reader follows;
 :func:`verdict_lines` are the last lines of ``sdcguard drill``; the files
 are the report directory.
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from contract import Alarm, NodeCheck
-    from contract.incident import Transition
-    from infra.drill.summary import ChaosSummary, DrillSummary
+    from sdcguard.contract import Alarm, NodeCheck
+    from sdcguard.contract.incident import Transition
+    from sdcguard.infra.drill.summary import ChaosSummary, DrillSummary
 
 PHASES = ("alarm", "cordon", "reproduced", "approval", "replaced", "qualified", "resumed")
 """The timeline's rows: ``reproduced`` when the suspect's capsule replay on its node answered, ``qualified`` when
@@ -308,7 +308,7 @@ def chaos_lines(chaos: ChaosSummary) -> list[str]:
 
 def verdict_lines(summary: DrillSummary, failed_step: str | None, failure: str | None) -> list[str]:
     """The end of ``sdcguard drill``: the timeline, the drill's own timings, the chaos tally, the verdict."""
-    from infra.drill.node_checks import timeline_notes
+    from sdcguard.infra.drill.node_checks import timeline_notes
 
     notes = timeline_notes(summary.node_checks or [])
     lines = [f"[7/{STEPS}] timeline (seconds after the alarm):",

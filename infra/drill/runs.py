@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infra.drill.cluster import placements
-from infra.drill.failure import DrillFailed
-from infra.drill.job_run import JobRun, Placement, RunResult, Trainer
-from infra.drill.options import DrillOptions
-from infra.drill.report import Say, Story
-from infra.drill.stage import Stage
+from sdcguard.infra.drill.cluster import placements
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.job_run import JobRun, Placement, RunResult, Trainer
+from sdcguard.infra.drill.options import DrillOptions
+from sdcguard.infra.drill.report import Say, Story
+from sdcguard.infra.drill.stage import Stage
 
-REPLAY_FACTORY = "agent.train:replay_model"
+REPLAY_FACTORY = "sdcguard.agent.testing.train:replay_model"
 """The drill's job's capsule factory: on a localised alarm the agent writes a replay capsule naming it, which the
-pipeline's node checks replay on the suspect and on its replacement (the job keeps ``agent.train``'s default sizes,
+pipeline's node checks replay on the suspect and on its replacement (the job keeps ``sdcguard.agent.testing.train``'s default sizes,
 so the factory needs no ``SDCGUARD_MODEL_SHAPE``)."""
 
 

@@ -6,22 +6,22 @@ import json
 import time
 from typing import Any
 
-from infra.drill.failure import DrillFailed
-from infra.drill.report import Say, Story
-from infra.drill.stage import Stage, aws_environment
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.report import Say, Story
+from sdcguard.infra.drill.stage import Stage, aws_environment
 
 
 def prepare(standin: Any, *, name: str = "sdcguard-demo", nodes: int = 3, ranks_per_node: int = 2,
             say: Say = lambda line: None) -> Stage:
     """Seed a HyperPod cluster called ``name`` on ``standin`` and deploy the pipeline guarding it.
 
-    The stack (also called ``name``) is deployed by ``infra.deploy.deploy.deploy``,
+    The stack (also called ``name``) is deployed by ``sdcguard.infra.deploy.deploy.deploy``,
     the code path of ``sdcguard deploy``, reaching the stand-in through
     ``AWS_ENDPOINT_URL``. Raises :class:`DrillFailed` (step "set-up") when
     either fails.
     """
-    from infra.deploy.deploy import DeployError, deploy
-    from infra.local.seed import SeedError, seed
+    from sdcguard.infra.deploy.deploy import DeployError, deploy
+    from sdcguard.infra.local.seed import SeedError, seed
 
     story = Story(say)
     seconds: dict[str, float] = {}

@@ -17,7 +17,7 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from infra.drill.chaos import DrillChaos
+from sdcguard.infra.drill.chaos import DrillChaos
 
 Operator = Callable[[list[str]], int]
 """The operator CLI, ``sdcguard ARGV``: prints what the command prints and returns its exit status."""
@@ -61,7 +61,7 @@ class Stage:
 
     def kube(self) -> k8s.ApiClient:
         """A Kubernetes client for the seeded EKS cluster (through EKS DescribeCluster and an STS token)."""
-        from lambdas.eks_token import kubernetes_client
+        from sdcguard.lambdas.eks_token import kubernetes_client
 
         return kubernetes_client(self.seeded["eks_cluster"], eks=self.client("eks"), sts=self.client("sts"))
 

@@ -3,9 +3,9 @@
 cluster as found → fault-free run → faulty run → pipeline to the reviewer →
 the review → pipeline to its end → what the incident left → recovered run →
 comparison. A stage checks what it is responsible for and raises
-:class:`~infra.drill.failure.DrillFailed` naming the step when the check
+:class:`~sdcguard.infra.drill.failure.DrillFailed` naming the step when the check
 fails; every stage writes what it learned into the drill's summary first, so
-a failed drill still reports it. :mod:`infra.drill.flow` plays them in order.
+a failed drill still reports it. :mod:`sdcguard.infra.drill.flow` plays them in order.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from contract import Alarm, Incident, IncidentState
-from contract.naming import node_name as hyperpod_node_name
-from infra.drill import node_checks
-from infra.drill.chaos import incident_history, summarise
-from infra.drill.cluster import (
+from sdcguard.contract import Alarm, Incident, IncidentState
+from sdcguard.contract.naming import node_name as hyperpod_node_name
+from sdcguard.infra.drill import node_checks
+from sdcguard.infra.drill.chaos import incident_history, summarise
+from sdcguard.infra.drill.cluster import (
     check_held,
     check_released,
     check_replaced,
@@ -32,16 +32,16 @@ from infra.drill.cluster import (
     node,
     placements,
 )
-from infra.drill.failure import DrillFailed
-from infra.drill.hardware import faulty_node, injections
-from infra.drill.job_run import JobRun, Placement, RunResult, Trainer
-from infra.drill.ledger_watch import ENDS, WAITING, IncidentWatch, entered_at, incidents_since
-from infra.drill.operator import run_operator
-from infra.drill.options import DrillOptions
-from infra.drill.report import LossCurve, Marks, Story, phase_seconds
-from infra.drill.runs import job, one_fingerprint
-from infra.drill.stage import Stage, aws_environment
-from infra.drill.summary import DrillSummary, Published, ReplacementRow
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.hardware import faulty_node, injections
+from sdcguard.infra.drill.job_run import JobRun, Placement, RunResult, Trainer
+from sdcguard.infra.drill.ledger_watch import ENDS, WAITING, IncidentWatch, entered_at, incidents_since
+from sdcguard.infra.drill.operator import run_operator
+from sdcguard.infra.drill.options import DrillOptions
+from sdcguard.infra.drill.report import LossCurve, Marks, Story, phase_seconds
+from sdcguard.infra.drill.runs import job, one_fingerprint
+from sdcguard.infra.drill.stage import Stage, aws_environment
+from sdcguard.infra.drill.summary import DrillSummary, Published, ReplacementRow
 
 Ask = Callable[[Incident], tuple[str, str]]
 """Asks a reviewer about an incident waiting for approval: (decision, reason)."""
@@ -257,7 +257,7 @@ class Drill:
         # Exactly the stack's guarded prefix: the pointer rewrite refuses any other, sub-prefixes included.
         # A stage may hold an earlier drill's checkpoints, pointer and spooled alarms there: start from nothing.
         prefix = f"s3://{self.stage.seeded['bucket']}/{self.stage.seeded['checkpoint_prefix']}"
-        from lineage.store import open_store
+        from sdcguard.lineage.store import open_store
 
         store = open_store(prefix, client=self.stage.client("s3"))
         for key in store.list():
@@ -301,8 +301,8 @@ class Drill:
 
     def pipeline_to_reviewer(self, faulty: FaultyRun) -> AwaitingReviewer:
         """Follow the incident to AWAITING_APPROVAL; by then the node must be cordoned and the job suspended."""
-        from lineage.pointer import read_pointer
-        from lineage.store import open_store
+        from sdcguard.lineage.pointer import read_pointer
+        from sdcguard.lineage.store import open_store
 
         self.story.pipeline()
         began = time.monotonic()
@@ -363,7 +363,7 @@ class Drill:
 
     def kubectl_hints(self, waiting: AwaitingReviewer) -> Path:
         """Write a kubeconfig for the drill's stand-in and show the kubectl lines that check the containment."""
-        from infra.local.kubeconfig import operator_commands, write_kubeconfig
+        from sdcguard.infra.local.kubeconfig import operator_commands, write_kubeconfig
 
         seeded = self.stage.seeded
         path, _ = write_kubeconfig(seeded["eks_cluster"], self.work_dir / "kubeconfig", env=self.stage.env)
@@ -463,7 +463,7 @@ class Drill:
         qualification: either on a replacement that qualified (Restart), or
         not at all, suspended for attention with the failed nodes cordoned
         (JobHeld)."""
-        from lineage.pointer import read_pointer
+        from sdcguard.lineage.pointer import read_pointer
 
         summary, alarm, incident, fault_node = self.summary, faulty.alarm, ended.incident, before.fault_node
         pointer_after, _ = read_pointer(waiting.store)

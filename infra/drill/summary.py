@@ -37,7 +37,7 @@ class ReplacementRow(_Model):
 
 
 class NodeCheckRow(_Model):
-    """One replay of the suspect's capsule on a node, as the ledger recorded it (``contract.NodeCheck``)."""
+    """One replay of the suspect's capsule on a node, as the ledger recorded it (``sdcguard.contract.NodeCheck``)."""
 
     purpose: Literal["reproduce", "qualify"]
     node: str

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import boto3
 import yaml
 
-from infra.local.eks.bearer_token import eks_bearer_token
-from infra.local.seed import is_loopback
+from sdcguard.infra.local.eks.bearer_token import eks_bearer_token
+from sdcguard.infra.local.seed import is_loopback
 
 if TYPE_CHECKING:
     from mypy_boto3_eks import EKSClient
@@ -140,7 +140,7 @@ def write_kubeconfig(
     endpoint is not on loopback, or no single cluster can be chosen;
     botocore's ResourceNotFoundException for an unknown cluster.
     """
-    from infra.local.standin import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
+    from sdcguard.infra.local.standin import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
 
     env = os.environ if env is None else env
     endpoint = env.get("AWS_ENDPOINT_URL", "")

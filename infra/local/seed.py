@@ -42,10 +42,10 @@ import yaml
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from contract.naming import INSTANCE_ID, node_name
-from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.eks.hyperpod_node import hyperpod_node
-from infra.local.standin import RBAC_NAMESPACE_MANIFEST
+from sdcguard.contract.naming import INSTANCE_ID, node_name
+from sdcguard.infra.local.eks.bearer_token import cluster_api_client
+from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node
+from sdcguard.infra.local.standin import RBAC_NAMESPACE_MANIFEST
 
 if TYPE_CHECKING:
     from mypy_boto3_cloudwatch.literals import StandardUnitType

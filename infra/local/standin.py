@@ -1,7 +1,7 @@
 """The local stand-in for AWS and EKS, as a context manager.
 
 ``LocalStandIn`` starts, on loopback, a moto server with the project's
-extensions (``infra.local.moto_ext``) and the local EKS API server, and wires
+extensions (``sdcguard.infra.local.moto_ext``) and the local EKS API server, and wires
 them together: EKS ``DescribeCluster`` answers with the EKS server's endpoint
 and CA, and a HyperPod node replacement swaps the Kubernetes node. Anything
 that reads the usual ``AWS_*`` variables (``env``) reaches it exactly as it
@@ -31,7 +31,7 @@ import yaml
 if TYPE_CHECKING:
     from werkzeug.serving import BaseWSGIServer
 
-    from infra.local.eks.server import EksApiServer
+    from sdcguard.infra.local.eks.server import EksApiServer
 
 
 REGION = "us-east-1"
@@ -59,7 +59,7 @@ _STOP_SECONDS = 5.0
 
 def _role_of(access_key_id: str) -> str | None:
     """The name of the role whose assumed-role credentials ``access_key_id`` is, as the EKS access entries see it."""
-    from infra.local.moto_ext import iam_enforcement
+    from sdcguard.infra.local.moto_ext import iam_enforcement
 
     caller = iam_enforcement.caller_for(access_key_id)
     return caller.role_name if caller is not None else None
@@ -115,7 +115,7 @@ class _MotoServer:
         )
         from werkzeug.serving import make_server
 
-        from infra.local.moto_ext import iam_enforcement
+        from sdcguard.infra.local.moto_ext import iam_enforcement
 
         sock = _bind("moto", port)
         try:
@@ -155,14 +155,14 @@ class LocalStandIn:
     the EKS server, which then enforces it on the pipeline's identities (callers
     with temporary credentials, as the Lambda functions are: ``READ_GROUP`` for
     a role named after the template's ``READ_ROLE``, ``PIPELINE_GROUP`` for any
-    other; see ``infra.local.eks.rbac``); None turns RBAC off (every caller is
+    other; see ``sdcguard.infra.local.eks.rbac``); None turns RBAC off (every caller is
     an admin). Its namespaced part (``RBAC_NAMESPACE_MANIFEST``) goes into each
-    job's namespace as that namespace is made (``infra.local.seed``).
+    job's namespace as that namespace is made (``sdcguard.infra.local.seed``).
     ``enforce_iam`` evaluates every AWS call made with a role's credentials
     (each Lambda function runs with its execution role's; ``role_env`` gives
     any other code a role's) against that role's identity policies, and
     refuses what they do not allow, as AWS does (see
-    ``infra.local.moto_ext.iam_enforcement``); the stand-in's own credentials
+    ``sdcguard.infra.local.moto_ext.iam_enforcement``); the stand-in's own credentials
     (``env``) stay an administrator's.
     """
 
@@ -214,7 +214,7 @@ class LocalStandIn:
 
         Raises ``LookupError`` when the stand-in's IAM has no such role.
         """
-        from infra.local.moto_ext import iam_enforcement
+        from sdcguard.infra.local.moto_ext import iam_enforcement
 
         return {**self.env, **iam_enforcement.assume(role_arn, session_name)}
 
@@ -231,8 +231,8 @@ class LocalStandIn:
         server cannot start; nothing is left running then.
         """
         global _active
-        from infra.local import moto_ext
-        from infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
+        from sdcguard.infra.local import moto_ext
+        from sdcguard.infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
 
         with _active_lock:
             if _active is not None:
@@ -274,9 +274,9 @@ class LocalStandIn:
         return self
 
     def _start_eks(self) -> EksApiServer:
-        from infra.local.eks.errors import ApiError
-        from infra.local.eks.rbac import AccessEntries
-        from infra.local.eks.server import EksApiServer
+        from sdcguard.infra.local.eks.errors import ApiError
+        from sdcguard.infra.local.eks.rbac import AccessEntries
+        from sdcguard.infra.local.eks.server import EksApiServer
 
         manifest: list[dict[str, Any]] = []
         access = AccessEntries()
@@ -317,7 +317,7 @@ class LocalStandIn:
     def stop(self) -> None:
         """Stop both servers, the Lambda workers, and undo the process-wide settings."""
         global _active
-        from infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
+        from sdcguard.infra.local.moto_ext import eks_endpoint, hyperpod, iam_enforcement, lambda_runner
 
         if _active is not self:
             return

@@ -1,6 +1,6 @@
 """The training job's identity on the stand-in: a role with the deployed stack's TrainingPolicy, assumed.
 
-The stand-in enforces IAM (``infra.local.moto_ext.iam_enforcement``), so a
+The stand-in enforces IAM (``sdcguard.infra.local.moto_ext.iam_enforcement``), so a
 job that runs with these credentials may do what the TrainingPolicy allows
 and nothing more, as the agent in a training pod on AWS.
 """

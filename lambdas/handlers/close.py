@@ -6,14 +6,14 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.close import close_incident
-from lambdas.idempotency import run_once
-from lambdas.inputs import IncidentRef, parse_input
-from lambdas.outputs import Closed
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.close import close_incident
+from sdcguard.lambdas.idempotency import run_once
+from sdcguard.lambdas.inputs import IncidentRef, parse_input
+from sdcguard.lambdas.outputs import Closed
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Closed`. Raises ``IncidentNotWaiting``."""
+    """Returns :class:`~sdcguard.lambdas.outputs.Closed`. Raises ``IncidentNotWaiting``."""
     result = run_once(close, parse_input(IncidentRef, event), Closed, context=context)
     for name, seconds in result.timings.items():
         metrics.add_metric(name=name, unit=MetricUnit.Seconds, value=seconds)

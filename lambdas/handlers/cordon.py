@@ -6,13 +6,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.cordon import cordon_for_incident
-from lambdas.idempotency import run_once
-from lambdas.inputs import InstanceRef, parse_input
-from lambdas.outputs import Cordoned
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.cordon import cordon_for_incident
+from sdcguard.lambdas.idempotency import run_once
+from sdcguard.lambdas.inputs import InstanceRef, parse_input
+from sdcguard.lambdas.outputs import Cordoned
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -20,7 +20,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Cordoned`. Raises ``NotInCluster``, ``TransientKubernetesError``."""
+    """Returns :class:`~sdcguard.lambdas.outputs.Cordoned`. Raises ``NotInCluster``, ``TransientKubernetesError``."""
     result = run_once(cordon, parse_input(InstanceRef, event), Cordoned, context=context)
     if result.changed:
         metrics.add_metric(name="NodesCordoned", unit=MetricUnit.Count, value=1)

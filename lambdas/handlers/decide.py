@@ -6,14 +6,14 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.decide import decide
-from lambdas.inputs import DecideInput, parse_input
-from lambdas.outputs import Decided
-from lambdas.settings import get_settings
-from lambdas.task_tokens import TaskTokens
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.decide import decide
+from sdcguard.lambdas.inputs import DecideInput, parse_input
+from sdcguard.lambdas.outputs import Decided
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.task_tokens import TaskTokens
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Decided`.
+    """Returns :class:`~sdcguard.lambdas.outputs.Decided`.
 
     Raises ``UnknownDecision``, ``UnverifiedDecision``, ``IncidentNotWaiting``,
     ``ApprovalExpired``, ``IncidentNotFound``; none of them changes anything.

@@ -6,13 +6,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.evidence import CORROBORATED, evidence_for_incident
-from lambdas.inputs import IncidentRef, parse_input
-from lambdas.outputs import Evidence
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.evidence import CORROBORATED, evidence_for_incident
+from sdcguard.lambdas.inputs import IncidentRef, parse_input
+from sdcguard.lambdas.outputs import Evidence
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -20,7 +20,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Evidence` (the summary the reviewers see)."""
+    """Returns :class:`~sdcguard.lambdas.outputs.Evidence` (the summary the reviewers see)."""
     result = evidence(parse_input(IncidentRef, event))
     metrics.add_metric(name="Corroborated" if result.verdict == CORROBORATED else "NoHardwareSignal", unit=MetricUnit.Count, value=1)
     logger.info("evidence collected", extra={"verdict": result.verdict})

@@ -6,14 +6,14 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from contract import IncidentState
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.guard import guard_incident
-from lambdas.inputs import IncidentRef, parse_input
-from lambdas.outputs import Guarded
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.contract import IncidentState
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.guard import guard_incident
+from sdcguard.lambdas.inputs import IncidentRef, parse_input
+from sdcguard.lambdas.outputs import Guarded
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Guarded`. Raises ``BlastRadiusExceeded``, ``LedgerConflict``."""
+    """Returns :class:`~sdcguard.lambdas.outputs.Guarded`. Raises ``BlastRadiusExceeded``, ``LedgerConflict``."""
     result = guard(parse_input(IncidentRef, event))
     metrics.add_metric(name="DryRuns" if result.action == "dry_run" else "IncidentsAdmitted", unit=MetricUnit.Count, value=1)
     logger.info("guarded", extra={"action": result.action, "mode": result.mode})

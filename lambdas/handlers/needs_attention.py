@@ -6,15 +6,15 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from contract import Failure
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.close import stop_for_attention
-from lambdas.errors import MalformedEvent
-from lambdas.inputs import FailureReport, parse_input
-from lambdas.outputs import Ended
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.contract import Failure
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.close import stop_for_attention
+from sdcguard.lambdas.errors import MalformedEvent
+from sdcguard.lambdas.inputs import FailureReport, parse_input
+from sdcguard.lambdas.outputs import Ended
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -22,7 +22,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Ended`: NEEDS_ATTENTION recorded and the reviewers told.
+    """Returns :class:`~sdcguard.lambdas.outputs.Ended`: NEEDS_ATTENTION recorded and the reviewers told.
 
     If this handler fails, the state machine publishes to the topic itself.
     """

@@ -6,14 +6,14 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.inputs import NodeCheckPoll as PollRequest
-from lambdas.inputs import parse_input
-from lambdas.node_check import poll_checks
-from lambdas.outputs import NodeCheckPoll
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.inputs import NodeCheckPoll as PollRequest
+from sdcguard.lambdas.inputs import parse_input
+from sdcguard.lambdas.node_check import poll_checks
+from sdcguard.lambdas.outputs import NodeCheckPoll
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.NodeCheckPoll`.
+    """Returns :class:`~sdcguard.lambdas.outputs.NodeCheckPoll`.
 
     ``attempt`` counts this poll; ``exhausted`` is True when the loop's bound
     is reached with checks still running (they are then recorded as

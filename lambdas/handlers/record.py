@@ -6,13 +6,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.inputs import AlarmEvent, RecordRequest, parse_input
-from lambdas.outputs import Recorded, Timeouts
-from lambdas.record import record_alarm
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.inputs import AlarmEvent, RecordRequest, parse_input
+from sdcguard.lambdas.outputs import Recorded, Timeouts
+from sdcguard.lambdas.record import record_alarm
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="event.detail.alarm_id")
@@ -20,7 +20,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Recorded`. Raises ``MalformedEvent``, ``NotInCluster``.
+    """Returns :class:`~sdcguard.lambdas.outputs.Recorded`. Raises ``MalformedEvent``, ``NotInCluster``.
 
     The incident machine hands ``{event, execution_id}``; the bare EventBridge
     event is accepted too (a direct invocation, with no execution to recognise).

@@ -6,14 +6,14 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.idempotency import run_once
-from lambdas.inputs import InstanceRef, parse_input
-from lambdas.outputs import ReplacementRequested
-from lambdas.replace import request_replacement
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.idempotency import run_once
+from sdcguard.lambdas.inputs import InstanceRef, parse_input
+from sdcguard.lambdas.outputs import ReplacementRequested
+from sdcguard.lambdas.replace import request_replacement
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -21,7 +21,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.ReplacementRequested`. Raises ``IncidentNotWaiting`` (no approval in the ledger), ``BlastRadiusExceeded``, ``NodeHeldByHyperPod``, ``ReplacementFailed``."""
+    """Returns :class:`~sdcguard.lambdas.outputs.ReplacementRequested`. Raises ``IncidentNotWaiting`` (no approval in the ledger), ``BlastRadiusExceeded``, ``NodeHeldByHyperPod``, ``ReplacementFailed``."""
     result = run_once(replace, parse_input(InstanceRef, event), ReplacementRequested, context=context)
     metrics.add_metric(name="ReplacementsRequested", unit=MetricUnit.Count, value=1)
     logger.info("replacement requested", extra=result.model_dump())

@@ -6,16 +6,16 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.approval import request_approval
-from lambdas.clients import named_throttling
-from lambdas.idempotency import run_once
-from lambdas.inputs import ApprovalRequest, parse_input
-from lambdas.outputs import Ended
-from lambdas.pointer import plan_rollback
-from lambdas.settings import get_settings
-from lambdas.task_tokens import TaskTokens
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.approval import request_approval
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.idempotency import run_once
+from sdcguard.lambdas.inputs import ApprovalRequest, parse_input
+from sdcguard.lambdas.outputs import Ended
+from sdcguard.lambdas.pointer import plan_rollback
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.task_tokens import TaskTokens
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -23,7 +23,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.Ended`; the machine waits for the token's answer.
+    """Returns :class:`~sdcguard.lambdas.outputs.Ended`; the machine waits for the token's answer.
 
     Raises ``IncidentNotWaiting``, and ``NoSafeCheckpoint`` or ``PointerOutsidePrefix`` (nothing asked,
     nothing replaced: the machine stops for attention).

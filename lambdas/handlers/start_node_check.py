@@ -6,13 +6,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.inputs import NodeCheckStart, parse_input
-from lambdas.node_check import start_checks
-from lambdas.outputs import NodeChecksStarted
-from lambdas.settings import get_settings
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.inputs import NodeCheckStart, parse_input
+from sdcguard.lambdas.node_check import start_checks
+from sdcguard.lambdas.outputs import NodeChecksStarted
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -20,7 +20,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.NodeChecksStarted`. Raises ``IncidentNotWaiting`` (not at the check's
+    """Returns :class:`~sdcguard.lambdas.outputs.NodeChecksStarted`. Raises ``IncidentNotWaiting`` (not at the check's
     stage), ``TransientKubernetesError``; a missing capsule or a refused Job is recorded as skipped, not raised."""
     # Idempotent through the ledger, not powertools' idempotency: a second replacement round calls it again
     # with an equal payload and must act on that round's nodes.

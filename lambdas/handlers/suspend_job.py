@@ -6,13 +6,13 @@ from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
 
-from lambdas import clients
-from lambdas.clients import named_throttling
-from lambdas.idempotency import run_once
-from lambdas.inputs import IncidentRef, parse_input
-from lambdas.job import suspend_for_incident
-from lambdas.outputs import JobChanged
-from lambdas.telemetry import logger, metrics, tracer
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.clients import named_throttling
+from sdcguard.lambdas.idempotency import run_once
+from sdcguard.lambdas.inputs import IncidentRef, parse_input
+from sdcguard.lambdas.job import suspend_for_incident
+from sdcguard.lambdas.outputs import JobChanged
+from sdcguard.lambdas.telemetry import logger, metrics, tracer
 
 
 @logger.inject_lambda_context(correlation_id_path="incident_id")
@@ -20,7 +20,7 @@ from lambdas.telemetry import logger, metrics, tracer
 @metrics.log_metrics
 @named_throttling
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """Returns :class:`~lambdas.outputs.JobChanged`. Raises ``TransientKubernetesError``, ``KubernetesObjectMissing``."""
+    """Returns :class:`~sdcguard.lambdas.outputs.JobChanged`. Raises ``TransientKubernetesError``, ``KubernetesObjectMissing``."""
     result = run_once(suspend, parse_input(IncidentRef, event), JobChanged, context=context)
     metrics.add_metric(name="JobsSuspended", unit=MetricUnit.Count, value=1 if result.changed else 0)
     logger.info("job suspended", extra=result.model_dump())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from campaign import options
+from sdcguard.campaign import options
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -13,6 +13,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from campaign.campaign import run_from_args  # torch: only when the campaign runs
+    from sdcguard.campaign.campaign import run_from_args  # torch: only when the campaign runs
 
     return run_from_args(args, prog="sdcguard campaign")

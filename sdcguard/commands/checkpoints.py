@@ -1,8 +1,8 @@
 """``sdcguard checkpoints``: list a job's checkpoints, and choose (and point at) the one to resume from.
 
 ``select --suspect-since STEP`` applies exactly the rule the pipeline applies
-(:func:`lineage.selection.select_checkpoint`), with STEP in the role of an
-alarm's :meth:`contract.Alarm.trusted_through_step`; ``--alarm FILE`` computes
+(:func:`sdcguard.lineage.selection.select_checkpoint`), with STEP in the role of an
+alarm's :meth:`sdcguard.contract.Alarm.trusted_through_step`; ``--alarm FILE`` computes
 it from a stored alarm.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from contract.alarm import Alarm
-from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, LineageError, NoSafeCheckpoint
-from lineage.listing import list_checkpoints
-from lineage.pointer import read_pointer, rewrite_pointer_explained
-from lineage.selection import Selection, select_checkpoint
-from lineage.store import ObjectStore, open_store
-from lineage.verify import read_manifest, verify_checkpoint
+from sdcguard.contract.alarm import Alarm
 from sdcguard.errors import CommandError
+from sdcguard.lineage.errors import CheckpointCorrupt, CheckpointIncomplete, LineageError, NoSafeCheckpoint
+from sdcguard.lineage.listing import list_checkpoints
+from sdcguard.lineage.pointer import read_pointer, rewrite_pointer_explained
+from sdcguard.lineage.selection import Selection, select_checkpoint
+from sdcguard.lineage.store import ObjectStore, open_store
+from sdcguard.lineage.verify import read_manifest, verify_checkpoint
 
 SUSPECT_SINCE_HELP = (
     "the first step whose update is suspect. A checkpoint's step is the first step a resumed job "

@@ -1,4 +1,4 @@
-"""``sdcguard deploy``: the adapter of :func:`infra.deploy.deploy.deploy` (arguments, progress, outputs)."""
+"""``sdcguard deploy``: the adapter of :func:`sdcguard.infra.deploy.deploy.deploy` (arguments, progress, outputs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import boto3
 
-from infra.deploy.deploy import DeployError, default_target, deploy, parse_overrides
 from sdcguard.errors import CommandError
+from sdcguard.infra.deploy.deploy import DeployError, default_target, deploy, parse_overrides
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``sdcguard destroy``: the adapter of :func:`infra.deploy.destroy.destroy`."""
+"""``sdcguard destroy``: the adapter of :func:`sdcguard.infra.deploy.destroy.destroy`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import boto3
 
-from infra.deploy.destroy import DestroyError, destroy
 from sdcguard.errors import CommandError
+from sdcguard.infra.deploy.destroy import DestroyError, destroy
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""``sdcguard drill``: the adapter of :mod:`infra.drill.flow`: the whole system, end to end, on the local stand-in, from one command.
+"""``sdcguard drill``: the adapter of :mod:`sdcguard.infra.drill.flow`: the whole system, end to end, on the local stand-in, from one command.
 
 1. start the local stand-in, seed a 3-node HyperPod cluster, deploy the stack
    (the code path of ``sdcguard deploy``);
@@ -40,14 +40,14 @@ import time
 import warnings
 from pathlib import Path
 
-from infra.drill.failure import DrillFailed
-from infra.drill.flow import run_drill
-from infra.drill.job_run import Trainer, TrainerError
-from infra.drill.options import FAULTS, SHARDINGS, Decision, DrillOptions
-from infra.drill.report import verdict_lines
-from infra.drill.setup import prepare
-from infra.drill.summary import DrillSummary
 from sdcguard.errors import CommandError
+from sdcguard.infra.drill.failure import DrillFailed
+from sdcguard.infra.drill.flow import run_drill
+from sdcguard.infra.drill.job_run import Trainer, TrainerError
+from sdcguard.infra.drill.options import FAULTS, SHARDINGS, Decision, DrillOptions
+from sdcguard.infra.drill.report import verdict_lines
+from sdcguard.infra.drill.setup import prepare
+from sdcguard.infra.drill.summary import DrillSummary
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +95,8 @@ def _options(args: argparse.Namespace) -> DrillOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Run the drill; 0 when it passed, 1 when a step failed. CommandError for bad options."""
-    from infra.local.standin import LocalStandIn, StandInError
     from sdcguard.cli import main
+    from sdcguard.infra.local.standin import LocalStandIn, StandInError
 
     # moto warns about every template resource it skips; the drill's reader wants the drill.
     logging.getLogger("moto").setLevel(logging.ERROR)

@@ -8,7 +8,7 @@ its answer.
 
 The three commands share this module; ``configure`` tells them apart by the
 name the dispatcher gave the sub-parser. The ledger is read with
-:class:`lambdas.ledger.Ledger`, the pipeline's own.
+:class:`sdcguard.lambdas.ledger.Ledger`, the pipeline's own.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from typing import Any
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 
-from contract import Incident, IncidentState, NodeCheck
-from lambdas.blast_radius import stopped_holding
-from lambdas.close import plain_cause
-from lambdas.errors import (
+from sdcguard.contract import Incident, IncidentState, NodeCheck
+from sdcguard.errors import CommandError
+from sdcguard.lambdas.blast_radius import stopped_holding
+from sdcguard.lambdas.close import plain_cause
+from sdcguard.lambdas.errors import (
     IncidentNotFound,
     IncidentNotWaiting,
     KubernetesObjectMissing,
     TransientKubernetesError,
 )
-from lambdas.ledger import Ledger
-from lambdas.notify import PERSISTENCE
-from sdcguard.errors import CommandError
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.notify import PERSISTENCE
 
 DEFAULT_STACK = "sdcguard"
 NO_CREDENTIALS = (
@@ -249,8 +249,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
 
 def _end(args: argparse.Namespace, ledger: Ledger, how: str) -> int:
     """``incidents abort`` / ``incidents release`` with the caller's own credentials and identity."""
-    from lambdas.abort import abort_incident, release_stopped
-    from lambdas.eks_token import kubernetes_client
+    from sdcguard.lambdas.abort import abort_incident, release_stopped
+    from sdcguard.lambdas.eks_token import kubernetes_client
 
     operator = boto3.client("sts").get_caller_identity()["Arn"]
     incident = ledger.get(args.incident_id)

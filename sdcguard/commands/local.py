@@ -2,9 +2,9 @@
 
 ``sdcguard local up`` runs the stand-in in the foreground until interrupted;
 its first lines are shell exports, so ``eval`` or a copy and paste points any
-AWS tool at it. ``sdcguard local seed`` (:func:`infra.local.seed.seed`) fills a
+AWS tool at it. ``sdcguard local seed`` (:func:`sdcguard.infra.local.seed.seed`) fills a
 running stand-in with a simulated HyperPod cluster and training job.
-``sdcguard local kubeconfig`` (:func:`infra.local.kubeconfig.write_kubeconfig`)
+``sdcguard local kubeconfig`` (:func:`sdcguard.infra.local.kubeconfig.write_kubeconfig`)
 points kubectl at the stand-in's EKS cluster, through the credential plugin
 ``sdcguard local exec-credential``.
 """
@@ -121,7 +121,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     # Interrupted while starting: start() stops what it had begun; the teardown is skipped here too (below).
     try:
-        from infra.local.standin import LocalStandIn, PortInUse, StandInError
+        from sdcguard.infra.local.standin import LocalStandIn, PortInUse, StandInError
     except KeyboardInterrupt:
         _end_process(130, "sdcguard: interrupted")
     standin = LocalStandIn(port=args.port, eks_port=args.eks_port, replace_seconds=args.replace_seconds)
@@ -200,7 +200,7 @@ def run_seed(args: argparse.Namespace) -> int:
     from botocore.exceptions import BotoCoreError, ClientError
     from kubernetes import client as k8s
 
-    from infra.local.seed import SeedError, seed
+    from sdcguard.infra.local.seed import SeedError, seed
 
     try:
         result = seed(
@@ -230,7 +230,7 @@ def run_kubeconfig(args: argparse.Namespace) -> int:
     """Merge the stand-in cluster's kubeconfig entries into the file and say which context kubectl now uses."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from infra.local.kubeconfig import KubeconfigError, write_kubeconfig
+    from sdcguard.infra.local.kubeconfig import KubeconfigError, write_kubeconfig
 
     try:
         path, context = write_kubeconfig(args.cluster, args.output)
@@ -248,7 +248,7 @@ def run_exec_credential(args: argparse.Namespace) -> int:
     """Print the ExecCredential kubectl reads from its credential plugin."""
     from botocore.exceptions import BotoCoreError
 
-    from infra.local.kubeconfig import exec_credential
+    from sdcguard.infra.local.kubeconfig import exec_credential
 
     try:
         credential = exec_credential(args.cluster)

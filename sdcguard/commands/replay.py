@@ -1,6 +1,6 @@
 """``sdcguard replay CAPSULE``: recompute a replay capsule on this device and compare the bits.
 
-The adapter of :func:`agent.capsule_replay.replay`: it imports torch only when it
+The adapter of :func:`sdcguard.agent.capsule_replay.replay`: it imports torch only when it
 runs, prints progress on stderr and the result on stdout (with ``--json``,
 one object on the last line: what the pipeline's Kubernetes Job reads from
 the pod's log), and exits 0 when every repetition matched the healthy bits,
@@ -68,7 +68,7 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Replay the capsule; print the report; return its exit status (0 match, 1 mismatch, 2 unusable)."""
-    from agent.capsule_replay import replay
+    from sdcguard.agent.capsule_replay import replay
 
     def progress(line: str) -> None:
         if not args.quiet:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from contract import schema
+from sdcguard.contract import schema
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

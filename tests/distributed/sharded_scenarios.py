@@ -27,20 +27,29 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.inject import Injection
-from agent.publisher import Publisher, PublishOutcome
-from agent.train import JobShape, SyntheticData, TinyGPT, init_process_group, launch, loss_fn, shutdown, train
-from contract import Alarm
-from lineage.errors import CheckpointCorrupt
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.publisher import Publisher, PublishOutcome
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import (
+    JobShape,
+    SyntheticData,
+    TinyGPT,
+    init_process_group,
+    launch,
+    loss_fn,
+    shutdown,
+    train,
+)
+from sdcguard.contract import Alarm
+from sdcguard.lineage.errors import CheckpointCorrupt
 
 SHAPE = JobShape(vocab=16, dim=8, heads=2, layers=1, seq=4, batch=2, dropout=0.1, lr=3e-3)
 """The smallest GPT that has every path: two FSDP groups (the block, the root), shards of unequal size on a
 mesh of 3, empty shards on a 1-D mesh of 6 (dim 8 over 6 ranks), dropout."""
 
 REFERENCE_FLAGS = ("--dim", "8", "--layers", "1", "--batch", "2")
-"""The reference job's size in the tests (``agent.train`` flags); the "reference" scenario trains the same."""
+"""The reference job's size in the tests (``sdcguard.agent.testing.train`` flags); the "reference" scenario trains the same."""
 REFERENCE_SHAPE = JobShape(dim=8, layers=1, batch=2)
 
 
@@ -203,9 +212,9 @@ def _resume(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int)
 def _flip(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) -> dict[str, Any]:
     """Rank 0 copies the checkpoints at ``source`` to ``prefix`` and flips one byte in the middle of the largest
     shard file of the copy's checkpoint at ``step``."""
-    from contract.checkpoint import checkpoint_dir
-    from lineage.store import open_store
-    from lineage.verify import read_manifest
+    from sdcguard.contract.checkpoint import checkpoint_dir
+    from sdcguard.lineage.store import open_store
+    from sdcguard.lineage.verify import read_manifest
 
     flipped = None
     if dist.get_rank() == 0:
@@ -222,7 +231,7 @@ def _flip(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) -
 
 
 def _reference(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) -> dict[str, Any]:
-    """The reference job's own loop (``agent.train.train``) under HSDP, checkpointing into ``prefix``."""
+    """The reference job's own loop (``sdcguard.agent.testing.train.train``) under HSDP, checkpointing into ``prefix``."""
     config = GuardConfig(ranks_per_node=ranks_per_node, audit_every=2, fingerprint_every=2,
                          checkpoint_prefix=scenario["prefix"], spool_dir=str(out / "spool-reference"),
                          job_name="gpt-sharded-test")
@@ -244,7 +253,7 @@ def clean_env() -> dict[str, str]:
     return {k: "" for k in os.environ if k.startswith("SDCGUARD_")}
 
 
-LAUNCHER_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint", "agent.sharded", "agent.sharded_checkpoint")
+LAUNCHER_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint", "sdcguard.agent.sharded", "sdcguard.agent.sharded_checkpoint")
 """What a rank would otherwise import on first use (FSDP's DTensors import torch._dynamo: seconds)."""
 
 

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from agent.capsule import load_capsule
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.inject import Injection
-from agent.sharded_capsule import gather_full_state
-from agent.train import SyntheticData, init_process_group, shutdown
-from agent.train import loss_fn as next_token_loss
+from sdcguard.agent.capsule import load_capsule
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.sharded_capsule import gather_full_state
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import SyntheticData, init_process_group, shutdown
+from sdcguard.agent.testing.train import loss_fn as next_token_loss
 from sdcguard.cli import main
 from tests.capsules import SHAPE, faulty_device, tiny_model
 from tests.distributed.sharded_scenarios import LAUNCHER_IMPORTS, clean_env, make_mesh, rank_env
@@ -101,7 +101,7 @@ def ranks(out_dir: str) -> None:
 def hsdp_world() -> Any:
     with tempfile.TemporaryDirectory() as out:
         env = {**clean_env(), **rank_env(WORLD, RANKS_PER_NODE)}
-        codes = launch_forked(WORLD, ranks, (out,), env=env, preload=(*LAUNCHER_IMPORTS, "agent.guard"))
+        codes = launch_forked(WORLD, ranks, (out,), env=env, preload=(*LAUNCHER_IMPORTS, "sdcguard.agent.guard"))
         assert codes == [0] * WORLD
         yield Path(out), [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(WORLD)]
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm
-from contract.alarm import FingerprintEvidence, NonFiniteEvidence, RingAuditEvidence
-from contract.checkpoint import checkpoint_dir
-from lineage.errors import NoSafeCheckpoint
-from lineage.selection import select_checkpoint
-from lineage.store import open_store
-from lineage.verify import read_manifest
+from sdcguard.contract import Alarm
+from sdcguard.contract.alarm import FingerprintEvidence, NonFiniteEvidence, RingAuditEvidence
+from sdcguard.contract.checkpoint import checkpoint_dir
+from sdcguard.lineage.errors import NoSafeCheckpoint
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import open_store
+from sdcguard.lineage.verify import read_manifest
 from tests.distributed.sharded_world import (
     ACCUM_FAULTS,
     CHECKPOINT_STEP,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm
-from contract.alarm import NonFiniteEvidence
+from sdcguard.contract import Alarm
+from sdcguard.contract.alarm import NonFiniteEvidence
 from tests.distributed import sharded_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

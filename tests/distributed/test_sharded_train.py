@@ -1,6 +1,6 @@
 """The reference job under ``--sharding hsdp``: trains and checkpoints, resumes from the pointer, stops on an alarm.
 
-Its loop (``agent.train.train``) trains and checkpoints in the shared launch
+Its loop (``sdcguard.agent.testing.train.train``) trains and checkpoints in the shared launch
 (the ``six`` fixture); the command line then resumes from that checkpoint
 with a persistent fault on one rank and must stop on the alarm: one launch of
 the command instead of two.
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agent.config import ALARM_EXIT_CODE
-from contract.checkpoint import checkpoint_dir
+from sdcguard.agent.config import ALARM_EXIT_CODE
+from sdcguard.contract.checkpoint import checkpoint_dir
 from tests.distributed.sharded_scenarios import REFERENCE_FLAGS
 from tests.distributed.sharded_world import REFERENCE_STEPS, ROOT, WORLD
 
@@ -50,7 +50,7 @@ def test_the_reference_job_resumes_and_stops_on_an_alarm_under_hsdp(six: tuple[P
 
     # when the command starts on the same mesh,
     done = subprocess.run(
-        [sys.executable, "-m", "agent.train", "--nproc", str(WORLD), "--ranks-per-node", "2", "--sharding", "hsdp",
+        [sys.executable, "-m", "sdcguard.agent.testing.train", "--nproc", str(WORLD), "--ranks-per-node", "2", "--sharding", "hsdp",
          "--steps", "12", "--audit-every", "2", "--fingerprint-every", "2", "--checkpoint-every", "4",
          "--checkpoint-prefix", str(prefix), *REFERENCE_FLAGS],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=500, check=False)

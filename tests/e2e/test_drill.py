@@ -28,14 +28,22 @@ from typing import Any
 
 import pytest
 
-from infra.drill.flow import DrillFailed, DrillOptions, Stage, placements, prepare, run_clean, run_drill
-from infra.drill.job_run import RunResult, Trainer
-from infra.drill.summary import DrillSummary
-from infra.local.standin import LocalStandIn
-from lineage.pointer import read_pointer
-from lineage.store import open_store
-from lineage.verify import read_manifest
 from sdcguard.cli import main
+from sdcguard.infra.drill.flow import (
+    DrillFailed,
+    DrillOptions,
+    Stage,
+    placements,
+    prepare,
+    run_clean,
+    run_drill,
+)
+from sdcguard.infra.drill.job_run import RunResult, Trainer
+from sdcguard.infra.drill.summary import DrillSummary
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lineage.pointer import read_pointer
+from sdcguard.lineage.store import open_store
+from sdcguard.lineage.verify import read_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -320,9 +328,9 @@ def test_the_interactive_pause_shows_kubectl_lines_that_read_the_containment(
     # Given an interactive drill, whose reviewer runs the kubectl lines it was shown before answering,
     import shlex
 
-    from contract import Incident
-    from contract.naming import node_name
-    from infra.drill import flow
+    from sdcguard.contract import Incident
+    from sdcguard.contract.naming import node_name
+    from sdcguard.infra.drill import flow
 
     said: list[str] = []
     ran: dict[str, subprocess.CompletedProcess[str]] = {}
@@ -375,7 +383,7 @@ def test_a_faulty_replacement_is_never_resumed_onto(stage: Stage, trainer: Train
         assert qualified is False or (isinstance(qualified, list) and not any(qualified))
         assert (summary.replacement_outcome or "").startswith("NEEDS_ATTENTION: ")
         assert summary.recovered_bit_exact is None
-        from infra.drill.cluster import hyperpod_nodes, job_suspended, node
+        from sdcguard.infra.drill.cluster import hyperpod_nodes, job_suspended, node
 
         assert job_suspended(stage)
         # (the last one stays cordoned for a person; one replaced again has left the cluster)

@@ -18,12 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from agent.config import GuardConfig
-from agent.guard import DataFaultLimit, SDCGuard
-from agent.inject import Injection
-from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
-from agent.weights import state_fingerprint_hex
-from lineage.errors import CheckpointCorrupt
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import DataFaultLimit, SDCGuard
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
+from sdcguard.agent.weights import state_fingerprint_hex
+from sdcguard.lineage.errors import CheckpointCorrupt
 
 
 class BatchNormNet(nn.Module):
@@ -88,7 +88,7 @@ def _model(scenario: dict[str, Any], shape: JobShape, group: dist.ProcessGroup |
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), bn_loss, bn_batch
     if scenario.get("freeze"):
         torch.manual_seed(shape.seed)
-        from agent.train import TinyGPT
+        from sdcguard.agent.testing.train import TinyGPT
 
         model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout)
         for name, param in model.named_parameters():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from campaign.job import CampaignJob
+from sdcguard.campaign.job import CampaignJob
 
 FEATURES, HIDDEN, CLASSES, BATCH = 12, 24, 4, 32
 

@@ -21,12 +21,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard, StepResult
-from agent.inject import Injection
-from agent.train import JobShape, SyntheticData, TinyGPT, init_process_group, loss_fn, shutdown
-from agent.weights import state_fingerprint_hex
-from lineage.errors import CheckpointCorrupt
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard, StepResult
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import (
+    JobShape,
+    SyntheticData,
+    TinyGPT,
+    init_process_group,
+    loss_fn,
+    shutdown,
+)
+from sdcguard.agent.weights import state_fingerprint_hex
+from sdcguard.lineage.errors import CheckpointCorrupt
 from tests.functional.agent_scenarios import everything_hex
 
 

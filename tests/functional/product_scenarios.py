@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
-from campaign.injectors import ProductMode, flip
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
+from sdcguard.campaign.injectors import ProductMode, flip
 from tests.outbox import Outbox
 
 SHAPE = JobShape(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=8, dropout=0.1)

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 
 def waiting_token(standin: LocalStandIn, timeout_seconds: int = 120) -> tuple[str, str]:

@@ -22,8 +22,8 @@ from typing import Any
 import botocore.signers
 from botocore.credentials import Credentials
 
-from infra.local.moto_ext import iam_enforcement
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.moto_ext import iam_enforcement
+from sdcguard.infra.local.standin import LocalStandIn
 from tests.functional import recorded_calls
 
 ACCOUNT = "123456789012"

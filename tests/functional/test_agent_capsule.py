@@ -26,11 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.inject import Injection
-from agent.train import SyntheticData, init_process_group, shutdown
-from agent.train import loss_fn as next_token_loss
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import SyntheticData, init_process_group, shutdown
+from sdcguard.agent.testing.train import loss_fn as next_token_loss
 from sdcguard.cli import main
 from tests.capsules import SHAPE, faulty_device, tiny_model
 from tests.forked import launch_forked
@@ -91,7 +91,7 @@ def ranks(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def three() -> Any:
     with tempfile.TemporaryDirectory() as out:
-        codes = launch_forked(3, ranks, (out,), preload=("agent.guard",))
+        codes = launch_forked(3, ranks, (out,), preload=("sdcguard.agent.guard",))
         assert codes == [0, 0, 0]
         yield Path(out), [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(3)]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm
-from infra.local.standin import LocalStandIn
+from sdcguard.contract import Alarm
+from sdcguard.infra.local.standin import LocalStandIn
 from tests.forked import launch_forked
 from tests.functional import loop_scenarios
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from agent.config import ALARM_EXIT_CODE
-from contract import Alarm
-from infra.local.standin import LocalStandIn
+from sdcguard.agent.config import ALARM_EXIT_CODE
+from sdcguard.contract import Alarm
+from sdcguard.infra.local.standin import LocalStandIn
 from tests.forked import launch_forked
 from tests.functional import agent_scenarios
 
@@ -402,7 +402,7 @@ def test_reference_job_stops_with_the_alarm_exit_code(tmp_path: Path, standin: L
            "SDCGUARD_INJECT": "kind=nan_activation,rank=1,step=3", "SDCGUARD_JOB_NAME": "gpt-stop",
            "SDCGUARD_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "agent.train", "--nproc", "2", "--ranks-per-node", "1", "--steps", "6",
+        [sys.executable, "-m", "sdcguard.agent.testing.train", "--nproc", "2", "--ranks-per-node", "1", "--steps", "6",
          "--audit-every", "2", "--fingerprint-every", "2", "--checkpoint-prefix", str(tmp_path / "ckpt"),
          "--node-names", f"{node_name(0)},{node_name(1)}"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
@@ -420,6 +420,6 @@ def test_reference_job_stops_with_the_alarm_exit_code(tmp_path: Path, standin: L
 
 
 def test_reference_job_refuses_node_names_that_do_not_fit() -> None:
-    from agent.train import main
+    from sdcguard.agent.testing.train import main
 
     assert main(["--nproc", "4", "--ranks-per-node", "2", "--node-names", "a,b,c"]) == 2

@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from agent.batches import BatchNotReplayable
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.train import init_process_group, shutdown
+from sdcguard.agent.batches import BatchNotReplayable
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing.train import init_process_group, shutdown
 from tests.forked import launch_forked
 from tests.outbox import Outbox
 
@@ -92,7 +92,7 @@ def ranks(out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def three() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
-        codes = launch_forked(3, ranks, (out,), preload=("agent.guard",))
+        codes = launch_forked(3, ranks, (out,), preload=("sdcguard.agent.guard",))
         assert codes == [0, 0, 0]
         return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(3)]
 

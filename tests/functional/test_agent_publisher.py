@@ -14,11 +14,11 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from agent.alarm import job_identity
-from agent.config import GuardConfig
-from agent.publisher import Publisher
-from contract import Alarm
-from infra.local.standin import LocalStandIn
+from sdcguard.agent.alarm import job_identity
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.publisher import Publisher
+from sdcguard.contract import Alarm
+from sdcguard.infra.local.standin import LocalStandIn
 
 if TYPE_CHECKING:
     from mypy_boto3_events import EventBridgeClient
@@ -173,7 +173,7 @@ def test_a_start_republishes_only_its_own_jobs_recent_alarms_and_says_once_what_
 
     # When: this job starts.
     publisher = Publisher(config, events_client=cast("EventBridgeClient", events))
-    with caplog.at_level(logging.WARNING, logger="agent.publisher"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.publisher"):
         outcomes = publisher.republish_spooled(s3=False)
 
     # Then: its own recent alarm alone is sent and leaves the spool; the rest stay, said once per kind.

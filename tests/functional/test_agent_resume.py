@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.config import GuardConfig
-from agent.train import JobShape, init_process_group, shutdown, train
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.testing.train import JobShape, init_process_group, shutdown, train
 from tests.forked import launch_forked
 
 WORLD = 3

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from campaign import QUICK, run_campaign
-from campaign.job import JobProblem
+from sdcguard.campaign import QUICK, run_campaign
+from sdcguard.campaign.job import JobProblem
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from campaign import QUICK, run_campaign
-from campaign.outcome import judge_fault
+from sdcguard.campaign import QUICK, run_campaign
+from sdcguard.campaign.outcome import judge_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

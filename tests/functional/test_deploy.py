@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.deploy.deploy import DeployError, deploy
-from infra.deploy.destroy import DestroyError, destroy
-from infra.deploy.package import local_target
-from infra.local.standin import LocalStandIn
 from sdcguard.cli import main
+from sdcguard.infra.deploy.deploy import DeployError, deploy
+from sdcguard.infra.deploy.destroy import DestroyError, destroy
+from sdcguard.infra.deploy.package import local_target
+from sdcguard.infra.local.standin import LocalStandIn
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_deploy_stands_up_the_pipeline_then_updates_and_destroys_it(aws: LocalSt
     lam = aws.client("lambda")
     for handler in HANDLERS:
         config = lam.get_function_configuration(FunctionName=f"{name}-{handler.replace('_', '-')}")
-        assert config["Handler"] == f"lambdas.handlers.{handler}.handler"
+        assert config["Handler"] == f"sdcguard.lambdas.handlers.{handler}.handler"
         env = config["Environment"]["Variables"]
         assert env["LEDGER_TABLE"] == outputs["LedgerTableName"]
         assert env["TOPIC_ARN"] == outputs["TopicArn"]
@@ -91,7 +91,7 @@ def test_deploy_stands_up_the_pipeline_then_updates_and_destroys_it(aws: LocalSt
         assert env["DECIDE_STATE_MACHINE_ARN"] == outputs["DecideStateMachineArn"]
     code = aws.client("s3").get_object(Bucket=result.code_bucket, Key=f"sdcguard/{name}/{result.package.key_name}")
     names = zipfile.ZipFile(io.BytesIO(code["Body"].read())).namelist()
-    assert {"lambdas/handlers/record.py", "contract/alarm.py", "lineage/pointer.py"} <= set(names)
+    assert {"sdcguard/lambdas/handlers/record.py", "sdcguard/contract/alarm.py", "sdcguard/lineage/pointer.py"} <= set(names)
     assert any(n.startswith("pydantic_core/") for n in names)
     assert not any(n.startswith(("boto3/", "botocore/", "torch/")) for n in names)
 

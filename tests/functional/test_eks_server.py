@@ -22,13 +22,13 @@ import urllib3
 import yaml
 from kubernetes import client as k8s
 
-from infra.local.eks.auth import TokenRejected, verify_token
-from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
-from infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL, hyperpod_node
-from infra.local.eks.patch import PatchError, json_patch, strategic_merge_patch
-from infra.local.eks.rbac import AccessEntries
-from infra.local.eks.resources import NAMESPACES, ROLES
-from infra.local.eks.server import EksApiServer
+from sdcguard.infra.local.eks.auth import TokenRejected, verify_token
+from sdcguard.infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
+from sdcguard.infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL, hyperpod_node
+from sdcguard.infra.local.eks.patch import PatchError, json_patch, strategic_merge_patch
+from sdcguard.infra.local.eks.rbac import AccessEntries
+from sdcguard.infra.local.eks.resources import NAMESPACES, ROLES
+from sdcguard.infra.local.eks.server import EksApiServer
 
 CLUSTER = "sdcguard-test"
 NAMESPACE = "training"

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent import fingerprint as fp
-from agent.checkpoint import CheckpointWriter
-from contract.checkpoint import checkpoint_dir
-from infra.local.standin import LocalStandIn
-from lineage.pointer import read_pointer
-from lineage.store import open_store
-from lineage.verify import manifest_key, read_manifest
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.checkpoint import CheckpointWriter
+from sdcguard.contract.checkpoint import checkpoint_dir
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lineage.pointer import read_pointer
+from sdcguard.lineage.store import open_store
+from sdcguard.lineage.verify import manifest_key, read_manifest
 from tests.forked import launch_forked
 
 WORLD = 2

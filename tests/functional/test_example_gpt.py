@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ALARM_EXIT_CODE
-from contract.checkpoint import checkpoint_dir
-from infra.local.standin import LocalStandIn
+from sdcguard.agent.config import ALARM_EXIT_CODE
+from sdcguard.contract.checkpoint import checkpoint_dir
+from sdcguard.infra.local.standin import LocalStandIn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

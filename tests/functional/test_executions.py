@@ -24,19 +24,19 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from contract import CheckpointManifest, Incident, IncidentState
-from infra.deploy.deploy import deploy
-from infra.local.moto_ext import hyperpod
-from infra.local.seed import seed
-from infra.local.standin import LocalStandIn
-from lambdas.cordon import TAINT_KEY
-from lambdas.eks_token import kubernetes_client
-from lambdas.ledger import Ledger
-from lineage.commit import commit, put_object
-from lineage.pointer import read_pointer
-from lineage.pointer import rewrite_pointer as point_at
-from lineage.store import open_store
-from lineage.verify import RESUME_OBJECTS
+from sdcguard.contract import CheckpointManifest, Incident, IncidentState
+from sdcguard.infra.deploy.deploy import deploy
+from sdcguard.infra.local.moto_ext import hyperpod
+from sdcguard.infra.local.seed import seed
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.eks_token import kubernetes_client
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lineage.commit import commit, put_object
+from sdcguard.lineage.pointer import read_pointer
+from sdcguard.lineage.pointer import rewrite_pointer as point_at
+from sdcguard.lineage.store import open_store
+from sdcguard.lineage.verify import RESUME_OBJECTS
 from tests.events import load_event
 
 pytestmark = pytest.mark.slow
@@ -757,7 +757,7 @@ def test_the_same_fault_after_a_rejection_opens_a_linked_incident_that_contains_
 
 # -- the node checks (issue 26): the capsule replayed on the suspect, and on every replacement -------------------
 
-# A persistent fault of the simulated GPU (agent/inject.py's spec): it fires on the tiny capsule's step.
+# A persistent fault of the simulated GPU (agent/testing/inject.py's spec): it fires on the tiny capsule's step.
 PERSISTENT = "kind=finite_activation,node={node},step=0,repeat=50"
 
 
@@ -884,8 +884,8 @@ def test_a_replacement_that_fails_its_qualification_is_never_resumed_onto(pipeli
 def test_aborting_an_incident_that_waits_for_approval_ends_its_execution_at_once(pipeline: Pipeline) -> None:
     from botocore.exceptions import ClientError
 
-    from lambdas.abort import abort_incident
-    from lambdas.task_tokens import TaskTokens
+    from sdcguard.lambdas.abort import abort_incident
+    from sdcguard.lambdas.task_tokens import TaskTokens
 
     # Given an incident whose execution waits on the reviewers' task token,
     p, node = pipeline, pipeline.node(1)

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm, Incident, IncidentState, ResolvedSuspect
-from infra.local.standin import LocalStandIn
-from lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
-from lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
 from sdcguard.cli import main
+from sdcguard.contract import Alarm, Incident, IncidentState, ResolvedSuspect
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas.ledger import OPEN_INDEX_ATTRIBUTES, OPEN_INDEX_DEFINITION, Ledger
+from sdcguard.lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
 from tests.events import load_event
 from tests.functional.task_token import waiting_token
 
@@ -45,10 +45,11 @@ class Setup:
 def code_zip() -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
+        archive.write(ROOT / "sdcguard" / "__init__.py", "sdcguard/__init__.py")
         for package in ("lambdas", "contract", "lineage"):
             for path in (ROOT / package).rglob("*"):
                 if path.is_file() and "__pycache__" not in path.parts:
-                    archive.write(path, path.relative_to(ROOT).as_posix())
+                    archive.write(path, f"sdcguard/{path.relative_to(ROOT).as_posix()}")
     return buffer.getvalue()
 
 
@@ -88,7 +89,7 @@ def setup(standin: LocalStandIn) -> Iterator[Setup]:
         FunctionName=f"decide-{suffix}",
         Runtime="python3.11",
         Role=role,
-        Handler="lambdas.handlers.decide.handler",
+        Handler="sdcguard.lambdas.handlers.decide.handler",
         Code={"ZipFile": code_zip()},
         Timeout=60,
         Environment={
@@ -264,8 +265,8 @@ def test_abort_ends_a_running_incident_as_the_caller_and_the_list_shows_only_ope
 
 
 def test_show_names_the_execution_and_the_error_without_a_stack_trace(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
-    from contract import Failure
-    from lambdas.close import record_failure
+    from sdcguard.contract import Failure
+    from sdcguard.lambdas.close import record_failure
 
     incident_id = open_incident(setup, waiting=False)
     execution = "arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:run-1"

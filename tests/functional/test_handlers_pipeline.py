@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from contract import CheckpointManifest, Decision, Incident, IncidentState
-from infra.local.seed import seed
-from infra.local.standin import LocalStandIn
-from lambdas import clients
-from lambdas.cordon import TAINT_KEY
-from lambdas.decide import adopt_decision, note_decision
-from lambdas.eks_token import kubernetes_client
-from lambdas.errors import (
+from sdcguard.contract import CheckpointManifest, Decision, Incident, IncidentState
+from sdcguard.infra.local.seed import seed
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.decide import adopt_decision, note_decision
+from sdcguard.lambdas.eks_token import kubernetes_client
+from sdcguard.lambdas.errors import (
     ApprovalExpired,
     BlastRadiusExceeded,
     IncidentNotWaiting,
@@ -41,7 +41,7 @@ from lambdas.errors import (
     UnknownDecision,
     UnverifiedDecision,
 )
-from lambdas.handlers import (
+from sdcguard.lambdas.handlers import (
     close,
     cordon,
     decide,
@@ -59,21 +59,21 @@ from lambdas.handlers import (
     rewrite_pointer,
     suspend_job,
 )
-from lambdas.ledger import (
+from sdcguard.lambdas.ledger import (
     OPEN_INDEX_ATTRIBUTES,
     OPEN_INDEX_DEFINITION,
     SUSPECT_INDEX_ATTRIBUTES,
     SUSPECT_INDEX_DEFINITION,
     Ledger,
 )
-from lambdas.settings import get_settings
-from lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
-from lineage.commit import commit, put_object
-from lineage.errors import NoSafeCheckpoint
-from lineage.pointer import read_pointer
-from lineage.pointer import rewrite_pointer as point_at
-from lineage.store import open_store
-from lineage.verify import RESUME_OBJECTS
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY, TaskTokens
+from sdcguard.lineage.commit import commit, put_object
+from sdcguard.lineage.errors import NoSafeCheckpoint
+from sdcguard.lineage.pointer import read_pointer
+from sdcguard.lineage.pointer import rewrite_pointer as point_at
+from sdcguard.lineage.store import open_store
+from sdcguard.lineage.verify import RESUME_OBJECTS
 from tests.events import load_event
 from tests.functional.task_token import waiting_token
 
@@ -474,7 +474,7 @@ def test_an_alarm_for_another_job_of_the_namespace_touches_nothing(world: World)
 
 
 def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lambdas.guard import quarantined_nodes
+    from sdcguard.lambdas.guard import quarantined_nodes
 
     held = quarantined_nodes(world.ledger.list(), exclude="")
     free = next(i for i in range(3) if world.node(i)["node_name"] not in held)
@@ -499,8 +499,8 @@ def resolved_to(suspect: Any) -> Any:
 
 
 def test_concurrent_incidents_are_admitted_one_by_one(world: World) -> None:
-    from contract import Alarm, ResolvedSuspect
-    from lambdas.guard import guard_incident
+    from sdcguard.contract import Alarm, ResolvedSuspect
+    from sdcguard.lambdas.guard import guard_incident
 
     table = f"race-{uuid.uuid4().hex[:6]}"
     create_ledger_table(world.standin.client("dynamodb"), table)
@@ -604,8 +604,8 @@ def test_a_later_incident_on_the_same_instance_finds_the_earlier_one(world: Worl
 
 
 def test_evidence_reads_only_the_incidents_of_its_instances(world: World) -> None:
-    from contract import Alarm, ResolvedSuspect
-    from lambdas.evidence import evidence_for_incident
+    from sdcguard.contract import Alarm, ResolvedSuspect
+    from sdcguard.lambdas.evidence import evidence_for_incident
 
     ledger = private_ledger(world)
     node = fresh_node(world)
@@ -832,7 +832,7 @@ def test_a_decision_is_in_the_ledger_before_the_token_is_answered(world: World) 
             seen.append(world.ledger.get(incident_id).decision)
             return sfn.send_task_success(**kwargs)
 
-    from lambdas.decide import decide as deliver
+    from sdcguard.lambdas.decide import decide as deliver
 
     request = decision_of(world, incident_id, "approve", "seen first", "oncall")
     deliver(
@@ -993,7 +993,7 @@ def test_a_contained_incident_whose_notification_failed_sends_it_on_the_retry(
 ) -> None:
     from botocore.exceptions import ClientError
 
-    from lambdas.close import close_incident
+    from sdcguard.lambdas.close import close_incident
 
     monkeypatch.setenv("MODE", "cordon_only")
     get_settings.cache_clear()
@@ -1116,7 +1116,7 @@ def private_ledger(world: World) -> Ledger:
 
 
 def resolved_incident(ledger: Ledger, node: str, *, cluster: str = "ml-cluster") -> str:
-    from contract import Alarm, ResolvedSuspect
+    from sdcguard.contract import Alarm, ResolvedSuspect
 
     detail = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
     detail["suspects"][0]["node"] = node
@@ -1134,8 +1134,8 @@ def fresh_node(world: World) -> str:
 
 
 def test_a_failed_incident_holds_its_quota_until_its_node_is_released(world: World) -> None:
-    from lambdas.cordon import cordon_node, uncordon_node
-    from lambdas.guard import guard_incident
+    from sdcguard.lambdas.cordon import cordon_node, uncordon_node
+    from sdcguard.lambdas.guard import guard_incident
 
     ledger = private_ledger(world)
     limits = {"mode": "normal", "max_quarantined_nodes": 1, "max_replacements_per_day": 10, "kubernetes": world.kube}
@@ -1174,7 +1174,7 @@ def test_a_guard_whose_lease_ran_out_writes_nothing(world: World) -> None:
 
 
 def test_an_admission_the_index_does_not_show_yet_still_counts(world: World) -> None:
-    from lambdas.guard import guard_incident
+    from sdcguard.lambdas.guard import guard_incident
 
     ledger = private_ledger(world)
     first = resolved_incident(ledger, fresh_node(world))
@@ -1196,8 +1196,8 @@ runs the issue's size (the calls and the items read are the same; moto's seconds
 
 
 def test_the_guard_reads_only_the_open_incidents_of_thousands(world: World) -> None:
-    from contract import Alarm, Transition
-    from lambdas.guard import guard_incident
+    from sdcguard.contract import Alarm, Transition
+    from sdcguard.lambdas.guard import guard_incident
 
     ledger = private_ledger(world)
     base = copy.deepcopy(load_event("alarm_ring_audit")["detail"])
@@ -1286,11 +1286,11 @@ def test_the_job_resumes_only_when_no_incident_that_suspended_it_is_open(world: 
 
 
 def test_an_operator_releases_a_stopped_incident_and_aborts_a_running_one(world: World) -> None:
-    from contract import Alarm, ResolvedSuspect
-    from lambdas.abort import abort_incident, release_stopped
-    from lambdas.cordon import cordon_node
-    from lambdas.guard import guard_incident
-    from lambdas.job import holders, suspend_job
+    from sdcguard.contract import Alarm, ResolvedSuspect
+    from sdcguard.lambdas.abort import abort_incident, release_stopped
+    from sdcguard.lambdas.cordon import cordon_node
+    from sdcguard.lambdas.guard import guard_incident
+    from sdcguard.lambdas.job import holders, suspend_job
 
     ledger = private_ledger(world)
     limits = {"mode": "normal", "max_quarantined_nodes": 1, "max_replacements_per_day": 10, "kubernetes": world.kube}
@@ -1353,7 +1353,7 @@ def test_an_operator_releases_a_stopped_incident_and_aborts_a_running_one(world:
 
 
 def test_a_record_that_wrote_then_failed_is_not_reported_as_nothing_opened(world: World) -> None:
-    from contract import Alarm
+    from sdcguard.contract import Alarm
 
     execution = f"arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:{uuid.uuid4().hex}"
     event = alarm_event(world, 0)
@@ -1374,7 +1374,7 @@ def test_a_record_that_wrote_then_failed_is_not_reported_as_nothing_opened(world
 
 
 def test_uncordon_leaves_a_cordon_someone_else_set_during_the_incident(world: World) -> None:
-    from lambdas.cordon import cordon_node, uncordon_node
+    from sdcguard.lambdas.cordon import cordon_node, uncordon_node
 
     node = fresh_node(world)
     incident_id = f"sdc-{uuid.uuid4().hex[:20]}"

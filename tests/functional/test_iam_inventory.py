@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import yaml
 
-from infra.deploy.cfn_yaml import load_template
-from infra.local.standin import LocalStandIn
-from lambdas import clients
+from sdcguard.infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas import clients
 from tests.functional import test_handlers_ops_cli as ops_cli
 from tests.functional import test_handlers_pipeline as pipeline
 from tests.functional.recorded_calls import Recorder, dynamodb_resource, iam_actions, rbac_request
@@ -137,7 +137,7 @@ def function_roles(template: dict[str, Any]) -> dict[str, str]:
     for resource in template["Resources"].values():
         if resource["Type"] == "AWS::Lambda::Function":
             props = resource["Properties"]
-            handler = props["Handler"].removeprefix("lambdas.handlers.").removesuffix(".handler")
+            handler = props["Handler"].removeprefix("sdcguard.lambdas.handlers.").removesuffix(".handler")
             out[handler] = props["Role"]["Fn::GetAtt"][0]
     return out
 
@@ -173,7 +173,7 @@ def _run_handler_scenarios(world: pipeline.World, recorder: Recorder) -> dict[st
     ran: dict[str, str] = {}
     with pytest.MonkeyPatch.context() as patch:
         for name in function_roles(TEMPLATE):
-            module = importlib.import_module(f"lambdas.handlers.{name}")
+            module = importlib.import_module(f"sdcguard.lambdas.handlers.{name}")
             patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
         for name, test in vars(pipeline).items():
             if not (name.startswith("test_") and inspect.isfunction(test)):
@@ -195,12 +195,12 @@ def _run_training_job(standin: LocalStandIn, recorder: Recorder, tmp: Path, acti
     import torch
     from torch import nn
 
-    from agent.alarm import job_identity
-    from agent.checkpoint import CheckpointWriter
-    from agent.config import GuardConfig
-    from agent.publisher import Publisher
-    from contract import Alarm
-    from lineage.store import S3Store
+    from sdcguard.agent.alarm import job_identity
+    from sdcguard.agent.checkpoint import CheckpointWriter
+    from sdcguard.agent.config import GuardConfig
+    from sdcguard.agent.publisher import Publisher
+    from sdcguard.contract import Alarm
+    from sdcguard.lineage.store import S3Store
     from tests.events import load_event
 
     s3 = standin.client("s3")
@@ -368,14 +368,14 @@ ONCE = {
 
 def _out_of_order(world: pipeline.World) -> dict[str, str]:
     """An incident just resolved; the name of the error each run-once handler ends with when asked to act on it."""
-    from lambdas.handlers import record, resolve
+    from sdcguard.lambdas.handlers import record, resolve
 
     incident_id = record.handler(pipeline.alarm_event(world, 0), pipeline.CTX)["incident_id"]
     (instance_id, *_) = resolve.handler({"incident_id": incident_id}, pipeline.CTX)["instance_ids"]
     ref = {"incident_id": incident_id, "instance_id": instance_id}
     ended: dict[str, str] = {}
     for name, event in ONCE.items():
-        module = importlib.import_module(f"lambdas.handlers.{name}")
+        module = importlib.import_module(f"sdcguard.lambdas.handlers.{name}")
         try:
             module.handler(event(ref), pipeline.CTX)
             ended[name] = "returned"
@@ -420,7 +420,7 @@ def _run_node_check_scenarios(standin: LocalStandIn, recorder: Recorder, run: No
             acting.give(handler, roles[role])
         with acting.installed(), pytest.MonkeyPatch.context() as patch:
             for name in function_roles(TEMPLATE):
-                module = importlib.import_module(f"lambdas.handlers.{name}")
+                module = importlib.import_module(f"sdcguard.lambdas.handlers.{name}")
                 patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
             for name, test in vars(checks).items():
                 if name not in NODE_CHECK_SCENARIOS:
@@ -457,7 +457,7 @@ def recorded(
                 recorder.scenarios["reviewer"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             with pytest.MonkeyPatch.context() as patch:
                 for name in function_roles(TEMPLATE):
-                    module = importlib.import_module(f"lambdas.handlers.{name}")
+                    module = importlib.import_module(f"sdcguard.lambdas.handlers.{name}")
                     patch.setattr(module, "handler", recorder.attributing(name, _own_process(module.handler)))
                 failures = _out_of_order(world)
             recorder.scenarios.update({f"out of order: {name}": outcome for name, outcome in failures.items()})
@@ -530,7 +530,7 @@ def test_the_handlers_read_the_ledger_only_through_its_indexes(
 ) -> None:
     """Scans read every incident ever opened: the guard's picture comes from the index of open incidents,
     an instance's history (the evidence step) from the index of incidents by suspect instance."""
-    from lambdas.ledger import OPEN_INDEX, SUSPECT_INDEX
+    from sdcguard.lambdas.ledger import OPEN_INDEX, SUSPECT_INDEX
 
     handlers = set(function_roles(TEMPLATE))
     ledger_reads = {
@@ -587,7 +587,7 @@ def _namespace(path: str) -> str | None:
 def test_each_group_is_granted_exactly_the_kubernetes_requests_its_handlers_made(
     recorded: Recorder, standin: LocalStandIn
 ) -> None:
-    from infra.local.eks.resources import ROLE_BINDINGS
+    from sdcguard.infra.local.eks.resources import ROLE_BINDINGS
 
     groups = access_entry_groups(TEMPLATE)
     used: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
@@ -616,7 +616,7 @@ def test_each_group_is_granted_exactly_the_kubernetes_requests_its_handlers_made
 
 
 def test_each_run_once_handler_ends_with_its_named_error_under_enforcement(recorded: Recorder) -> None:
-    from lambdas import errors
+    from sdcguard.lambdas import errors
 
     ended = {name.removeprefix("out of order: "): o for name, o in recorded.scenarios.items() if name.startswith("out of order")}
     assert set(ended) == set(ONCE)
@@ -652,7 +652,7 @@ def test_without_deleting_idempotency_records_a_named_error_is_lost(
     standin: LocalStandIn, world: pipeline.World, role: str, handler: str
 ) -> None:
     """One grant removed from one role: the handler's named error becomes powertools' persistence error on AWS."""
-    from lambdas.handlers import record, resolve
+    from sdcguard.lambdas.handlers import record, resolve
 
     values = world_values(world)
     acting = ActingWithRoles(standin)
@@ -660,7 +660,7 @@ def test_without_deleting_idempotency_records_a_named_error_is_lost(
     acting.give("resolve", create_role(standin, TEMPLATE, "KubernetesReadRole", values))
     acting.give("whole", create_role(standin, TEMPLATE, role, values))
     acting.give("lacking", create_role(standin, TEMPLATE, role, values, leave_out=("ClearFailedIdempotencyRecords", "dynamodb:DeleteItem")))
-    module = importlib.import_module(f"lambdas.handlers.{handler}")
+    module = importlib.import_module(f"sdcguard.lambdas.handlers.{handler}")
     ended: dict[str, str] = {}
     with acting.installed():
         with Recorder.acting_as("record"):

@@ -22,11 +22,11 @@ import boto3
 import kubernetes.client as k8s
 import pytest
 
-from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
-from infra.local.eks.hyperpod_node import hyperpod_node
-from infra.local.eks.job_runner import JobRunner, process_env
-from infra.local.eks.server import EksApiServer
-from infra.local.eks.zygote import ForkedProcess, Zygote
+from sdcguard.infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
+from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node
+from sdcguard.infra.local.eks.job_runner import JobRunner, process_env
+from sdcguard.infra.local.eks.server import EksApiServer
+from sdcguard.infra.local.eks.zygote import ForkedProcess, Zygote
 from tests.capsules import write
 
 

@@ -24,18 +24,18 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from infra.deploy.cfn_yaml import load_template
-from infra.local.eks.auth import verify_token
-from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.kubeconfig import (
+from sdcguard.infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.local.eks.auth import verify_token
+from sdcguard.infra.local.eks.bearer_token import cluster_api_client
+from sdcguard.infra.local.kubeconfig import (
     OPERATOR_STAGES,
     exec_credential,
     operator_commands,
     plugin_command,
     write_kubeconfig,
 )
-from infra.local.seed import seed
-from infra.local.standin import (
+from sdcguard.infra.local.seed import seed
+from sdcguard.infra.local.standin import (
     PIPELINE_GROUP,
     RBAC_MANIFEST,
     RBAC_NAMESPACE_MANIFEST,

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from contract.checkpoint import POINTER_NAME
-from infra.local.standin import LocalStandIn
-from lineage.errors import NoSafeCheckpoint
-from lineage.listing import list_checkpoints
-from lineage.pointer import advance_pointer, read_pointer, rewrite_pointer
-from lineage.selection import select_checkpoint
-from lineage.store import S3Store, open_store, sha256_hex
-from lineage.verify import manifest_key
+from sdcguard.contract.checkpoint import POINTER_NAME
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lineage.errors import NoSafeCheckpoint
+from sdcguard.lineage.listing import list_checkpoints
+from sdcguard.lineage.pointer import advance_pointer, read_pointer, rewrite_pointer
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import S3Store, open_store, sha256_hex
+from sdcguard.lineage.verify import manifest_key
 from tests.lineage_checkpoints import object_key, write_checkpoint
 
 

@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from agent import capsule as cap
-from contract import IncidentState, Replacement
-from infra.local.seed import seed
-from infra.local.standin import LocalStandIn
-from lambdas import clients
-from lambdas.cordon import TAINT_KEY
-from lambdas.handlers import node_check_status, reject_replacement, start_node_check
-from lambdas.ledger import Ledger
-from lambdas.settings import get_settings
-from lineage.store import open_store
+from sdcguard.agent import capsule as cap
+from sdcguard.contract import IncidentState, Replacement
+from sdcguard.infra.local.seed import seed
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas import clients
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.handlers import node_check_status, reject_replacement, start_node_check
+from sdcguard.lambdas.ledger import Ledger
+from sdcguard.lambdas.settings import get_settings
+from sdcguard.lineage.store import open_store
 from tests.capsules import RANK, STEP, recomputed
 from tests.functional.test_handlers_pipeline import (
     CTX,

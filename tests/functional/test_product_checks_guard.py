@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm, ProductCheckEvidence
+from sdcguard.contract import Alarm, ProductCheckEvidence
 from tests.forked import launch_forked
 from tests.functional import product_scenarios
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from agent import capsule as cap
-from agent.determinism import environment_signature
-from infra.local.standin import LocalStandIn
-from lineage.store import S3Store, open_store
+from sdcguard.agent import capsule as cap
+from sdcguard.agent.determinism import environment_signature
 from sdcguard.cli import main
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lineage.store import S3Store, open_store
 from tests.capsules import faulty_device, recomputed, write
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,9 +128,9 @@ def test_a_capsule_beside_checkpoints_on_s3_replays_from_its_s3_location(standin
 
 
 def test_replay_help_imports_no_torch() -> None:
-    # The command's own part (agent.capsule, torch) is imported only when it runs, never for --help.
+    # The command's own part (sdcguard.agent.capsule, torch) is imported only when it runs, never for --help.
     code = ("import sys\nfrom sdcguard.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'agent.capsule', 'agent.capsule_replay') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'sdcguard.agent.capsule', 'sdcguard.agent.capsule_replay') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, "replay", "--help"], capture_output=True, text=True,
                           timeout=60, check=True, cwd=ROOT)
     assert "Exit status: 0 every repetition matched" in done.stdout

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from infra.local.standin import LocalStandIn
 from sdcguard.cli import main
+from sdcguard.infra.local.standin import LocalStandIn
 from tests.capsules import RANK, STEP, write
 
 ROOT = Path(__file__).resolve().parents[2]

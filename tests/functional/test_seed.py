@@ -15,10 +15,10 @@ import pytest
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL
-from infra.local.seed import SeedError, seed
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.eks.bearer_token import cluster_api_client
+from sdcguard.infra.local.eks.hyperpod_node import HEALTH_LABEL, INSTANCE_GROUP_LABEL
+from sdcguard.infra.local.seed import SeedError, seed
+from sdcguard.infra.local.standin import LocalStandIn
 
 NODES = 3
 FAULTY = 1
@@ -285,8 +285,8 @@ def test_the_seed_command_reports_a_bad_option_as_an_error(standin: LocalStandIn
 def test_the_pipelines_own_eks_client_cordons_a_seeded_node(
     standin: LocalStandIn, seeded: dict[str, Any]
 ) -> None:
-    from lambdas.cordon import TAINT_KEY, cordon_node, uncordon_node
-    from lambdas.eks_token import kubernetes_client
+    from sdcguard.lambdas.cordon import TAINT_KEY, cordon_node, uncordon_node
+    from sdcguard.lambdas.eks_token import kubernetes_client
 
     api = kubernetes_client(seeded["eks_cluster"], eks=standin.client("eks"), sts=standin.client("sts"))
     node = seeded["nodes"][0]["node_name"]

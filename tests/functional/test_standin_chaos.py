@@ -15,11 +15,11 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
-from infra.local.eks.faults import Chaos
-from infra.local.eks.server import EksApiServer
-from infra.local.moto_ext import hyperpod_faults
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
+from sdcguard.infra.local.eks.faults import Chaos
+from sdcguard.infra.local.eks.server import EksApiServer
+from sdcguard.infra.local.moto_ext import hyperpod_faults
+from sdcguard.infra.local.standin import LocalStandIn
 from tests.functional.test_standin_hyperpod import create_cluster
 
 

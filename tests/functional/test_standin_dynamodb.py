@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_a_conditional_transaction_admits_one_writer(standin: LocalStandIn) -> N
 
 def test_a_request_waits_while_another_holds_the_backend(standin: LocalStandIn) -> None:
     # (The stand-in's server runs in this process: the test can hold the lock a request would take.)
-    from infra.local.moto_ext import dynamodb_atomic
+    from sdcguard.infra.local.moto_ext import dynamodb_atomic
 
     ddb, table = _table(standin, 0)
     with ThreadPoolExecutor(max_workers=1) as pool, dynamodb_atomic.LOCK:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 ALARM_DETAIL = {"schema_version": "1", "detector": "ring_audit", "step": 120, "suspects": [{"rank": 3}]}
 

@@ -13,10 +13,10 @@ from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.eks.hyperpod_node import hyperpod_node
-from infra.local.moto_ext import hyperpod
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.eks.bearer_token import cluster_api_client
+from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node
+from sdcguard.infra.local.moto_ext import hyperpod
+from sdcguard.infra.local.standin import LocalStandIn
 
 INSTANCE_ID = re.compile(r"^i-[0-9a-f]{17}$")
 

@@ -13,9 +13,9 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.local.moto_ext import iam_enforcement
-from infra.local.moto_ext.iam_policy import Request, evaluate
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.moto_ext import iam_enforcement
+from sdcguard.infra.local.moto_ext.iam_policy import Request, evaluate
+from sdcguard.infra.local.standin import LocalStandIn
 
 TRUST = json.dumps({"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "lambda.amazonaws.com"}, "Action": "sts:AssumeRole"}]})  # fmt: skip

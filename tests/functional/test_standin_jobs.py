@@ -27,13 +27,13 @@ import kubernetes.client as k8s
 import pytest
 import yaml
 
-from infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
-from infra.local.eks.hyperpod_node import hyperpod_node
-from infra.local.eks.rbac import AccessEntries
-from infra.local.eks.resources import NODES
-from infra.local.eks.server import EksApiServer
-from infra.local.seed import apply_namespace_rbac
-from infra.local.standin import PIPELINE_GROUP, RBAC_MANIFEST, RBAC_NAMESPACE_MANIFEST
+from sdcguard.infra.local.eks.bearer_token import eks_bearer_token, kubernetes_configuration
+from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node
+from sdcguard.infra.local.eks.rbac import AccessEntries
+from sdcguard.infra.local.eks.resources import NODES
+from sdcguard.infra.local.eks.server import EksApiServer
+from sdcguard.infra.local.seed import apply_namespace_rbac
+from sdcguard.infra.local.standin import PIPELINE_GROUP, RBAC_MANIFEST, RBAC_NAMESPACE_MANIFEST
 from tests.capsules import write
 
 CLUSTER = "jobs"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 HANDLER_SOURCE = '''
 import os
@@ -53,9 +53,10 @@ def package(marker: str) -> bytes:
     """A deployment package whose ``lambdas`` package shadows the working tree's."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("lambdas/__init__.py", "")
-        archive.writestr("lambdas/handlers/__init__.py", "")
-        archive.writestr("lambdas/handlers/probe.py", HANDLER_SOURCE.format(marker=marker))
+        archive.writestr("sdcguard/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/handlers/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/handlers/probe.py", HANDLER_SOURCE.format(marker=marker))
     return buffer.getvalue()
 
 
@@ -76,7 +77,7 @@ def create(standin: LocalStandIn, role_arn: str, code: dict[str, Any], timeout: 
         FunctionName=name,
         Runtime="python3.11",
         Role=role_arn,
-        Handler="lambdas.handlers.probe.handler",
+        Handler="sdcguard.lambdas.handlers.probe.handler",
         Code=code,
         Timeout=timeout,
         Environment={"Variables": {"MODE": "dry_run"}},

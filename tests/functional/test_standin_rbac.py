@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from infra.local.eks.bearer_token import cluster_api_client
-from infra.local.seed import seed
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.eks.bearer_token import cluster_api_client
+from sdcguard.infra.local.seed import seed
+from sdcguard.infra.local.standin import LocalStandIn
 
 # Only boto3 and the standard library: the same token and HTTPS call a handler makes, spelt out.
 HANDLER_SOURCE = '''
@@ -61,9 +61,10 @@ def handler(event, context):
 def _package() -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("lambdas/__init__.py", "")
-        archive.writestr("lambdas/handlers/__init__.py", "")
-        archive.writestr("lambdas/handlers/kube_probe.py", HANDLER_SOURCE)
+        archive.writestr("sdcguard/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/handlers/__init__.py", "")
+        archive.writestr("sdcguard/lambdas/handlers/kube_probe.py", HANDLER_SOURCE)
     return buffer.getvalue()
 
 
@@ -83,7 +84,7 @@ def _function(standin: LocalStandIn, role_name: str) -> str:
         FunctionName=name,
         Runtime="python3.11",
         Role=role,
-        Handler="lambdas.handlers.kube_probe.handler",
+        Handler="sdcguard.lambdas.handlers.kube_probe.handler",
         Code={"ZipFile": _package()},
         Timeout=60,
     )

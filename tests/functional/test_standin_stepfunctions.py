@@ -9,7 +9,7 @@ import uuid
 import zipfile
 from typing import Any
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 HANDLER = '''
 class SuspectUnresolvable(Exception):

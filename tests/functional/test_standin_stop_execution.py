@@ -1,7 +1,7 @@
 """StopExecution on the stand-in ends an execution that waits on a task token, as Step Functions does.
 
 moto alone leaves such an execution RUNNING until the task times out and
-accepts SendTaskSuccess with its token (:mod:`infra.local.moto_ext.stepfunctions_stop`).
+accepts SendTaskSuccess with its token (:mod:`sdcguard.infra.local.moto_ext.stepfunctions_stop`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.local.standin import LocalStandIn
+from sdcguard.infra.local.standin import LocalStandIn
 
 
 def waiting(standin: LocalStandIn, *, heartbeat: bool) -> tuple[str, str]:

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from infra.local.standin import LocalStandIn
-from lambdas.errors import IncidentNotFound
-from lambdas.task_tokens import TaskTokens
+from sdcguard.infra.local.standin import LocalStandIn
+from sdcguard.lambdas.errors import IncidentNotFound
+from sdcguard.lambdas.task_tokens import TaskTokens
 from tests.functional import test_handlers_pipeline as pipeline
 from tests.functional.recorded_calls import Recorder
 from tests.functional.template_roles import ActingWithRoles, create_role

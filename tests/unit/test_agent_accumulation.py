@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent import fingerprint as fp
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.publisher import Publisher, PublishOutcome
-from agent.recompute import recompute_step
-from agent.train import JobShape, SyntheticData, build, loss_fn
-from contract import Alarm
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.publisher import Publisher, PublishOutcome
+from sdcguard.agent.recompute import recompute_step
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, loss_fn
+from sdcguard.contract import Alarm
 
 
 class Rare(nn.Module):

@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 import torch
 
-from agent.batches import BatchNotReplayable, batch_digest, check_replayable, difference, micro_batches
+from sdcguard.agent.batches import (
+    BatchNotReplayable,
+    batch_digest,
+    check_replayable,
+    difference,
+    micro_batches,
+)
 
 CPU = torch.device("cpu")
 DATA = torch.arange(1000)

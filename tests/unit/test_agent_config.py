@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config import ALARM_EXIT_CODE, GuardConfig
-from agent.topology import Topology, audited_by_ring
+from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
+from sdcguard.agent.topology import Topology, audited_by_ring
 
 
 def test_defaults_are_the_documented_ones() -> None:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from agent import confirm
-from agent.confirm import (
+from sdcguard.agent import confirm
+from sdcguard.agent.confirm import (
     CLAIM_LOSS,
     CLAIM_NORMS,
     NONFINITE,
@@ -17,9 +17,9 @@ from agent.confirm import (
     persistence,
     replay_plan,
 )
-from agent.recompute import preserved, recompute
-from agent.ring_audit import loss_bits
-from agent.trigger import MagnitudeTrigger
+from sdcguard.agent.recompute import preserved, recompute
+from sdcguard.agent.ring_audit import loss_bits
+from sdcguard.agent.trigger import MagnitudeTrigger
 
 NORM = CLAIM_NORMS
 """Column of a claim's first norm (the micro-batch digest and the loss come first)."""
@@ -246,7 +246,7 @@ def test_the_claim_and_verdict_paths_make_every_tensor_on_the_claims_device(monk
     and so does reading one back to the host (``bool``), which the claim path must not do either."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from agent.nonfinite import BucketPass
+    from sdcguard.agent.nonfinite import BucketPass
 
     def measure(t: torch.Tensor, *, flag: bool, norm: bool) -> BucketPass:
         # What nonfinite.measure returns on a GPU: 0-dim results on the bucket's device. (Its own isfinite of a

@@ -1,6 +1,6 @@
 """The guard's decisions that must never blame hardware: a loader that does not replay, work that is not
 reproducible, and ranks whose environments differ. Driven on the guard's own methods with the verdicts given
-(the verdicts themselves are agent.confirm's and agent.determinism's, tested there)."""
+(the verdicts themselves are sdcguard.agent.confirm's and sdcguard.agent.determinism's, tested there)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from agent import confirm, guard
-from agent.batches import BatchNotReplayable
-from agent.config import GuardConfig
-from agent.determinism import DeterminismUnavailable
-from agent.guard import NonReproducible, SDCGuard, StepResult, _Confirmation
+from sdcguard.agent import confirm, guard
+from sdcguard.agent.batches import BatchNotReplayable
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.determinism import DeterminismUnavailable
+from sdcguard.agent.guard import NonReproducible, SDCGuard, StepResult, _Confirmation
 
 
 def _stub(**config: Any) -> Any:
@@ -50,7 +50,7 @@ def test_work_that_is_not_reproducible_blames_no_rank_and_goes_on_when_asked(
         caplog: pytest.LogCaptureFixture) -> None:
     result = StepResult(step=5, loss=math.nan)
     stub = _stub(on_nonreproducible="continue")
-    with caplog.at_level(logging.WARNING, logger="agent.guard"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.guard"):
         alarm = SDCGuard._decide(stub, 5, result, _confirmation(_nonreproducible_verdict()), None, None)
     assert alarm is None
     assert result.nonreproducible

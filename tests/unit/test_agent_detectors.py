@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent import native
-from agent.ddp_hook import GradientHook
-from agent.nonfinite import (
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import native
+from sdcguard.agent.ddp_hook import GradientHook
+from sdcguard.agent.nonfinite import (
     LOCAL_ANY,
     LOCAL_MASK,
     LOSS_NONFINITE,
@@ -19,9 +19,9 @@ from agent.nonfinite import (
     judge_nonfinite,
     nonfinite_flag,
 )
-from agent.replay import pin_threads, seed_for, seed_micro_batch
-from agent.ring_audit import bits_to_hex, judge, loss_bits, name_parameters
-from agent.weights import packed_fingerprints, state_fingerprint, vote
+from sdcguard.agent.replay import pin_threads, seed_for, seed_micro_batch
+from sdcguard.agent.ring_audit import bits_to_hex, judge, loss_bits, name_parameters
+from sdcguard.agent.weights import packed_fingerprints, state_fingerprint, vote
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
@@ -235,7 +235,7 @@ def test_the_step_summary_packs_every_flag_and_the_reduced_fingerprint() -> None
 
 
 def test_the_vote_stays_right_when_two_fingerprints_share_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import weights
+    from sdcguard.agent import weights
 
     ballot = [lanes(1), lanes(1), lanes(2), lanes(1)]
     expected = vote(ballot)

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from agent import checkpoint
-from agent.checkpoint import CheckpointWriter
+from sdcguard.agent import checkpoint
+from sdcguard.agent.checkpoint import CheckpointWriter
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 

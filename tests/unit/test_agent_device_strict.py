@@ -18,14 +18,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from agent import findings, sharded
-from agent import fingerprint as fp
-from agent.ddp_hook import GradientHook, _flag_weights
-from agent.findings import StepFindings
-from agent.guard import SDCGuard, StepResult
-from agent.nonfinite import SUMMARY_WIDTH
-from agent.reduce_scatter_observer import GroupFindings
-from agent.sharded import ShardedDataParallel
+from sdcguard.agent import findings, sharded
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.ddp_hook import GradientHook, _flag_weights
+from sdcguard.agent.findings import StepFindings
+from sdcguard.agent.guard import SDCGuard, StepResult
+from sdcguard.agent.nonfinite import SUMMARY_WIDTH
+from sdcguard.agent.reduce_scatter_observer import GroupFindings
+from sdcguard.agent.sharded import ShardedDataParallel
 
 CUDA = torch.device("cuda", 0)
 
@@ -91,7 +91,7 @@ def test_recomputed_claims_are_laid_out_on_the_device(fake: None) -> None:
 
 
 def test_an_fsdp_claim_is_made_on_the_device(fake: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The micro-batch digest is agent.batches' (tested there); here only where the claim is laid out.
+    # The micro-batch digest is sdcguard.agent.batches' (tested there); here only where the claim is laid out.
     monkeypatch.setattr(sharded, "batch_digest", lambda batches, device: torch.zeros(fp.LANES, dtype=torch.int64,
                                                                                      device=device))
     seen = GroupFindings(record=True)

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard, replay
-from agent.checkpoint import CheckpointSaveFailed, CheckpointWriter
-from agent.config import OnAlarm
-from agent.inject import Injection
-from agent.publisher import Publisher, PublishOutcome
-from agent.train import JobShape, SyntheticData, build, loss_fn
-from agent.weights import state_fingerprint_hex
-from contract import Alarm, ProductCheckEvidence
-from lineage.store import ObjectStore, open_store
+from sdcguard.agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard, replay
+from sdcguard.agent.checkpoint import CheckpointSaveFailed, CheckpointWriter
+from sdcguard.agent.config import OnAlarm
+from sdcguard.agent.publisher import Publisher, PublishOutcome
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, loss_fn
+from sdcguard.agent.weights import state_fingerprint_hex
+from sdcguard.contract import Alarm, ProductCheckEvidence
+from sdcguard.lineage.store import ObjectStore, open_store
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -300,7 +300,7 @@ def test_a_resumed_guard_s_trigger_watches_from_its_first_step(tmp_path: Path) -
 def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Path) -> None:
     # Given: one rank (no other node to recompute on) with product checks on, and one exponent flip in the
     # output of the third forward product of step 2.
-    from campaign.injectors import ProductMode, flip
+    from sdcguard.campaign.injectors import ProductMode, flip
 
     guard, recorder = guard_for(tmp_path, "continue", None, config={"product_checks": True})
     count = [0]

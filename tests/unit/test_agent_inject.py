@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.inject import Injection, Injector, corrupt_checkpoint_bytes, flip_bit, from_env
+from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes, flip_bit, from_env
 
 
 def test_parse_the_documented_example() -> None:

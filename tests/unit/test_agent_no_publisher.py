@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent import GuardConfig, SDCGuard
-from agent.inject import Injection
-from agent.publisher import NoPublisher, Publisher
-from agent.train import JobShape, SyntheticData, build, loss_fn
+from sdcguard.agent import GuardConfig, SDCGuard
+from sdcguard.agent.publisher import NoPublisher, Publisher
+from sdcguard.agent.testing.inject import Injection
+from sdcguard.agent.testing.train import JobShape, SyntheticData, build, loss_fn
 
 FAULT = "kind=nan_activation,rank=0,step=0"
 

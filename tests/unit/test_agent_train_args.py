@@ -1,4 +1,4 @@
-"""``python -m agent.train`` refuses bad flags and settings with exit 2 and one line, before any rank starts."""
+"""``python -m sdcguard.agent.testing.train`` refuses bad flags and settings with exit 2 and one line, before any rank starts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import train
+from sdcguard.agent.testing import train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,16 +35,16 @@ def test_bad_settings_exit_2_with_one_line(
     assert train.main([*argv, "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("agent.train: error: ")
+    assert err[0].startswith("sdcguard.agent.testing.train: error: ")
     assert says in err[0]
 
 
 def test_a_malformed_injection_gives_no_traceback_from_the_command_line() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "agent.train", "--nproc", "2", "--steps", "3"],
+        [sys.executable, "-m", "sdcguard.agent.testing.train", "--nproc", "2", "--steps", "3"],
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
         env={"PATH": "", "SDCGUARD_INJECT": "kind=bitflip,rank=zero", "HOME": str(ROOT)},
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
-    assert done.stderr.strip().startswith("agent.train: error: SDCGUARD_INJECT: ")
+    assert done.stderr.strip().startswith("sdcguard.agent.testing.train: error: SDCGUARD_INJECT: ")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent.nonfinite import local_pass, reduced_pass
-from agent.train import JobShape
 from benchmarks import agent_fusion
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.nonfinite import local_pass, reduced_pass
+from sdcguard.agent.testing.train import JobShape
 
 
 def test_the_baseline_gives_the_results_of_the_fused_passes() -> None:

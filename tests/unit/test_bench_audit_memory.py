@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.train import JobShape, TinyGPT
 from benchmarks import audit_memory
+from sdcguard.agent.testing.train import JobShape, TinyGPT
 
 TINY = JobShape(vocab=32, dim=16, heads=2, layers=1, seq=8, batch=2)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent import fingerprint as fp
 from benchmarks import bench_device
+from sdcguard.agent import fingerprint as fp
 
 SMOKE = ["--device", "cpu", "--elements", "64K", "--repeats", "1", "--steps", "2"]
 
@@ -64,7 +64,7 @@ def test_attention_that_does_not_recompute_bit_for_bit_fails_only_without_warn_o
 
 
 def test_a_guard_that_cannot_run_on_the_device_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import guard
+    from sdcguard.agent import guard
 
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError("Expected all tensors to be on the same device")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent import grad_norm, native
-from agent.nonfinite import BucketPass, local_pass, measure, nonfinite_flag, reduced_pass
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import grad_norm, native
+from sdcguard.agent.nonfinite import BucketPass, local_pass, measure, nonfinite_flag, reduced_pass
 
 HAVE_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
 HALF_AND_SINGLE = [torch.float16, torch.bfloat16, torch.float32]

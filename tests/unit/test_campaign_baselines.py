@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from campaign import baselines
-from campaign.outcome import _baselines, clean_firings
+from sdcguard.campaign import baselines
+from sdcguard.campaign.outcome import _baselines, clean_firings
 
 STEPS = 40
 

@@ -10,7 +10,7 @@ run without detectors; no other configuration is.
 
 from __future__ import annotations
 
-from campaign import detectors
+from sdcguard.campaign import detectors
 
 
 def test_a_sampled_detector_alone_ends_at_its_last_due_step() -> None:

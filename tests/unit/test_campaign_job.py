@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
-from campaign import campaign as driver
-from campaign.faults import FaultSpec
-from campaign.injectors import ModelShape, install
-from campaign.job import (
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from sdcguard.campaign import campaign as driver
+from sdcguard.campaign.faults import FaultSpec
+from sdcguard.campaign.injectors import ModelShape, install
+from sdcguard.campaign.job import (
     REFERENCE_JOB,
     CampaignJob,
     JobProblem,
@@ -67,7 +67,7 @@ def test_a_good_factory_resolves_to_its_job(jobs: str) -> None:
     ("team_jobs:missing", "module 'team_jobs' has no attribute 'missing'"),
     ("team_jobs:not_callable", "'not_callable' is a int, not a function"),
     ("team_jobs:raises", "raises(0) raised RuntimeError: no dataset here"),
-    ("team_jobs:not_a_job", "not_a_job(0) returned a tuple, not a campaign.job.CampaignJob"),
+    ("team_jobs:not_a_job", "not_a_job(0) returned a tuple, not a sdcguard.campaign.job.CampaignJob"),
 ])
 def test_a_bad_spec_says_what_is_wrong_and_names_the_option(jobs: str, spec: str, says: str) -> None:
     with pytest.raises(JobProblem) as info:

@@ -17,17 +17,24 @@ from typing import Any, cast
 import pytest
 import torch.distributed as dist
 
-from agent.guard import SDCGuard, StepResult
-from campaign.all_reduce_wrap import wrapped_all_reduce
-from campaign.collectives import RankGroup
-from campaign.detectors import configs
-from campaign.fault_queue import FaultQueue
-from campaign.faults import draw, row_id
-from campaign.injectors import ModelShape
-from campaign.rank_plan import RankPlan
-from campaign.records import BaselineRun, DetectorRun, EndState, FirstAlarm, ReferenceRecord, UnverifiedLoad
-from campaign.settings import QUICK
-from campaign.training_run import TrainingRun
+from sdcguard.agent.guard import SDCGuard, StepResult
+from sdcguard.campaign.all_reduce_wrap import wrapped_all_reduce
+from sdcguard.campaign.collectives import RankGroup
+from sdcguard.campaign.detectors import configs
+from sdcguard.campaign.fault_queue import FaultQueue
+from sdcguard.campaign.faults import draw, row_id
+from sdcguard.campaign.injectors import ModelShape
+from sdcguard.campaign.rank_plan import RankPlan
+from sdcguard.campaign.records import (
+    BaselineRun,
+    DetectorRun,
+    EndState,
+    FirstAlarm,
+    ReferenceRecord,
+    UnverifiedLoad,
+)
+from sdcguard.campaign.settings import QUICK
+from sdcguard.campaign.training_run import TrainingRun
 
 
 class _Steps:

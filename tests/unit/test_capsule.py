@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from agent import capsule as cap
-from agent import fingerprint as fp
-from agent import replay as seeding
-from agent.capsule_replay import replay
-from agent.config import GuardConfig
-from agent.determinism import environment_signature
-from agent.recompute import recompute_step
-from agent.ring_audit import loss_bits
-from agent.train import SyntheticData
-from lineage.store import LocalStore
+from sdcguard.agent import capsule as cap
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import replay as seeding
+from sdcguard.agent.capsule_replay import replay
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.determinism import environment_signature
+from sdcguard.agent.recompute import recompute_step
+from sdcguard.agent.ring_audit import loss_bits
+from sdcguard.agent.testing.train import SyntheticData
+from sdcguard.lineage.store import LocalStore
 from tests.capsules import ARGS, CPU, FACTORY, SEQ, SHAPE, VOCAB, faulty_device, model, recomputed, write
 
 

@@ -59,7 +59,7 @@ def test_incidents_without_credentials_says_so(
     (["--replay", "matmul_fwd/sometimes/001"], "unknown persistence 'sometimes'"),
     (["--job", "mypkg.sdc.campaign_job"], "--job 'mypkg.sdc.campaign_job': expected MODULE:FUNCTION"),
     (["--job", "sdcguard_no_such_pkg.sdc:campaign_job"], "module 'sdcguard_no_such_pkg.sdc' cannot be imported"),
-    (["--job", "campaign.job:no_such_factory"], "module 'campaign.job' has no attribute 'no_such_factory'"),
+    (["--job", "sdcguard.campaign.job:no_such_factory"], "module 'sdcguard.campaign.job' has no attribute 'no_such_factory'"),
 ])
 def test_campaign_refuses_bad_options_before_running_anything(
         args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,7 +74,7 @@ def test_a_command_imports_only_its_own_part(argv: list[str]) -> None:
     # kubectl starts `sdcguard local exec-credential` for every call: it must not load the drill, the
     # pipeline's Kubernetes client or torch, and neither must --help.
     code = ("import sys\nfrom sdcguard.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'kubernetes', 'infra.drill', 'lambdas') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'kubernetes', 'sdcguard.infra.drill', 'sdcguard.lambdas') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
                           check=True, cwd=Path(__file__).parents[2])
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from contract import (
+from sdcguard.contract import (
     Alarm,
     CheckpointManifest,
     Decision,
@@ -22,7 +22,7 @@ from contract import (
     checkpoint_dir,
     step_of_dir,
 )
-from contract import schema as contract_schema
+from sdcguard.contract import schema as contract_schema
 from tests.events import event_names, load_event
 
 
@@ -109,7 +109,7 @@ def test_trusted_step_without_any_clean_check_is_minus_one() -> None:
 
 
 def test_json_schemas_are_in_sync_with_the_models() -> None:
-    assert contract_schema.stale() == [], "run: python -m contract.schema"
+    assert contract_schema.stale() == [], "run: python -m sdcguard.contract.schema"
 
 
 def test_checkpoint_dirs_encode_the_step() -> None:

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from infra.deploy.cfn_yaml import load_template
-from infra.deploy.deploy import (
+from sdcguard.cli import main
+from sdcguard.infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.deploy.deploy import (
     TEMPLATE,
     DeployError,
     check_overrides,
@@ -17,8 +18,14 @@ from infra.deploy.deploy import (
     deploy,
     parse_overrides,
 )
-from infra.deploy.package import LAMBDA_TARGET, Target, local_target, package_key, prune_cache, requirements
-from sdcguard.cli import main
+from sdcguard.infra.deploy.package import (
+    LAMBDA_TARGET,
+    Target,
+    local_target,
+    package_key,
+    prune_cache,
+    requirements,
+)
 
 if TYPE_CHECKING:
     import boto3

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agent import determinism, replay
-from agent.determinism import (
+from sdcguard.agent import determinism, replay
+from sdcguard.agent.determinism import (
     DeterminismUnavailable,
     environment_signature,
     gather_signatures,
@@ -86,7 +86,7 @@ def test_deterministic_mode_is_turned_on_and_warn_only_off(caplog: pytest.LogCap
                                                            torch_flags: None) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = True
-    with caplog.at_level(logging.WARNING, logger="agent.determinism"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.determinism"):
         require_deterministic(CPU)
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
@@ -171,7 +171,7 @@ def gather_rank(out: str) -> None:
 
 def test_three_ranks_gather_each_others_signatures_and_the_one_that_differs_is_named(tmp_path: Path) -> None:
     codes = launch_forked(3, gather_rank, [str(tmp_path)], env={"TEST_THREADS": "1", "TEST_THREADS@2": "2"},
-                          timeout=180, preload=["agent.determinism"])
+                          timeout=180, preload=["sdcguard.agent.determinism"])
     assert codes == [0, 0, 0]
     seen = [json.loads(Path(tmp_path, f"{r}.json").read_text()) for r in range(3)]
     assert seen[0] == seen[1] == seen[2]  # every rank has every rank's
@@ -188,7 +188,7 @@ def test_the_signature_hash_is_canonical() -> None:
 
 
 def test_the_policies_for_mismatched_environments_and_nonreproducible_work_are_settings() -> None:
-    from agent.config import GuardConfig
+    from sdcguard.agent.config import GuardConfig
 
     config = GuardConfig()
     assert (config.on_environment_mismatch, config.on_nonreproducible) == ("refuse", "stop")

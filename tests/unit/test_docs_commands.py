@@ -172,8 +172,8 @@ def test_the_reference_shows_what_help_prints() -> None:
 
 
 def test_the_reference_job_names_its_pods_as_the_seed_does() -> None:
-    """`agent.train --node-names`: the ranks of node i run in pod <job>-worker-<i>, one pod per node."""
-    from agent.train import _node_env, parser
+    """`sdcguard.agent.testing.train --node-names`: the ranks of node i run in pod <job>-worker-<i>, one pod per node."""
+    from sdcguard.agent.testing.train import _node_env, parser
 
     args = parser().parse_args(["--nproc", "6", "--ranks-per-node", "2", "--node-names", "a,b,c"])
     env = _node_env(args)

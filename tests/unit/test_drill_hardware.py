@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from infra.drill.hardware import faulty_node, injections
-from infra.drill.job_run import Placement
-from infra.local.eks.node_faults import NodeFaults
+from sdcguard.infra.drill.hardware import faulty_node, injections
+from sdcguard.infra.drill.job_run import Placement
+from sdcguard.infra.local.eks.node_faults import NodeFaults
 
 SPEC = "kind=finite_activation,node=hyperpod-i-b,step=33,repeat=60"
 

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from contract import Alarm, Incident, NodeCheck
-from infra.drill import node_checks
-from infra.drill.summary import DrillSummary, NodeCheckRow
+from sdcguard.contract import Alarm, Incident, NodeCheck
+from sdcguard.infra.drill import node_checks
+from sdcguard.infra.drill.summary import DrillSummary, NodeCheckRow
 from tests.events import load_event
 
 ALARM_AT = datetime(2026, 12, 2, 6, 0, tzinfo=UTC)

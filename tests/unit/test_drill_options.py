@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.drill.options import CAPSULE_FAULTS, FAULTS, DrillOptions
 from sdcguard.cli import main
+from sdcguard.infra.drill.options import CAPSULE_FAULTS, FAULTS, DrillOptions
 
 
 @pytest.mark.parametrize(

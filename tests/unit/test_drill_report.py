@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.drill.chaos import state_retries, summary_of
-from infra.drill.report import chaos_lines, verdict_lines
-from infra.drill.summary import DrillSummary, NodeCheckRow, ReplacementRow
-from infra.local.eks.faults import ChaosTally
+from sdcguard.infra.drill.chaos import state_retries, summary_of
+from sdcguard.infra.drill.report import chaos_lines, verdict_lines
+from sdcguard.infra.drill.summary import DrillSummary, NodeCheckRow, ReplacementRow
+from sdcguard.infra.local.eks.faults import ChaosTally
 
 
 def _entered(name: str) -> dict[str, Any]:

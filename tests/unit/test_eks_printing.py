@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.local.eks.discovery import aggregated_version
-from infra.local.eks.tables import human_duration, table_version
+from sdcguard.infra.local.eks.discovery import aggregated_version
+from sdcguard.infra.local.eks.tables import human_duration, table_version
 
 KUBECTL_DISCOVERY = (
     "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"

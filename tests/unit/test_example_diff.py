@@ -77,7 +77,7 @@ def test_every_line_shown_changed_is_a_changed_line() -> None:
     shown = _changed(_shown())
     assert shown, "the diff shows changed lines"
     assert shown <= _changed(_real_diff())
-    for line in ("+from agent import GuardConfig, SDCGuard", "+        result = guard.step(step)",
+    for line in ("+from sdcguard.agent import GuardConfig, SDCGuard", "+        result = guard.step(step)",
                  "+            guard.save_checkpoint(step + 1)", "-        scheduler.step()"):
         assert line in shown
 
@@ -91,7 +91,7 @@ def test_only_the_docstrings_imports_and_help_texts_are_left_out() -> None:
     left_out = _changed(_real_diff()) - _changed(_shown())
     assert left_out, "the docstrings differ, so something is left out"
     assert all(line in header or "add_argument(" in line for line in left_out), sorted(left_out)
-    assert "+from agent import GuardConfig, SDCGuard" not in left_out
+    assert "+from sdcguard.agent import GuardConfig, SDCGuard" not in left_out
 
 
 def test_a_new_import_in_the_guarded_file_is_shown(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from torch.distributed.run import parse_args
 
-from agent.config import ALARM_EXIT_CODE, ENV_PREFIX, GuardConfig
+from sdcguard.agent.config import ALARM_EXIT_CODE, ENV_PREFIX, GuardConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "examples" / "k8s" / "pytorchjob.yaml"

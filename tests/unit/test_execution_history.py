@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from infra.deploy.deploy import DeployError, check_history_budget
-from infra.deploy.execution_history import (
+from sdcguard.infra.deploy.deploy import DeployError, check_history_budget
+from sdcguard.infra.deploy.execution_history import (
     HISTORY_LIMIT,
     HistoryBudgetError,
     budget,
@@ -29,7 +29,7 @@ def _asl() -> dict[str, Any]:
 
 
 def _template_defaults() -> dict[str, int]:
-    from infra.deploy.cfn_yaml import load_template
+    from sdcguard.infra.deploy.cfn_yaml import load_template
 
     parameters = load_template(ROOT / "infra" / "deploy" / "template.yaml")["Parameters"]
     return {name: int(parameters[name]["Default"]) for name in DEFAULTS}

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.fingerprint import (
+from sdcguard.agent.fingerprint import (
     BLOCK,
     DEFAULT_CHUNK,
     SINGLE_THREAD_CHUNK,
@@ -26,7 +26,7 @@ from agent.fingerprint import (
     position_word,
     to_hex,
 )
-from contract.alarm import FingerprintGroup
+from sdcguard.contract.alarm import FingerprintGroup
 
 MASK64 = (1 << 64) - 1
 # Derandomized: CI sees the same examples every run; widen with SDCGUARD_FP_EXAMPLES for a deeper search.

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent import native
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import native
 from tests.unit.test_fingerprint import EVERY_DTYPE, reference_hex, sample
 
 HAVE_COMPILER = any(shutil.which(cc) for cc in ("cc", "gcc", "clang"))
@@ -154,7 +154,7 @@ def test_a_failed_build_falls_back_in_auto_and_is_an_error_in_native(
     fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="agent.native"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.native"):
         assert native.kernel() is None
     assert "torch implementation" in caplog.text
     assert "false failed to build" in caplog.text
@@ -248,14 +248,14 @@ def test_an_installation_without_the_source_falls_back(
     fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(native, "SOURCE", fresh_loader / "csrc" / "fingerprint.c")
-    with caplog.at_level(logging.WARNING, logger="agent.native"):
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.native"):
         assert native.kernel() is None
     assert "source is missing" in caplog.text
 
 
 @needs_compiler
 def test_a_prebuilt_kernel_needs_no_compiler(fresh_loader: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # An image built with a compiler (python -m agent.native), run without one.
+    # An image built with a compiler (python -m sdcguard.agent.native), run without one.
     assert native.main([]) == 0
     monkeypatch.setenv("PATH", str(fresh_loader / "no-tools-here"))
     monkeypatch.delenv("CC", raising=False)

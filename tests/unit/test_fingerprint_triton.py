@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent import grad_norm, native
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import grad_norm, native
 from tests.unit.test_fingerprint import EVERY_DTYPE, sample
 
 # Triton decides when it is imported (its own library functions are decorated then) whether kernels run in
@@ -131,7 +131,7 @@ def test_nan_infinity_and_subnormals_are_fingerprinted_by_their_bits(dtype: torc
 @needs_triton
 @pytest.mark.usefixtures("interpreted")
 def test_many_tensors_and_concatenations_into_a_preallocated_summary() -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     base = sample(torch.float32, (40, 300))
     tensors = [sample(torch.float32, (7,)), base[:, ::3], torch.tensor(2.5), sample(torch.bfloat16, (9 * 1024,), 3),
@@ -159,7 +159,7 @@ def test_many_tensors_and_concatenations_into_a_preallocated_summary() -> None:
 @pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
 def test_the_bucket_passes_have_the_separate_passes_bits(dtype: torch.dtype) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     kernel = native.load(native.build()) if HAVE_COMPILER else None
     float_format = native.SUM_FORMATS[str(dtype).removeprefix("torch.")]
@@ -186,7 +186,7 @@ def test_the_bucket_passes_have_the_separate_passes_bits(dtype: torch.dtype) -> 
 @pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
 def test_a_nonfinite_element_anywhere_is_flagged_and_sums_to_the_canonical_value(dtype: torch.dtype) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     n = 2 * 4096 + 333
     clean = bucket(dtype, n, seed=5)
@@ -211,7 +211,7 @@ def test_a_nonfinite_element_anywhere_is_flagged_and_sums_to_the_canonical_value
 @needs_triton
 @pytest.mark.usefixtures("interpreted")
 def test_bad_input_is_refused_by_name() -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     with pytest.raises(ValueError, match="float64"):
         tf.local_pass(torch.zeros(10, dtype=torch.float64), 2)
@@ -227,7 +227,7 @@ def test_bad_input_is_refused_by_name() -> None:
 
 @needs_triton
 def test_without_a_gpu_or_the_interpreter_the_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv(native.KERNEL_ENV, "triton")
@@ -279,8 +279,8 @@ def test_the_device_benchmarks_table_and_comparison() -> None:
 @needs_triton
 @pytest.mark.usefixtures("interpreted")
 def test_the_device_benchmarks_checks_pass_and_catch_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.kernels import triton_fingerprint as tf
     from benchmarks import device_kernels as dk
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     report = dk.measure(torch.device("cpu"), sizes=(1025,))
     assert [name for name, _ in report.checks] == ["triton, torch and cpu fingerprints equal bit for bit",
@@ -312,7 +312,7 @@ def test_the_device_benchmark_says_why_it_did_not_run(monkeypatch: pytest.Monkey
 
 @needs_triton
 def test_the_hook_is_told_which_buckets_the_kernels_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     bucket_ = torch.zeros(4096)
@@ -331,7 +331,7 @@ def _passes(t: torch.Tensor, world: int) -> tuple[object, ...]:
     """What the hook's bucket passes say of ``t`` (a copy, divided by ``world`` before it is read again), by
     whichever implementation the setting chooses: flag, norm bits, divided bits, reduced flag, norm and
     fingerprint."""
-    from agent import nonfinite
+    from sdcguard.agent import nonfinite
 
     buffer = t.clone()
     before = nonfinite.local_pass(buffer, world, flag=True, norm=True)
@@ -349,7 +349,7 @@ def _passes(t: torch.Tensor, world: int) -> tuple[object, ...]:
 @pytest.mark.parametrize("dtype", HALF_AND_SINGLE, ids=str)
 def test_the_hooks_bucket_passes_take_the_kernels_with_the_same_bits(monkeypatch: pytest.MonkeyPatch,
                                                                      dtype: torch.dtype) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     finite = bucket(dtype, 4097 + 300, seed=5)
     broken = finite.clone()
@@ -386,8 +386,8 @@ def test_the_hooks_bucket_passes_take_the_kernels_with_the_same_bits(monkeypatch
 
 @needs_triton
 def test_the_weight_check_packs_its_rows_with_the_kernels_in_the_same_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import weights
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent import weights
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     monkeypatch.setattr(weights, "PACK_BELOW", 2048)  # small enough for the interpreter
     tensors = [sample(torch.float32, (3000,), 1), sample(torch.float32, (7,), 2), sample(torch.bfloat16, (100,), 3),

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lambdas import errors
+from sdcguard.lambdas import errors
 
 ROOT = Path(__file__).resolve().parents[2]
 LAMBDA = "arn:aws:states:::lambda:invoke"
@@ -279,7 +279,7 @@ def test_a_new_node_that_fails_is_replaced_again_by_the_replace_function_and_wai
 
 
 def test_every_result_selector_reads_fields_its_handler_returns() -> None:
-    from lambdas import outputs
+    from sdcguard.lambdas import outputs
 
     returns: dict[str, type[outputs.Output]] = {
         "${RecordFunctionArn}": outputs.Recorded, "${ResolveFunctionArn}": outputs.Resolved,

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from contract import Alarm, Incident, IncidentState, ResolvedSuspect, Transition
-from lambdas.approval import approval_message
-from lambdas.errors import MalformedEvent, NotInCluster, StaleAlarm, SuspectUnresolvable
-from lambdas.evidence import (
+from sdcguard.contract import Alarm, Incident, IncidentState, ResolvedSuspect, Transition
+from sdcguard.lambdas.approval import approval_message
+from sdcguard.lambdas.errors import MalformedEvent, NotInCluster, StaleAlarm, SuspectUnresolvable
+from sdcguard.lambdas.evidence import (
     CORROBORATED,
     NO_HARDWARE_SIGNAL,
     MetricSeries,
@@ -19,15 +19,15 @@ from lambdas.evidence import (
     prior_incidents_of,
     verdict_for,
 )
-from lambdas.guard import check_blast_radius, quarantined_nodes
-from lambdas.inputs import AlarmEvent, InstanceRef, parse_input
-from lambdas.job import holders
-from lambdas.ledger import FOREVER, Ledger, counts_until, idempotency_key, incident_id_for
-from lambdas.notify import describe
-from lambdas.pointer import allowed_prefix
-from lambdas.record import check_job, check_scope
-from lambdas.replace import find_successors
-from lambdas.resolve import (
+from sdcguard.lambdas.guard import check_blast_radius, quarantined_nodes
+from sdcguard.lambdas.inputs import AlarmEvent, InstanceRef, parse_input
+from sdcguard.lambdas.job import holders
+from sdcguard.lambdas.ledger import FOREVER, Ledger, counts_until, idempotency_key, incident_id_for
+from sdcguard.lambdas.notify import describe
+from sdcguard.lambdas.pointer import allowed_prefix
+from sdcguard.lambdas.record import check_job, check_scope
+from sdcguard.lambdas.replace import find_successors
+from sdcguard.lambdas.resolve import (
     ClusterNode,
     Observed,
     check_fresh,
@@ -36,7 +36,7 @@ from lambdas.resolve import (
     resolve_suspects,
     stale,
 )
-from lambdas.settings import Settings, SettingsError
+from sdcguard.lambdas.settings import Settings, SettingsError
 from tests.events import load_event
 
 I1, I2, I3 = "i-0123456789abcdef0", "i-0223456789abcdef0", "i-0323456789abcdef0"
@@ -255,7 +255,7 @@ def test_only_earlier_incidents_a_reviewer_approved_corroborate() -> None:
 
 
 def test_the_successor_is_the_new_node_of_the_same_group_launched_after_the_request() -> None:
-    from contract import Replacement
+    from sdcguard.contract import Replacement
 
     requested = NOW
     inc = incident("alarm_ring_audit", IncidentState.REPLACING, [(I1, "")], entered={IncidentState.REPLACING: requested})
@@ -359,7 +359,7 @@ def test_the_eks_token_is_a_presigned_get_caller_identity_signing_the_cluster() 
 
     import boto3
 
-    from lambdas.eks_token import eks_token
+    from sdcguard.lambdas.eks_token import eks_token
 
     sts = boto3.client(
         "sts", region_name="us-east-1", aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="secret", endpoint_url="https://sts.us-east-1.amazonaws.com"
@@ -537,8 +537,8 @@ def test_the_incidents_holding_a_job_are_read_from_its_annotation() -> None:
 def test_throttling_after_the_clients_retries_is_raised_by_name() -> None:
     from botocore.exceptions import ClientError
 
-    from lambdas.clients import CONFIG, named_throttling
-    from lambdas.errors import Throttled
+    from sdcguard.lambdas.clients import CONFIG, named_throttling
+    from sdcguard.lambdas.errors import Throttled
 
     def failing(code: str) -> Any:
         @named_throttling
@@ -562,9 +562,9 @@ def test_throttling_after_the_clients_retries_is_raised_by_name() -> None:
 def test_a_stopped_incident_holds_until_its_rejected_replacement_node_is_released_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from contract import NodeCheck
-    from contract.incident import REPLACEMENT_REJECTED, Replacement
-    from lambdas import guard
+    from sdcguard.contract import NodeCheck
+    from sdcguard.contract.incident import REPLACEMENT_REJECTED, Replacement
+    from sdcguard.lambdas import guard
 
     stopped = incident("alarm_ring_audit", IncidentState.NEEDS_ATTENTION, [(I1, "")],
                        entered={IncidentState.GUARDED: NOW, IncidentState.CORDONED: NOW})

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import train
+from sdcguard.agent.testing import train
 
 
 def _wait_forever(pid_dir: str) -> None:
@@ -62,7 +62,7 @@ def test_a_failed_rank_stops_the_others(tmp_path: Path, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 def test_ranks_end_when_their_launcher_is_killed(tmp_path: Path, method: str) -> None:
     # (A fresh launcher that has only imported: the one kind of process that may fork its ranks.)
-    script = ("import sys; from agent import train; from tests.unit.test_launch import _wait_forever; "
+    script = ("import sys; from sdcguard.agent.testing import train; from tests.unit.test_launch import _wait_forever; "
               f"train.launch(2, _wait_forever, ({str(tmp_path)!r},), start_method={method!r})")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
     try:

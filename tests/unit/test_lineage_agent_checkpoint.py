@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from agent.checkpoint import CheckpointWriter, load_checkpoint, rng_name, save_checkpoint
-from contract.checkpoint import checkpoint_dir
-from lineage.errors import CheckpointCorrupt, PointerCorrupt
-from lineage.pointer import read_pointer, rewrite_pointer
-from lineage.store import ObjectStore, open_store
-from lineage.verify import manifest_key, read_manifest, verify_checkpoint
+from sdcguard.agent.checkpoint import CheckpointWriter, load_checkpoint, rng_name, save_checkpoint
+from sdcguard.contract.checkpoint import checkpoint_dir
+from sdcguard.lineage.errors import CheckpointCorrupt, PointerCorrupt
+from sdcguard.lineage.pointer import read_pointer, rewrite_pointer
+from sdcguard.lineage.store import ObjectStore, open_store
+from sdcguard.lineage.verify import manifest_key, read_manifest, verify_checkpoint
 
 
 def state_hex(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from contract.checkpoint import POINTER_NAME
-from lineage.pointer import read_pointer
-from lineage.store import open_store
 from sdcguard.cli import main
+from sdcguard.contract.checkpoint import POINTER_NAME
+from sdcguard.lineage.pointer import read_pointer
+from sdcguard.lineage.store import open_store
 from tests.lineage_checkpoints import fingerprint_for, object_key, write_checkpoint
 
 EVENTS = Path(__file__).resolve().parent.parent / "events"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from contract.checkpoint import POINTER_NAME
-from lineage.errors import NoSafeCheckpoint, PointerConflict, PointerCorrupt
-from lineage.pointer import advance_pointer, read_pointer, rewrite_pointer, rewrite_pointer_explained
-from lineage.store import ObjectStore, open_store
+from sdcguard.contract.checkpoint import POINTER_NAME
+from sdcguard.lineage.errors import NoSafeCheckpoint, PointerConflict, PointerCorrupt
+from sdcguard.lineage.pointer import advance_pointer, read_pointer, rewrite_pointer, rewrite_pointer_explained
+from sdcguard.lineage.store import ObjectStore, open_store
 from tests.lineage_checkpoints import write_checkpoint
 
 

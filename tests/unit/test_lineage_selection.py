@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from contract.checkpoint import CheckpointManifest
-from lineage.errors import CheckpointCorrupt, CheckpointIncomplete, NoSafeCheckpoint
-from lineage.listing import checkpoint_steps, list_checkpoints, newest_committed
-from lineage.selection import select_checkpoint
-from lineage.store import ObjectStore, open_store
-from lineage.verify import check_fingerprint, manifest_key, read_manifest, verify_checkpoint
+from sdcguard.contract.checkpoint import CheckpointManifest
+from sdcguard.lineage.errors import CheckpointCorrupt, CheckpointIncomplete, NoSafeCheckpoint
+from sdcguard.lineage.listing import checkpoint_steps, list_checkpoints, newest_committed
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import ObjectStore, open_store
+from sdcguard.lineage.verify import check_fingerprint, manifest_key, read_manifest, verify_checkpoint
 from tests.lineage_checkpoints import fingerprint_for, object_key, write_checkpoint
 
 

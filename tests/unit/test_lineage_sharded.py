@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from contract.checkpoint import CheckpointManifest, ShardedLayout, checkpoint_dir
-from lineage.commit import commit, put_object
-from lineage.errors import NoSafeCheckpoint
-from lineage.selection import select_checkpoint
-from lineage.store import ObjectStore, open_store
-from lineage.verify import missing_for_resume
+from sdcguard.contract.checkpoint import CheckpointManifest, ShardedLayout, checkpoint_dir
+from sdcguard.lineage.commit import commit, put_object
+from sdcguard.lineage.errors import NoSafeCheckpoint
+from sdcguard.lineage.selection import select_checkpoint
+from sdcguard.lineage.store import ObjectStore, open_store
+from sdcguard.lineage.verify import missing_for_resume
 
 SHARD_FP = ["0123456789abcdef" * 3, "fedcba9876543210" * 3]
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from lineage.errors import InvalidStoreUri, ObjectNotFound, PreconditionFailed
-from lineage.store import LocalStore, S3Store, open_store, sha256_hex
+from sdcguard.lineage.errors import InvalidStoreUri, ObjectNotFound, PreconditionFailed
+from sdcguard.lineage.store import LocalStore, S3Store, open_store, sha256_hex
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

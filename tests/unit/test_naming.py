@@ -1,4 +1,4 @@
-"""The node-name rule has one home: ``contract.naming``; every user spells it through there."""
+"""The node-name rule has one home: ``sdcguard.contract.naming``; every user spells it through there."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.naming import instance_id_of, node_name
-from lambdas.resolve import instance_id_from_node_name
+from sdcguard.contract.naming import instance_id_of, node_name
+from sdcguard.lambdas.resolve import instance_id_from_node_name
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Node checks (lambdas.node_check) and the replace-once-more rule, against a tiny in-memory Kubernetes and ledger.
+"""Node checks (sdcguard.lambdas.node_check) and the replace-once-more rule, against a tiny in-memory Kubernetes and ledger.
 
 What a Job is made of, how its answer is read and summarised, what is recorded
 when it cannot run, and that a replacement that fails qualification is never
@@ -19,14 +19,14 @@ import pytest
 from botocore.exceptions import ClientError
 from kubernetes import client as k8s
 
-from agent.capsule import capsule_dir
-from contract import Alarm, Incident, IncidentState, NodeCheck, Replacement, ResolvedSuspect
-from contract.incident import ALLOWED, Transition
-from lambdas import node_check
-from lambdas.cordon import TAINT_KEY
-from lambdas.errors import IncidentNotWaiting
-from lambdas.replace import find_successors, reject_unqualified
-from lambdas.resolve import ClusterNode
+from sdcguard.agent.capsule import capsule_dir
+from sdcguard.contract import Alarm, Incident, IncidentState, NodeCheck, Replacement, ResolvedSuspect
+from sdcguard.contract.incident import ALLOWED, Transition
+from sdcguard.lambdas import node_check
+from sdcguard.lambdas.cordon import TAINT_KEY
+from sdcguard.lambdas.errors import IncidentNotWaiting
+from sdcguard.lambdas.replace import find_successors, reject_unqualified
+from sdcguard.lambdas.resolve import ClusterNode
 from tests.events import load_event
 
 S = IncidentState
@@ -41,7 +41,7 @@ CAPSULE = f"{PREFIX}/capsules/step-000000200-rank-00003"
 
 
 class FakeLedger:
-    """The parts of lambdas.ledger.Ledger the node checks use, in memory."""
+    """The parts of sdcguard.lambdas.ledger.Ledger the node checks use, in memory."""
 
     def __init__(self, incident: Incident) -> None:
         self.incidents = {incident.incident_id: incident}
@@ -607,8 +607,8 @@ def checked(incident: Incident) -> Incident:
 
 
 def test_the_notifications_say_what_the_replays_found() -> None:
-    from lambdas.approval import approval_message
-    from lambdas.notify import describe
+    from sdcguard.lambdas.approval import approval_message
+    from sdcguard.lambdas.notify import describe
 
     incident = checked(make_incident(S.EVIDENCE_COLLECTED))
     text = describe(incident)
@@ -632,7 +632,7 @@ def test_incidents_show_prints_the_node_checks(capsys: pytest.CaptureFixture[str
 
 
 def test_the_evidence_carries_the_reproduction(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lambdas import evidence
+    from sdcguard.lambdas import evidence
 
     incident = checked(make_incident(S.CORDONED))
     ledger = FakeLedger(incident)
@@ -643,7 +643,7 @@ def test_the_evidence_carries_the_reproduction(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_rejected_replacement_node_counts_as_quarantined() -> None:
-    from lambdas.blast_radius import quarantined_nodes
+    from sdcguard.lambdas.blast_radius import quarantined_nodes
 
     rejected = Replacement(old_instance_id=SUSPECT, new_instance_id=NEW, status="Rejected")
     failed = NodeCheck(purpose="qualify", node=f"hyperpod-{NEW}", instance_id=NEW, state="failed", repeats=5, reproduced=5)

@@ -1,4 +1,4 @@
-"""The non-finite flag of many tensors at once (FSDP2's reduced shards, ``agent.sharded.reduced_shards``): true exactly when an element of a
+"""The non-finite flag of many tensors at once (FSDP2's reduced shards, ``sdcguard.agent.sharded.reduced_shards``): true exactly when an element of a
 tensor is a NaN or an infinity, on every path (the CPU's scan, torch's multi-tensor maximum, the Triton
 multi-tensor kernel run by its interpreter), and the shards' fingerprints unchanged by the flag."""
 
@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from agent import fingerprint as fp
-from agent import native, nonfinite, weights
-from agent.sharded import ShardsPass, reduced_shards
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent import native, nonfinite, weights
+from sdcguard.agent.sharded import ShardsPass, reduced_shards
 
 # As in test_fingerprint_triton: Triton reads this when it is first imported (only the kernels import it).
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
@@ -55,7 +55,7 @@ def _foreach(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _triton(tensors: list[torch.Tensor]) -> torch.Tensor:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     return tf.any_nonfinite(tensors)
 
@@ -151,7 +151,7 @@ def test_mixed_dtypes_and_empty_or_integer_tensors_are_read_as_their_own_format(
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_under_the_triton_setting_one_read_gives_the_packed_fingerprints_and_the_flag(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    from agent.kernels import triton_fingerprint as tf
+    from sdcguard.agent.kernels import triton_fingerprint as tf
 
     monkeypatch.setattr(weights, "PACK_BELOW", 2048)  # large and small shards, small enough for the interpreter
     # The last: alone in its group and 2-D (packed as its flattening, on every path).

@@ -1,4 +1,4 @@
-"""Product checks (agent.product_checks): silent on clean training, a flipped bit inside any product caught and
+"""Product checks (sdcguard.agent.product_checks): silent on clean training, a flipped bit inside any product caught and
 named, a fault after the product not seen, and the bound neither vacuous nor too tight."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from agent.product_checks import COUNT, FIRST, ProductChecks
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
-from campaign.injectors import ProductMode, flip
+from sdcguard.agent.product_checks import COUNT, FIRST, ProductChecks
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from sdcguard.campaign.injectors import ProductMode, flip
 
 SHAPE = JobShape(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=8, dropout=0.1)
 
@@ -294,7 +294,7 @@ def test_kinds_can_be_switched_off_and_bad_settings_are_refused() -> None:
 
 
 def test_the_bound_grows_with_the_accumulation_length_as_gamma_n() -> None:
-    from agent.product_checks import Arithmetic, gamma
+    from sdcguard.agent.product_checks import Arithmetic, gamma
 
     fp32 = Arithmetic.of(torch.float32, torch.float32, torch.device("cpu"), conv=False)
     bf16 = Arithmetic.of(torch.bfloat16, torch.bfloat16, torch.device("cpu"), conv=False)

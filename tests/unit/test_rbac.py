@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.deploy.cfn_yaml import load_template
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = [d for d in yaml.safe_load_all((ROOT / "infra" / "deploy" / "rbac.yaml").read_text()) if d]

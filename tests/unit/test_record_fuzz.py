@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from kubernetes.client import ApiClient
 
-from contract import Alarm
-from lambdas.errors import MalformedEvent, NotInCluster
-from lambdas.handlers import record
-from lambdas.inputs import AlarmEvent, parse_input
-from lambdas.settings import get_settings
+from sdcguard.contract import Alarm
+from sdcguard.lambdas.errors import MalformedEvent, NotInCluster
+from sdcguard.lambdas.handlers import record
+from sdcguard.lambdas.inputs import AlarmEvent, parse_input
+from sdcguard.lambdas.settings import get_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA: dict[str, Any] = json.loads((ROOT / "contract" / "schemas" / "alarm.schema.json").read_text())

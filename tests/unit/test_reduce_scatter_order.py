@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from agent.reduce_scatter_observer import ObservedReduceScatter, ReduceScatterObserver
+from sdcguard.agent.reduce_scatter_observer import ObservedReduceScatter, ReduceScatterObserver
 
 
 def test_the_collective_is_issued_before_the_checks_and_the_injector_runs_before_both(

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from infra.deploy.cfn_yaml import load_template
-from lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY
+from sdcguard.infra.deploy.cfn_yaml import load_template
+from sdcguard.lambdas.task_tokens import TOKEN_TABLE_ATTRIBUTES, TOKEN_TABLE_KEY
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "deploy" / "template.yaml"
 

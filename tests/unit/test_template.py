@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
-from infra.deploy.cfn_yaml import load_template
+from sdcguard.infra.deploy.cfn_yaml import load_template
 
 if TYPE_CHECKING:
     import boto3
@@ -132,7 +132,7 @@ def test_only_metrics_traces_and_task_tokens_have_a_resource_wildcard(template: 
 def test_one_function_per_handler_with_the_settings_environment(template: dict[str, Any]) -> None:
     functions = _resources(template, "AWS::Lambda::Function")
     handlers = {f["Properties"]["Handler"] for f in functions.values()}
-    assert handlers == {f"lambdas.handlers.{name}.handler" for name in HANDLERS}
+    assert handlers == {f"sdcguard.lambdas.handlers.{name}.handler" for name in HANDLERS}
     for name, function in functions.items():
         props = function["Properties"]
         assert props["Runtime"] == "python3.12", name
@@ -203,7 +203,7 @@ def test_kubernetes_roles_have_access_entries_in_the_rbac_groups(template: dict[
 
 
 def test_settings_environment_matches_the_handlers_settings() -> None:
-    from lambdas.settings import ENV
+    from sdcguard.lambdas.settings import ENV
 
     assert set(ENV) | {"POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE"} == SETTINGS_ENV
 
@@ -222,7 +222,7 @@ NODE_CHECK_PARAMETERS = {
 def test_node_check_parameters_reach_every_function_with_the_settings_defaults_and_bounds(
     template: dict[str, Any], parameter: str
 ) -> None:
-    from lambdas.settings import ENV, Settings
+    from sdcguard.lambdas.settings import ENV, Settings
 
     variable, default = NODE_CHECK_PARAMETERS[parameter]
     declared = template["Parameters"][parameter]
@@ -238,7 +238,7 @@ def test_node_check_parameters_reach_every_function_with_the_settings_defaults_a
 
 def test_the_node_check_functions_read_capsules_only_and_reject_runs_with_the_cordon(template: dict[str, Any]) -> None:
     roles = {
-        f["Properties"]["Handler"].split(".")[2]: f["Properties"]["Role"]["Fn::GetAtt"][0]
+        f["Properties"]["Handler"].split(".")[-2]: f["Properties"]["Role"]["Fn::GetAtt"][0]
         for f in _resources(template, "AWS::Lambda::Function").values()
     }
     assert (roles["start_node_check"], roles["node_check_status"]) == ("NodeCheckRole", "NodeCheckRole")
@@ -252,7 +252,7 @@ def test_the_node_check_functions_read_capsules_only_and_reject_runs_with_the_co
 
 @pytest.mark.parametrize("name", sorted(HANDLERS))
 def test_every_handler_module_has_a_handler_function(name: str) -> None:
-    module = importlib.import_module(f"lambdas.handlers.{name}")
+    module = importlib.import_module(f"sdcguard.lambdas.handlers.{name}")
     assert callable(module.handler)
 
 
@@ -284,7 +284,7 @@ ROLE = "arn:aws:iam::123456789012:role/trainer"
 
 def failed_rules(template: dict[str, Any], parameters: dict[str, str]) -> list[str]:
     """The template's Rules whose assertion fails for ``parameters``, as CloudFormation evaluates them."""
-    from infra.deploy.template_lint import SAMPLE_PARAMETERS, _Renderer
+    from sdcguard.infra.deploy.template_lint import SAMPLE_PARAMETERS, _Renderer
 
     renderer = _Renderer(template, {**SAMPLE_PARAMETERS, "TrainingRoleArn": "", **parameters})
     failed = []
@@ -308,7 +308,7 @@ def failed_rules(template: dict[str, Any], parameters: dict[str, str]) -> list[s
 def test_the_bus_is_open_to_the_account_only_when_asked_for(
     template: dict[str, Any], parameters: dict[str, str], refused: bool
 ) -> None:
-    from infra.deploy.deploy import DeployError, check_publisher
+    from sdcguard.infra.deploy.deploy import DeployError, check_publisher
 
     assert bool(failed_rules(template, parameters)) is refused  # CloudFormation's Rules
     effective = {"TrainingRoleArn": "", "AllowAnyPublisher": "false", **parameters}
@@ -321,7 +321,7 @@ def test_the_bus_is_open_to_the_account_only_when_asked_for(
 
 
 def test_with_a_training_role_only_it_may_put_events(template: dict[str, Any]) -> None:
-    from infra.deploy.template_lint import template_policies
+    from sdcguard.infra.deploy.template_lint import template_policies
 
     policies = dict(template_policies(template, {"TrainingRoleArn": ROLE}))
     allow, deny = policies["EventBus"]["Statement"]
@@ -358,7 +358,7 @@ NEW_STACK = {
 
 
 def test_deploy_refuses_an_open_bus_before_packaging_or_uploading_anything() -> None:
-    from infra.deploy.deploy import DeployError, deploy
+    from sdcguard.infra.deploy.deploy import DeployError, deploy
 
     with pytest.raises(DeployError, match=r"TrainingRoleArn is empty.*AllowAnyPublisher=true"):
         # The fake answers region_name and a CloudFormation client, all a refused deploy may touch.
@@ -437,7 +437,7 @@ def test_no_role_deletes_from_the_ledger(template: dict[str, Any]) -> None:
 
 
 def test_one_approval_timeout_everywhere(template: dict[str, Any]) -> None:
-    from lambdas.settings import Settings
+    from sdcguard.lambdas.settings import Settings
 
     default = int(template["Parameters"]["ApprovalTimeoutSeconds"]["Default"])
     assert Settings.model_fields["approval_timeout_seconds"].default == default
@@ -449,7 +449,7 @@ def test_one_approval_timeout_everywhere(template: dict[str, Any]) -> None:
 
 
 def test_a_reviewer_reads_incidents_and_never_a_task_token(template: dict[str, Any]) -> None:
-    from lambdas.ledger import INCIDENT_ATTRIBUTES
+    from sdcguard.lambdas.ledger import INCIDENT_ATTRIBUTES
 
     statements = {s["Sid"]: s for s in template["Resources"]["ReviewerPolicy"]["Properties"]["PolicyDocument"]["Statement"]}
     read = statements["ReadIncidents"]
@@ -519,7 +519,7 @@ def test_cloudwatch_may_publish_to_the_encrypted_topic(template: dict[str, Any])
 
 
 def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: dict[str, Any]) -> None:
-    from lambdas.ledger import (
+    from sdcguard.lambdas.ledger import (
         OPEN_INDEX_ATTRIBUTES,
         OPEN_INDEX_DEFINITION,
         SUSPECT_INDEX_ATTRIBUTES,
@@ -553,7 +553,7 @@ def test_the_ledger_has_the_indexes_the_guard_and_the_evidence_query(template: d
 
 
 def test_check_runs_checkov_and_parliament_on_the_template() -> None:
-    from infra.check import checks
+    from sdcguard.infra.check import checks
 
     labels = {label: command for label, command in checks()}
     assert labels["checkov"][-2:] == ["checkov", "infra/deploy/template.yaml"]
@@ -573,7 +573,7 @@ def _tampered(template: dict[str, Any], tmp_path: Path, change: Any) -> Path:
 def test_parliament_passes_the_template_and_fails_a_policy_that_cannot_work(
     template: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from infra.deploy.template_lint import run
+    from sdcguard.infra.deploy.template_lint import run
 
     assert run("parliament", [TEMPLATE]) == 0
 
@@ -594,7 +594,7 @@ def test_parliament_passes_the_template_and_fails_a_policy_that_cannot_work(
 def test_a_justification_must_give_a_reason_and_must_still_apply(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
-    from infra.deploy.template_lint import EXCEPTIONS, load_exceptions, run
+    from sdcguard.infra.deploy.template_lint import EXCEPTIONS, load_exceptions, run
 
     entries = load_exceptions()
     assert all(len(e["reason"].split()) >= 8 for tool in entries.values() for e in tool)
@@ -620,7 +620,7 @@ def test_botocore_knows_the_replace_action_parliament_does_not() -> None:
 def test_a_missing_checkov_fails_the_check_and_says_how_to_get_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from infra.deploy.template_lint import run
+    from sdcguard.infra.deploy.template_lint import run
 
     monkeypatch.setenv("SDCGUARD_CHECKOV", str(tmp_path / "no-checkov"))
     assert run("checkov", [TEMPLATE]) == 2
@@ -628,7 +628,7 @@ def test_a_missing_checkov_fails_the_check_and_says_how_to_get_it(
 
 
 def _checkov_or_skip() -> None:
-    from infra.deploy.template_lint import ToolMissing, checkov_binary
+    from sdcguard.infra.deploy.template_lint import ToolMissing, checkov_binary
 
     try:
         checkov_binary()
@@ -640,7 +640,7 @@ def _checkov_or_skip() -> None:
 def test_checkov_passes_the_template_and_fails_an_unencrypted_queue(
     template: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from infra.deploy.template_lint import run
+    from sdcguard.infra.deploy.template_lint import run
 
     _checkov_or_skip()
     assert run("checkov", [TEMPLATE]) == 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent import train
-from agent.capsule_replay import resolve_factory
-from infra.drill.runs import REPLAY_FACTORY
+from sdcguard.agent.capsule_replay import resolve_factory
+from sdcguard.agent.testing import train
+from sdcguard.infra.drill.runs import REPLAY_FACTORY
 
 
 def test_the_drills_factory_rebuilds_the_model_its_ranks_train(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +48,7 @@ def test_a_bad_shape_is_refused_naming_the_variable(value: str, says: str, monke
     # and the command line refuses it before any rank starts.
     monkeypatch.setattr(train, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     assert train.main(["--nproc", "2", "--steps", "1"]) == 2
-    assert capsys.readouterr().err.startswith(f"agent.train: error: {train.MODEL_SHAPE_ENV}: ")
+    assert capsys.readouterr().err.startswith(f"sdcguard.agent.testing.train: error: {train.MODEL_SHAPE_ENV}: ")
 
 
 def test_the_command_line_tells_its_ranks_the_sizes_it_trains(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from agent.train import JobShape, SyntheticData, TinyGPT, loss_fn
-from agent.trigger import GRAD_NORM, LOSS, MagnitudeTrigger, cross_rank_outliers
+from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
+from sdcguard.agent.trigger import GRAD_NORM, LOSS, MagnitudeTrigger, cross_rank_outliers
 
 CPU = torch.device("cpu")
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from infra.local.eks.errors import ApiError
-from infra.local.eks.faults import Faults
-from infra.local.eks.jobs import JobController
-from infra.local.eks.node_faults import BadNodeFault, NodeFaults
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.faults import Faults
+from sdcguard.infra.local.eks.jobs import JobController
+from sdcguard.infra.local.eks.node_faults import BadNodeFault, NodeFaults
 
 READS_BODY = ("POST", "PUT")
 """The methods whose body a control endpoint reads."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.local.eks.resources import RESOURCES, Resource
+from sdcguard.infra.local.eks.resources import RESOURCES, Resource
 
 AGGREGATED_KIND = "APIGroupDiscoveryList"
 AGGREGATED_VERSIONS = ("v2", "v2beta1")

@@ -8,7 +8,7 @@ stand-in's own paths.
 Chaos (:class:`Chaos`, ``server.faults.chaos``, in-process only) fails a
 fraction of calls transiently and counts what it did: the faults it injected
 and the retries that absorbed them. The SageMaker HyperPod extension uses the
-same class for its calls (``infra.local.moto_ext.hyperpod_faults``).
+same class for its calls (``sdcguard.infra.local.moto_ext.hyperpod_faults``).
 """
 
 from __future__ import annotations

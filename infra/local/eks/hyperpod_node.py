@@ -1,6 +1,6 @@
 """What a HyperPod EKS worker node looks like to the Kubernetes API.
 
-HyperPod names each node ``hyperpod-<EC2 instance id>`` (:mod:`contract.naming`) and labels it with
+HyperPod names each node ``hyperpod-<EC2 instance id>`` (:mod:`sdcguard.contract.naming`) and labels it with
 its health status and instance group; the seed and a simulated replacement
 both build nodes from here, so every node in the stand-in has the same shape.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from contract.naming import node_name
+from sdcguard.contract.naming import node_name
 
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 INSTANCE_GROUP_LABEL = "sagemaker.amazonaws.com/instance-group-name"

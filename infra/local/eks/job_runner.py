@@ -23,7 +23,7 @@ stdout and stderr are kept, together, for ``GET .../pods/NAME/log``.
 Killing a run (a deadline, a deletion) kills its whole process group.
 
 A ``sdcguard replay`` (a node check) is forked from the runner's zygote
-(:mod:`infra.local.eks.zygote`), which imported torch once, instead of
+(:mod:`sdcguard.infra.local.eks.zygote`), which imported torch once, instead of
 starting an interpreter that imports it again; what the Kubernetes API shows
 is the same. Every other command, and a replay the zygote cannot serve, runs
 as a plain process. :meth:`JobRunner.stop_all` stops the zygote too.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.local.eks.zygote import ForkedProcess, Zygote
+from sdcguard.infra.local.eks.zygote import ForkedProcess, Zygote
 
 log = logging.getLogger(__name__)
 

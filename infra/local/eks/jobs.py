@@ -38,12 +38,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.local.eks.errors import ApiError
-from infra.local.eks.job_runner import JobRunner, NotRunnable, command_line, process_env
-from infra.local.eks.node_faults import NodeFaults
-from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import JOBS, NODES, PODS, Resource
-from infra.local.eks.selectors import parse_label_selector
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.job_runner import JobRunner, NotRunnable, command_line, process_env
+from sdcguard.infra.local.eks.node_faults import NodeFaults
+from sdcguard.infra.local.eks.objects import ObjectStore
+from sdcguard.infra.local.eks.resources import JOBS, NODES, PODS, Resource
+from sdcguard.infra.local.eks.selectors import parse_label_selector
 
 log = logging.getLogger(__name__)
 

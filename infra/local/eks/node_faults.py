@@ -1,7 +1,7 @@
 """Node hardware faults: the stand-in's simulated faulty GPUs, by node.
 
 A real faulty GPU corrupts whatever runs on its node. On the stand-in, a
-node's fault is an ``SDCGUARD_INJECT`` spec (see ``agent.inject``) that the
+node's fault is an ``SDCGUARD_INJECT`` spec (see ``sdcguard.agent.testing.inject``) that the
 Job runner hands to every process it starts on that node, so a replay of a
 capsule there computes wrong bits exactly as the training ranks did.
 
@@ -14,7 +14,7 @@ HTTP with ``PUT /_standin/node-faults``::
      "replacements_inherit": true}
 
 The specs are checked for shape here (comma-separated ``key=value`` with a
-``kind`` and a ``step``); ``agent.inject`` checks the rest when the process
+``kind`` and a ``step``); ``sdcguard.agent.testing.inject`` checks the rest when the process
 starts, and a process given a bad spec exits with its message.
 """
 

@@ -1,6 +1,6 @@
 """What a HyperPod node replacement does to the cluster: one node goes, a new one comes, pods follow.
 
-The HyperPod stand-in (``infra.local.moto_ext.hyperpod``) calls this, through
+The HyperPod stand-in (``sdcguard.infra.local.moto_ext.hyperpod``) calls this, through
 ``EksApiServer.replace_node``, when a replacement reaches Running.
 """
 
@@ -9,17 +9,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from infra.local.eks.errors import ApiError
-from infra.local.eks.hyperpod_node import (
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.hyperpod_node import (
     CLUSTER_NAME_LABEL,
     INSTANCE_GROUP_LABEL,
     INSTANCE_TYPE_LABEL,
     hyperpod_node,
     node_name,
 )
-from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import NODES, PODS
-from infra.local.eks.selectors import parse_field_selector
+from sdcguard.infra.local.eks.objects import ObjectStore
+from sdcguard.infra.local.eks.resources import NODES, PODS
+from sdcguard.infra.local.eks.selectors import parse_field_selector
 
 log = logging.getLogger(__name__)
 

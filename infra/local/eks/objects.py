@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from infra.local.eks import errors
-from infra.local.eks.resources import Resource, validate
-from infra.local.eks.selectors import Predicate
+from sdcguard.infra.local.eks import errors
+from sdcguard.infra.local.eks.resources import Resource, validate
+from sdcguard.infra.local.eks.selectors import Predicate
 
 Key = tuple[str, str, str, str]  # group, plural, namespace ("" when cluster-scoped), name
 

@@ -38,10 +38,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.local.eks.auth import Caller
-from infra.local.eks.errors import ApiError
-from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import CLUSTER_ROLE_BINDINGS, CLUSTER_ROLES, ROLE_BINDINGS, ROLES
+from sdcguard.infra.local.eks.auth import Caller
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.objects import ObjectStore
+from sdcguard.infra.local.eks.resources import CLUSTER_ROLE_BINDINGS, CLUSTER_ROLES, ROLE_BINDINGS, ROLES
 
 MASTERS = "system:masters"
 AUTHENTICATED = "system:authenticated"

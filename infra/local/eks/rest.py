@@ -15,13 +15,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from infra.local.eks import patch as patches
-from infra.local.eks import rbac, tables
-from infra.local.eks.errors import ApiError, not_found
-from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import NAMESPACES, PODS, SELF_SUBJECT_ACCESS_REVIEWS, Resource
-from infra.local.eks.routing import Target
-from infra.local.eks.selectors import parse_field_selector, parse_label_selector
+from sdcguard.infra.local.eks import patch as patches
+from sdcguard.infra.local.eks import rbac, tables
+from sdcguard.infra.local.eks.errors import ApiError, not_found
+from sdcguard.infra.local.eks.objects import ObjectStore
+from sdcguard.infra.local.eks.resources import NAMESPACES, PODS, SELF_SUBJECT_ACCESS_REVIEWS, Resource
+from sdcguard.infra.local.eks.routing import Target
+from sdcguard.infra.local.eks.selectors import parse_field_selector, parse_label_selector
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from infra.local.eks import discovery
-from infra.local.eks.errors import ApiError
-from infra.local.eks.resources import RESOURCES, Resource
+from sdcguard.infra.local.eks import discovery
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.resources import RESOURCES, Resource
 
 _CORE = "|".join(sorted(r.plural for r in RESOURCES.values() if not r.group))
 _CORE_NAMESPACED = "|".join(sorted(r.plural for r in RESOURCES.values() if not r.group and r.namespaced))

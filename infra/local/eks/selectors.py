@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.errors import ApiError
 
 Predicate = Callable[[dict[str, Any]], bool]
 

@@ -36,15 +36,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.local.eks import node_replacement, rbac
-from infra.local.eks.control import StandinControl
-from infra.local.eks.faults import Faults
-from infra.local.eks.hyperpod_node import node_name
-from infra.local.eks.job_runner import JobRunner
-from infra.local.eks.jobs import JobController
-from infra.local.eks.node_faults import NodeFaults
-from infra.local.eks.objects import ObjectStore
-from infra.local.eks.resources import (
+from sdcguard.infra.local.eks import node_replacement, rbac
+from sdcguard.infra.local.eks.control import StandinControl
+from sdcguard.infra.local.eks.faults import Faults
+from sdcguard.infra.local.eks.hyperpod_node import node_name
+from sdcguard.infra.local.eks.job_runner import JobRunner
+from sdcguard.infra.local.eks.jobs import JobController
+from sdcguard.infra.local.eks.node_faults import NodeFaults
+from sdcguard.infra.local.eks.objects import ObjectStore
+from sdcguard.infra.local.eks.resources import (
     CLUSTER_ROLE_BINDINGS,
     CLUSTER_ROLES,
     NAMESPACES,
@@ -52,9 +52,9 @@ from infra.local.eks.resources import (
     ROLES,
     Resource,
 )
-from infra.local.eks.rest import RestApi
-from infra.local.eks.tls import issue_server_certificate
-from infra.local.eks.transport import HttpServer, RequestRecord
+from sdcguard.infra.local.eks.rest import RestApi
+from sdcguard.infra.local.eks.tls import issue_server_certificate
+from sdcguard.infra.local.eks.transport import HttpServer, RequestRecord
 
 __all__ = ["DEFAULT_NAMESPACES", "EksApiServer", "RequestRecord"]
 

@@ -13,7 +13,7 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any
 
-from infra.local.eks.resources import (
+from sdcguard.infra.local.eks.resources import (
     CLUSTER_ROLE_BINDINGS,
     CLUSTER_ROLES,
     EVENTS,

@@ -25,17 +25,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from infra.local.eks import discovery, rbac, tables, watch
-from infra.local.eks.auth import TokenRejected, verify_authorization
-from infra.local.eks.control import READS_BODY
-from infra.local.eks.errors import ApiError
-from infra.local.eks.resources import SELF_SUBJECT_ACCESS_REVIEWS
-from infra.local.eks.rest import Call, PlainText, as_table, json_body
-from infra.local.eks.routing import ANONYMOUS, DISCOVERY, Target, anonymous, discovery_document, route, verb
-from infra.local.eks.selectors import parse_field_selector, parse_label_selector
+from sdcguard.infra.local.eks import discovery, rbac, tables, watch
+from sdcguard.infra.local.eks.auth import TokenRejected, verify_authorization
+from sdcguard.infra.local.eks.control import READS_BODY
+from sdcguard.infra.local.eks.errors import ApiError
+from sdcguard.infra.local.eks.resources import SELF_SUBJECT_ACCESS_REVIEWS
+from sdcguard.infra.local.eks.rest import Call, PlainText, as_table, json_body
+from sdcguard.infra.local.eks.routing import (
+    ANONYMOUS,
+    DISCOVERY,
+    Target,
+    anonymous,
+    discovery_document,
+    route,
+    verb,
+)
+from sdcguard.infra.local.eks.selectors import parse_field_selector, parse_label_selector
 
 if TYPE_CHECKING:
-    from infra.local.eks.server import EksApiServer
+    from sdcguard.infra.local.eks.server import EksApiServer
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 PRELOAD: Final = (
     "torch",
     "torch._inductor",
-    "agent.capsule_replay",
+    "sdcguard.agent.capsule_replay",
     "sdcguard.cli",
     "sdcguard.commands.replay",
 )

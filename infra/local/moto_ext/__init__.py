@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import moto
 
-from infra.local.moto_ext import (
+from sdcguard.infra.local.moto_ext import (
     dynamodb_atomic,
     eks_endpoint,
     eventbridge_targets,

@@ -20,7 +20,7 @@ uses it to swap the Kubernetes node).
 
 Hooks: ``SageMakerModelBackend.create_cluster``, ``ClusterNode.describe``,
 and three new actions on ``SageMakerResponse`` and the backend. ``install``
-also installs :mod:`infra.local.moto_ext.hyperpod_faults`, the HyperPod calls'
+also installs :mod:`sdcguard.infra.local.moto_ext.hyperpod_faults`, the HyperPod calls'
 chaos knob (transient throttling and 5xx at a rate).
 """
 
@@ -41,7 +41,7 @@ from moto.sagemaker.exceptions import ResourceNotFound, ValidationError
 from moto.sagemaker.models import Cluster, ClusterNode, SageMakerModelBackend
 from moto.sagemaker.responses import SageMakerResponse
 
-from infra.local.moto_ext import hyperpod_faults
+from sdcguard.infra.local.moto_ext import hyperpod_faults
 
 logger = logging.getLogger(__name__)
 

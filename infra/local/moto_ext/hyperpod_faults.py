@@ -1,6 +1,6 @@
 """Gap: moto's SageMaker never fails transiently; the chaos drill needs HyperPod calls that do, as AWS's do.
 
-``chaos`` (an :class:`infra.local.eks.faults.Chaos`, off by default) fails a
+``chaos`` (an :class:`sdcguard.infra.local.eks.faults.Chaos`, off by default) fails a
 fraction of the SageMaker HyperPod calls (the SageMaker operations on
 clusters: ``ListClusterNodes``, ``BatchReplaceClusterNodes``, ...) before
 moto handles them, so a failed call changes nothing. Each fault answers as
@@ -26,7 +26,7 @@ from typing import Any
 
 from moto.sagemaker.responses import SageMakerResponse
 
-from infra.local.eks.faults import Chaos
+from sdcguard.infra.local.eks.faults import Chaos
 
 ERRORS: dict[int, tuple[int, str, str]] = {
     429: (400, "ThrottlingException", "Rate exceeded"),

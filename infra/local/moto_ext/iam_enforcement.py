@@ -15,7 +15,7 @@ which is how each Lambda function and the training job get theirs) is
 turned into the IAM actions, resource ARNs and condition keys AWS
 authorizes it as (:func:`requests_for`) and evaluated against that role's
 identity policies, inline and attached, as moto's IAM holds them
-(:mod:`infra.local.moto_ext.iam_policy`). A refusal answers as AWS does
+(:mod:`sdcguard.infra.local.moto_ext.iam_policy`). A refusal answers as AWS does
 (``AccessDenied``/``AccessDeniedException`` naming the session, the action
 and the resource). Any other credentials are the stand-in's administrator:
 deploying, seeding and the tests' own set-up. Every decision about a role
@@ -35,7 +35,7 @@ from functools import cache
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-from infra.local.moto_ext.iam_policy import ContextValue, Request, evaluate
+from sdcguard.infra.local.moto_ext.iam_policy import ContextValue, Request, evaluate
 
 ACCOUNT = "123456789012"  # moto's default account
 # Signing names whose IAM action prefix or botocore service name differs.

@@ -38,7 +38,7 @@ from typing import Any
 
 from moto.awslambda.models import LambdaFunction
 
-from infra.local.moto_ext import iam_enforcement
+from sdcguard.infra.local.moto_ext import iam_enforcement
 
 WORKER_SCRIPT = Path(__file__).with_name("lambda_worker.py")
 # Lambda's own init phase is limited to 10 s; a shared laptop importing

@@ -2,11 +2,11 @@
 
 Under torchrun (one process per GPU, or gloo on CPU)::
 
-    torchrun --nproc-per-node 2 -m agent.train --steps 200 --audit-every 50
+    torchrun --nproc-per-node 2 -m sdcguard.agent.testing.train --steps 200 --audit-every 50
 
 or on one machine without torchrun, simulating 3 nodes of 2 ranks::
 
-    python -m agent.train --nproc 6 --ranks-per-node 2 --steps 200
+    python -m sdcguard.agent.testing.train --nproc 6 --ranks-per-node 2 --steps 200
 
 Exit status: 0 when training finished, ``ALARM_EXIT_CODE`` (87) when an alarm
 stopped it under the default ``on_alarm=stop``, 2 for bad arguments. Copy
@@ -35,12 +35,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from agent import inject, native
-from agent.config import GuardConfig
-from agent.guard import SDCGuard
-from agent.weights import state_fingerprint_hex
+from sdcguard.agent import native
+from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.guard import SDCGuard
+from sdcguard.agent.testing import inject
+from sdcguard.agent.weights import state_fingerprint_hex
 
-log = logging.getLogger("agent.train")
+log = logging.getLogger("sdcguard.agent.testing.train")
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ MODEL_SHAPE_ENV = "SDCGUARD_MODEL_SHAPE"
 :func:`replay_model` rebuilds the model in a fresh process (``sdcguard replay``,
 on the pipeline's side a Kubernetes Job whose container env is the training
 pods'), from nothing but the capsule and this variable: the capsules the agent
-writes name the factory with empty ``factory_args``. ``python -m agent.train``
+writes name the factory with empty ``factory_args``. ``python -m sdcguard.agent.testing.train``
 sets it for its ranks when ``--dim``/``--layers`` differ from the defaults; a
 job that changes the model's sizes sets it in its pods' env."""
 
@@ -184,7 +185,7 @@ def shape_spec(shape: JobShape) -> str:
 
 
 def replay_model() -> tuple[nn.Module, Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
-    """The reference job's capsule factory (``SDCGUARD_CAPSULE_FACTORY=agent.train:replay_model``).
+    """The reference job's capsule factory (``SDCGUARD_CAPSULE_FACTORY=sdcguard.agent.testing.train:replay_model``).
 
     Returns the bare ``TinyGPT`` of the job's sizes (``MODEL_SHAPE_ENV``, else
     the defaults the drill trains) and :func:`loss_fn`; ``sdcguard replay``
@@ -407,7 +408,7 @@ def launch(nproc: int, fn: Callable[..., Any], args: Sequence[Any] = (), env: Ma
 
 def parser() -> argparse.ArgumentParser:
     """The reference job's arguments."""
-    p = argparse.ArgumentParser(prog="python -m agent.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sdcguard.agent.testing.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--audit-every", type=int, default=None, help="ring audit cadence (default: GuardConfig's 100)")
     p.add_argument("--fingerprint-every", type=int, default=None,
@@ -501,7 +502,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 RANK_IMPORTS = {"ddp": ("torch._dynamo",),
-                "hsdp": ("torch._dynamo", "torch.distributed.checkpoint", "agent.sharded", "agent.sharded_checkpoint")}
+                "hsdp": ("torch._dynamo", "torch.distributed.checkpoint", "sdcguard.agent.sharded", "sdcguard.agent.sharded_checkpoint")}
 
 
 def _start_method(sharding: str) -> str:
@@ -521,7 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(args)
     except ValueError as exc:
-        print(f"agent.train: error: {exc}", file=sys.stderr)
+        print(f"sdcguard.agent.testing.train: error: {exc}", file=sys.stderr)
         return 2
     # What the ranks train is what a capsule's factory (replay_model) rebuilds, here and in a replay Job.
     spec = shape_spec(_shape(args))
@@ -533,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             env = _node_env(args)
         except ValueError as exc:
-            print(f"agent.train: error: {exc}", file=sys.stderr)
+            print(f"sdcguard.agent.testing.train: error: {exc}", file=sys.stderr)
             return 2
         codes = launch(args.nproc, _worker, (args,), env=env, start_method=_start_method(args.sharding))
         return max((c if c is not None else 1) for c in codes)
