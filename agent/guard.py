@@ -2,7 +2,10 @@
 
 One step for every parallelism: what differs between DDP and FSDP2 (HSDP or
 pure FSDP) sits behind :class:`sdcguard.agent.parallelism.Parallelism`
-(sdcguard.agent.data_parallel, sdcguard.agent.sharded), chosen when the guard is built.
+(sdcguard.agent.data_parallel, sdcguard.agent.sharded), chosen when the guard is built;
+the detectors are components with one interface (sdcguard.agent.detectors: when
+each is due, what it observes, how it judges the gathered rows), in a list
+built from the settings.
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
@@ -44,6 +47,7 @@ checking changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -71,9 +75,10 @@ from sdcguard.agent.batches import BatchNotReplayable, check_replayable
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
 from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
 from sdcguard.agent.data_parallel import DataParallel
+from sdcguard.agent.detectors import NonFiniteCheck, StepDetector, WeightCheck, global_rank, step_detectors
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
 from sdcguard.agent.findings import GatheredFindings, StepFindings
-from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from sdcguard.agent.nonfinite import NonFiniteVerdict
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.publisher import (
@@ -84,12 +89,11 @@ from sdcguard.agent.publisher import (
     PublishOutcome,
 )
 from sdcguard.agent.ring_audit import AuditVerdict, loss_bits
-from sdcguard.agent.ring_audit import judge as judge_audit
 from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes
 from sdcguard.agent.testing.inject import from_env as injection_from_env
 from sdcguard.agent.topology import Topology
-from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
-from sdcguard.agent.weights import vote_in_groups
+from sdcguard.agent.trigger import MagnitudeTrigger
+from sdcguard.agent.weights import GroupVerdict, vote_in_groups
 from sdcguard.contract import (
     Alarm,
     Detector,
@@ -286,6 +290,11 @@ class SDCGuard:
         # fully_shard model itself): forward hooks that name the sites, nothing else.
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.products = ProductChecks(bare, device=self.device) if cfg.product_checks else None
+        self.detectors: list[StepDetector[Any]] = step_detectors(
+            cfg, self.parallel, audit=self.audit_enabled, gather=self._all_gather, group=group, trigger=self.trigger,
+            products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None)
+        """The step's detectors, in the order they observe and judge (sdcguard.agent.detectors)."""
+        self.weight_check = WeightCheck(cfg.fingerprint_every) if cfg.fingerprint_every > 0 else None
         if isinstance(injection, str):
             injection = injection_from_env()
         self.injector = Injector(injection, self.topology.rank, self.topology.node)
@@ -367,19 +376,17 @@ class SDCGuard:
             raise ValueError(f"step: must be >= 0, got {step}")
         for hook in self._step_hooks:
             hook(step)
-        cfg = self.config
         result = StepResult(step=step, loss=math.nan)
-        if cfg.fingerprint_every and step % cfg.fingerprint_every == 0:
+        if self.weight_check is not None and self.weight_check.due(step):
             result.weights_checked = True
             alarm = self.agreed_fingerprint(step)[1]
             if alarm is not None:
                 return self._handle(alarm, result)
-        result.audited = self.audit_enabled and step % cfg.audit_every == 0
-        found = self._own_pass(step, audited=result.audited)
-        if result.audited:
-            self._audit(step, found)
-        if self.trigger is not None:
-            found.trigger = self._trigger_fires(found)
+        due = [d for d in self.detectors if d.due(step)]
+        result.audited = any(d.detector is Detector.RING_AUDIT for d in due)
+        found = self._own_pass(step, due, audited=result.audited)
+        for detector in due:
+            detector.observe(step, found)
         if self._agree(found, result):
             return self._update(step, result)
         alarm = self._resolve(step, found, result)
@@ -394,49 +401,14 @@ class SDCGuard:
             return result
         return self._update(step, result)
 
-    def _own_pass(self, step: int, *, audited: bool) -> StepFindings:
-        """The rank's own forward and backward, with every matrix product checked when product checks are on.
-
-        Only the own pass is watched: recomputations (audit, confirmation, replay) and the update run
-        outside, so a flag is always this rank's own product's."""
-        if self.products is None:
+    def _own_pass(self, step: int, due: list[StepDetector[Any]], *, audited: bool) -> StepFindings:
+        """The rank's own forward and backward, watched by the due detectors that watch a pass (the product
+        checks). Only the own pass is watched: recomputations (audit, confirmation, replay) and the update run
+        outside, so a flag is always this rank's own."""
+        with contextlib.ExitStack() as watching:
+            for detector in due:
+                watching.enter_context(detector.watching())
             return self.parallel.forward_backward(step, audited=audited)
-        self.products.begin_step()
-        with self.products.watching():
-            found = self.parallel.forward_backward(step, audited=audited)
-        found.products = self.products.summary()
-        return found
-
-    def _trigger_fires(self, found: StepFindings) -> torch.Tensor:
-        """The magnitude trigger's flag (0-dim bool on the device). While it has too little history of its
-        own (a fresh job's first ``trigger_warmup`` steps, or a resume from a checkpoint without its state),
-        also the cross-rank test: a loss or local-gradient norm orders of magnitude away from the other ranks'
-        (an all-gather of two numbers per rank on those steps only; nothing is read back)."""
-        assert self.trigger is not None
-        norm = self._unscaled(self.parallel.local_norm(found))
-        fired = self.trigger.fires(found.loss, norm)
-        world = self.topology.world_size
-        if not self.trigger.warming_up or world < 2:
-            return fired
-        mine = torch.stack([found.loss.detach().reshape(()).to(torch.float64),
-                            norm.detach().reshape(()).to(torch.float64)])
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine, group=self.group)
-        return fired | cross_rank_outliers(torch.stack(rows))[self.topology.rank]
-
-    def _audit(self, step: int, found: StepFindings) -> None:
-        """Detector 2: recompute the audited rank's step, send the record to its owner, compare ours."""
-        parallel = self.parallel
-        found.own_record, found.audit_record = parallel.audit_records(step, found)
-        received = torch.empty_like(found.own_record)
-        if self.topology.world_size > 1:
-            ops = [dist.P2POp(dist.isend, found.audit_record, self._global(parallel.audits), self.group),
-                   dist.P2POp(dist.irecv, received, self._global(parallel.audited_by), self.group)]
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
-        else:
-            received = found.audit_record
-        found.audit_bad = (received != found.own_record).any()
 
     def _unscaled(self, norm: torch.Tensor) -> torch.Tensor:
         """A norm of scaled gradients divided by the GradScaler's scale (unchanged without one)."""
@@ -471,20 +443,13 @@ class SDCGuard:
 
     def _update(self, step: int, result: StepResult) -> StepResult:
         """Every check passed (or a trigger was confirmed as real): record the clean steps and update."""
-        cfg = self.config
-        if cfg.nonfinite:
+        if self.config.nonfinite:
             self.overflow_streak = 0
             self.data_fault_streak = 0
-            self.last_clean[Detector.NONFINITE_GRAD.value] = step
-        if cfg.reduced_grad:
-            self.last_clean[Detector.REDUCED_GRAD.value] = step
-        if result.audited:
-            self.last_clean[Detector.RING_AUDIT.value] = step
-        if self.products is not None:
-            self.last_clean[Detector.PRODUCT_CHECK.value] = step
-        if self.trigger is not None:
-            self.last_clean[Detector.MAGNITUDE_TRIGGER.value] = step
-            self.trigger.observe()
+        for detector in self.detectors:
+            if detector.due(step):
+                self.last_clean[detector.detector.value] = step
+                detector.passed(step)
         result.updated = self._apply_update(overflow=False, result=result)
         if result.updated and self.scheduler is not None:
             self.scheduler.step()
@@ -530,55 +495,42 @@ class SDCGuard:
         set when the update must be skipped without one, or None alone when the
         step may update (a magnitude jump that the recomputation reproduced).
         """
-        cfg, world, parallel = self.config, self.topology.world_size, self.parallel
-        claim = parallel.own_claim(found, digests=found.own_record is not None)
+        claim = self.parallel.own_claim(found, digests=found.own_record is not None)
         rows = GatheredFindings.unpack(self._all_gather(findings.pack_row(found, claim)))
-        # A step with non-finite sums belongs to the non-finite check (their bits carry no meaning).
-        if cfg.reduced_grad and not rows.reduced_nonfinite:
-            verdict = vote_in_groups(rows.reduced_lanes, parallel.vote_groups)
-            if not verdict.unanimous:
-                suspects = verdict.dissenters
-                return self._alarm(step, Detector.REDUCED_GRAD, suspects, verdict.localized,
-                                   fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(),
-                                                        "reduced_gradients"),
-                                   f"replicas received different reduced gradients; outside the strict majority: "
-                                   f"{suspects}" if verdict.localized else
-                                   "replicas received different reduced gradients and no strict majority")
+        verdicts: dict[Detector, Any] = {}
         owners: dict[int, list[str]] = {}
-        nonfinite = judge_nonfinite(rows.summaries) if cfg.nonfinite else None
-        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks or nonfinite.reduced_ranks):
-            everyone = len(nonfinite.local_ranks) == world
-            if self.scaler is not None and everyone and not nonfinite.loss_ranks:
-                return self._scaler_overflow(step, result, nonfinite)
-            bad = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
-            if not bad:
-                # Finite inputs everywhere, non-finite sums: the reduction itself.
-                strict = 0 < len(nonfinite.reduced_ranks) < world
-                suspects = nonfinite.reduced_ranks if strict else []
-                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                                   nonfinite_evidence([], True, nonfinite.buckets),
-                                   f"the reduction delivered non-finite gradients to rank(s) {nonfinite.reduced_ranks}")
-            for r in bad:
-                owners.setdefault(r, []).append(confirm.NONFINITE)
-        for r in rows.triggered:
-            owners.setdefault(r, []).append(confirm.MAGNITUDE)
-        products = self._product_sites(rows)
-        for site in products:
-            owners.setdefault(site.rank, []).append(confirm.PRODUCT)
-        audit = None
-        if found.own_record is not None and rows.audit_failed:
-            audit = self._judge_audit(found)
-            for pair in audit.mismatched:
-                owners.setdefault(pair.audited, []).append(confirm.AUDIT)
-        return self._confirm_and_decide(step, result, rows.claims, owners, nonfinite, audit, products)
+        for detector in self.detectors:
+            verdict = verdicts[detector.detector] = detector.judge(rows, found)
+            if verdict is None:
+                continue
+            if detector.final(verdict):
+                return self._at_once(step, detector, verdict, result)
+            for rank in detector.asks(verdict):
+                owners.setdefault(rank, []).append(detector.reason)
+        return self._confirm_and_decide(step, result, rows.claims, owners, verdicts.get(Detector.NONFINITE_GRAD),
+                                        verdicts.get(Detector.RING_AUDIT), verdicts.get(Detector.PRODUCT_CHECK))
 
-    def _product_sites(self, rows: GatheredFindings) -> list[ProductSite]:
-        """The first failing product of each rank whose product checks fired (named from this rank's sites:
-        every rank runs the same model, so the same sites in the same order)."""
-        if self.products is None:
-            return []
-        return [ProductSite(rank=rank, site=site[:256])
-                for rank, site in self.products.findings(rows.products)][:4096]
+    def _at_once(self, step: int, detector: StepDetector[Any], verdict: Any, result: StepResult) -> Alarm | None:
+        """A verdict no recomputation could change: replicas that received different reduced gradients, a
+        reduction that delivered non-finite sums from finite inputs, or the GradScaler's overflow."""
+        if isinstance(verdict, GroupVerdict):
+            suspects = verdict.dissenters
+            return self._alarm(step, Detector.REDUCED_GRAD, suspects, verdict.localized,
+                               fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(),
+                                                    "reduced_gradients"),
+                               f"replicas received different reduced gradients; outside the strict majority: "
+                               f"{suspects}" if verdict.localized else
+                               "replicas received different reduced gradients and no strict majority")
+        assert isinstance(detector, NonFiniteCheck)
+        assert isinstance(verdict, NonFiniteVerdict)
+        if detector.overflow(verdict):
+            return self._scaler_overflow(step, result, verdict)
+        # Finite inputs everywhere, non-finite sums: the reduction itself.
+        strict = 0 < len(verdict.reduced_ranks) < self.topology.world_size
+        suspects = verdict.reduced_ranks if strict else []
+        return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
+                           nonfinite_evidence([], True, verdict.buckets),
+                           f"the reduction delivered non-finite gradients to rank(s) {verdict.reduced_ranks}")
 
     def _scaler_overflow(self, step: int, result: StepResult, nonfinite: NonFiniteVerdict) -> Alarm | None:
         """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
@@ -589,15 +541,6 @@ class SDCGuard:
         message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
                    f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
         return self._alarm(step, Detector.NONFINITE_GRAD, [], False, self._nonfinite_evidence(nonfinite), message)
-
-    def _judge_audit(self, found: StepFindings) -> AuditVerdict:
-        """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
-        assert found.own_record is not None
-        assert found.audit_record is not None
-        both = self._all_gather(torch.cat([found.own_record, found.audit_record]))
-        width = both.shape[1] // 2
-        return judge_audit(both[:, :width], both[:, width:], self.parallel.audit_stride,
-                           names=self.parallel.digest_names())
 
     def _recomputed_claims(self, step: int, assigned: dict[int, int], width: int, slots: int,
                            *, digests: bool) -> torch.Tensor:
@@ -1107,9 +1050,6 @@ class SDCGuard:
 
     # -- collectives ----------------------------------------------------------------------------------
 
-    def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[world, n]`` on the CPU (only on the disagreement path, and for the weight check)."""
         return gather_rows(local.to(self.device), self.topology.world_size, self.group)
@@ -1121,5 +1061,5 @@ class SDCGuard:
         otherwise draw the same id after every restart and reuse alarm ids."""
         drawn = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64, device=self.device)
         if self.topology.world_size > 1:
-            dist.broadcast(drawn, src=self._global(0), group=self.group)
+            dist.broadcast(drawn, src=global_rank(self.group, 0), group=self.group)
         return int(drawn.item())

@@ -78,10 +78,29 @@ HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 """HyperPod's health label: anything but ``Schedulable`` means HyperPod itself keeps the node out of use."""
 
 
+NODE_CONTROLLER_TAINTS = frozenset(
+    f"node.kubernetes.io/{name}"
+    for name in ("unschedulable", "not-ready", "unreachable", "memory-pressure", "disk-pressure", "pid-pressure", "network-unavailable")
+)
+"""Taints Kubernetes' node lifecycle controller keeps in step with the node and removes itself.
+
+``unschedulable`` mirrors ``spec.unschedulable``, so our own cordon puts it
+there; the others mirror the node's conditions. Counted as someone else's
+hold, the first would keep every node we cordoned cordoned after release,
+and the others would leave a node cordoned by nobody once a passing
+condition clears. ``node.kubernetes.io/out-of-service`` is not among them:
+an administrator sets it."""
+
+
 def held_by_others(node: Any) -> bool:
     """Whether someone other than sdcguard keeps ``node`` out of scheduling now: another NoSchedule or
-    NoExecute taint, or HyperPod's health label saying it is not schedulable."""
-    others = [t for t in (node.spec.taints or []) if t.key != TAINT_KEY and t.effect in ("NoSchedule", "NoExecute")]
+    NoExecute taint (not one the node lifecycle controller derives), or HyperPod's health label saying it
+    is not schedulable."""
+    others = [
+        t
+        for t in (node.spec.taints or [])
+        if t.key != TAINT_KEY and t.key not in NODE_CONTROLLER_TAINTS and t.effect in ("NoSchedule", "NoExecute")
+    ]
     health = (node.metadata.labels or {}).get(HEALTH_LABEL)
     return bool(others) or (health is not None and health != "Schedulable")
 
@@ -90,6 +109,10 @@ def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeC
     """Undo :func:`cordon_node` for ``incident_id``: remove our taint and annotations, restore
     ``unschedulable`` to what it was before.
 
+    ``unschedulable`` stays set when it was set before us, or when someone else
+    holds the node now (:func:`held_by_others`). A ``kubectl cordon`` during
+    the incident changes nothing on the node and cannot be told apart from
+    ours: to keep a node out past a release, add a taint of your own.
     A node not cordoned by this incident is left untouched; a node that no
     longer exists (replaced) counts as done. Raises :class:`TransientKubernetesError`.
     """

@@ -150,15 +150,27 @@ def incident_id_for(key: str, generation: int = 0) -> str:
     return "sdc-" + hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
+def failed_before_acting(incident: Incident) -> bool:
+    """Whether ``incident`` failed while still only RECORDED: nothing was resolved, admitted or touched for it."""
+    return incident.state == IncidentState.FAILED and all(
+        t.state in (IncidentState.RECORDED, IncidentState.FAILED) for t in incident.transitions
+    )
+
+
 def is_repeat(existing: Incident, alarm: Alarm) -> bool:
     """Whether ``alarm`` is the fault of ``existing`` coming back, not one more report of it.
 
     It is when ``existing`` has ended and the alarm was raised after it ended:
     alarms raised before the end (other ranks, re-deliveries, late detectors)
-    are the same report and count into it.
+    are the same report and count into it. An incident that failed before
+    acting (:func:`failed_before_acting`, e.g. its ``record`` wrote, then
+    failed) did nothing about the fault: any later delivery of an alarm of it
+    is a repeat, whenever raised, so the fault is still contained.
     """
     if not existing.state.terminal:
         return False
+    if failed_before_acting(existing):
+        return True
     raised = alarm.time if alarm.time.tzinfo is not None else alarm.time.replace(tzinfo=UTC)
     return raised > existing.transitions[-1].at if existing.transitions else True
 
@@ -185,10 +197,10 @@ class Ledger:
         """Open the incident for ``alarm``, or count the alarm into the existing one.
 
         An incident that has ended absorbs only the alarms raised before it
-        ended (:func:`is_repeat`): the same fault alarming after that opens a
-        new incident, one generation on (:func:`incident_id_for`), whose
-        ``repeat_of`` says how the earlier one ended, so it is never counted
-        silently into a closed incident.
+        ended, and none once it failed before acting (:func:`is_repeat`): the
+        same fault alarming after that opens a new incident, one generation
+        on (:func:`incident_id_for`), whose ``repeat_of`` says how the earlier
+        one ended, so it is never counted silently into a closed incident.
         Returns ``(incident, created)``; ``created`` is False for a duplicate.
         ``opened_by`` names the execution recording it: when the incident
         already exists because that same execution opened it (a retried

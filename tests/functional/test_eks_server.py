@@ -153,7 +153,8 @@ def test_cordon_by_strategic_merge_sets_unschedulable_taint_and_annotations(core
     after = core.read_node(name)
     assert after.spec.unschedulable is True
     assert [(t.key, t.value, t.effect) for t in after.spec.taints] == [
-        ("sdcguard.io/quarantine", "inc-123", "NoSchedule")
+        ("sdcguard.io/quarantine", "inc-123", "NoSchedule"),
+        ("node.kubernetes.io/unschedulable", None, "NoSchedule"),  # the node lifecycle controller's
     ]
     assert after.metadata.annotations["sdcguard.io/incident"] == "inc-123"
     assert after.metadata.labels[HEALTH_LABEL] == "Unschedulable"
@@ -182,6 +183,36 @@ def test_uncordon_with_null_and_json_patch_removes_what_cordon_added(core: k8s.C
     assert node.spec.unschedulable is False
     assert not node.spec.taints
     assert "sdcguard.io/incident" not in (node.metadata.annotations or {})
+
+
+def test_the_node_lifecycle_controllers_taint_follows_unschedulable_on_every_node_write(
+    core: k8s.CoreV1Api,
+) -> None:
+    controllers = ("node.kubernetes.io/unschedulable", "NoSchedule")
+
+    def taints(name: str) -> list[tuple[str, str]]:
+        return [(t.key, t.effect) for t in core.read_node(name).spec.taints or []]
+
+    # A node created schedulable has no taint; one created unschedulable has the controller's.
+    _, free = _node(core)
+    assert taints(free) == []
+    cordoned = hyperpod_node(_instance_id(), hyperpod_cluster="hp")
+    cordoned["spec"] = {**cordoned.get("spec", {}), "unschedulable": True}
+    created = core.create_node(cordoned).metadata.name
+    assert taints(created) == [controllers]
+    assert core.read_node(created).spec.taints[0].time_added is not None
+    # A cordon by strategic merge, JSON merge or JSON patch adds it once, beside the taints written,
+    core.patch_node(free, {"spec": {"unschedulable": True, "taints": [{"key": "q", "effect": "NoSchedule"}]}})
+    assert taints(free) == [("q", "NoSchedule"), controllers]
+    core.patch_node(free, {"spec": {"unschedulable": True}})  # already there: not added twice
+    assert taints(free) == [("q", "NoSchedule"), controllers]
+    # and an uncordon removes it, whether the write sent it back or not; other taints stay.
+    core.patch_node(free, [{"op": "replace", "path": "/spec/unschedulable", "value": False}])
+    assert taints(free) == [("q", "NoSchedule")]
+    node = core.read_node(created)
+    node.spec.unschedulable = False  # a PUT of the whole node, its taint still in it
+    core.replace_node(created, node)
+    assert (core.read_node(created).spec.unschedulable, taints(created)) == (False, [])
 
 
 def test_list_nodes_by_label_selector(core: k8s.CoreV1Api) -> None:

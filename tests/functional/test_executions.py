@@ -687,6 +687,80 @@ def test_a_refused_alarm_whose_fail_handler_fails_still_ends_with_a_notification
     assert all(i.alarm.alarm_id != detail["alarm_id"] for i in p.ledger.list())  # nothing was opened
 
 
+def execution_of_alarm(p: Pipeline, alarm_id: str, known: set[str]) -> str:
+    """The incident machine's execution, not among ``known``, that the alarm ``alarm_id`` started."""
+    sfn = p.standin.client("stepfunctions")
+    return str(wait_for(
+        lambda: next(
+            (e["executionArn"] for e in p.executions() if e["executionArn"] not in known
+             and alarm_id in sfn.describe_execution(executionArn=e["executionArn"])["input"]),
+            None,
+        ),
+        timeout=60,
+        what=f"the execution of alarm {alarm_id}",
+    ))  # fmt: skip
+
+
+def entered_states(p: Pipeline, arn: str) -> list[str]:
+    history = p.standin.client("stepfunctions").get_execution_history(executionArn=arn)["events"]
+    return [e["stateEnteredEventDetails"]["name"] for e in history if "stateEnteredEventDetails" in e]
+
+
+def test_a_record_that_wrote_then_failed_ends_as_record_failed_and_the_next_delivery_contains(
+    pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moto.dynamodb.exceptions import MockValidationException
+    from moto.dynamodb.models import DynamoDBBackend
+
+    p = pipeline
+    p.job_running()
+    detail = p.alarm(0, ring_clean=35_000)
+    refused = p.alarm(0, ring_clean=36_000)
+    refused["job"]["hyperpod_cluster"] = "someone-elses-cluster"
+    known = {e["executionArn"] for e in p.executions()}
+    # Given the ledger applies the record's write of this alarm and then answers it with an error
+    # (a client error, which neither botocore nor the Record state retries),
+    table, write = p.outputs["LedgerTableName"], DynamoDBBackend.put_item
+    failed_after_writing: list[str] = []
+
+    def write_then_fail(self: Any, table_name: str, item_attrs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        written = write(self, table_name, item_attrs, *args, **kwargs)
+        if table_name == table and not failed_after_writing and detail["alarm_id"] in item_attrs.get("body", {}).get("S", ""):
+            failed_after_writing.append(item_attrs["incident_id"]["S"])
+            raise MockValidationException("the stand-in failed this request after applying it")
+        return written
+
+    monkeypatch.setattr(DynamoDBBackend, "put_item", write_then_fail)
+    # when the alarm arrives (and, beside it, one that opens nothing: another cluster's),
+    p.publish(detail, refused)
+    arn, refused_arn = (execution_of_alarm(p, d["alarm_id"], known) for d in (detail, refused))
+    execution, refusal = p.execution_end(arn), p.execution_end(refused_arn)
+    monkeypatch.undo()
+
+    # the execution ends as RecordFailed, not as "nothing was opened", with the incident it opened FAILED,
+    assert (execution["status"], execution.get("error")) == ("FAILED", "RecordFailed")
+    assert entered_states(p, arn) == ["Record", "AlarmRefused", "WasAnythingOpened", "RecordFailed"]
+    (opened,) = failed_after_writing
+    failed = p.ledger.get(opened)
+    assert (failed.state, failed.opened_by, failed.failure and failed.failure.state) == (S.FAILED, arn, "Record")
+    # while the alarm that opened nothing still ends as refused;
+    assert (refusal["status"], refusal.get("error")) == ("FAILED", "AlarmRefused")
+    assert entered_states(p, refused_arn) == ["Record", "AlarmRefused", "WasAnythingOpened", "Refused"]
+    # and the same alarm delivered again is not swallowed by the failed incident: it opens a linked one,
+    # which contains the node.
+    p.publish(detail)
+    repeat = wait_for(
+        lambda: next((i for i in p.ledger.list() if i.alarm.alarm_id == detail["alarm_id"] and i.incident_id != opened), None),
+        timeout=60,
+        what="the incident of the re-delivered alarm",
+    )
+    waiting = p.wait_state(repeat.incident_id, S.AWAITING_APPROVAL)
+    assert waiting.repeat_of is not None
+    assert (waiting.repeat_of.incident_id, waiting.repeat_of.state) == (opened, S.FAILED)
+    assert [t.value for t in our_taints(p.read_node(p.node(0)["node_name"]))] == [repeat.incident_id]
+    p.release(repeat.incident_id)
+
+
 def test_invoking_the_replace_function_directly_with_an_approval_replaces_nothing(pipeline: Pipeline) -> None:
     # Given an incident awaiting approval,
     p, node = pipeline, pipeline.node(6)

@@ -1373,6 +1373,44 @@ def test_a_record_that_wrote_then_failed_is_not_reported_as_nothing_opened(world
     assert refused == {"incident_id": None, "state": "REFUSED"}
 
 
+def test_a_redelivery_after_record_failed_opens_a_linked_incident_not_a_silent_duplicate(world: World) -> None:
+    executions = [f"arn:aws:states:us-east-1:123456789012:execution:sdcguard-incident:{uuid.uuid4().hex}" for _ in range(4)]
+    event = alarm_event(world, 0)
+    # Given a record that opened the incident, a re-delivery counted into it while it was alive,
+    first = record.handler({"event": event, "execution_id": executions[0]}, CTX)
+    assert record.handler({"event": event, "execution_id": executions[1]}, CTX)["duplicate"] is True
+    # and its record failed after the write (the fail handler recorded it FAILED, nothing touched),
+    caught = {"Error": "Sandbox.Timedout", "Cause": "the function timed out after its write"}
+    assert fail.handler({"state": "Record", "error": caught, "execution_id": executions[0], "event": event}, CTX)["state"] == "FAILED"
+    # when the same alarm is delivered again (raised before the failure),
+    again = record.handler({"event": event, "execution_id": executions[2]}, CTX)
+    # it is not swallowed: a new incident, linked to the failed one, is opened by this execution,
+    assert again["duplicate"] is False
+    assert again["incident_id"] != first["incident_id"]
+    repeat = world.ledger.get(again["incident_id"])
+    assert repeat.repeat_of is not None
+    assert (repeat.repeat_of.incident_id, repeat.repeat_of.state) == (first["incident_id"], S.FAILED)
+    assert (repeat.opened_by, states(repeat)) == (executions[2], ["RECORDED"])
+    # and while that one is alive, a further delivery is its duplicate, as before.
+    assert record.handler({"event": event, "execution_id": executions[3]}, CTX) == {**again, "duplicate": True}
+    assert world.ledger.get(first["incident_id"]).duplicate_alarms == 1
+
+
+def test_an_alarm_raised_before_an_incident_failed_after_acting_is_still_its_duplicate(world: World) -> None:
+    from sdcguard.contract import Alarm, ResolvedSuspect
+
+    event = alarm_event(world, 0)
+    node = world.node(0)
+    # Given an incident that failed after it had resolved its suspect (not at Record),
+    opened, _ = world.ledger.open(Alarm.model_validate(event["detail"]), mode="normal")
+    suspect = ResolvedSuspect(global_rank=3, pod=node["pod"], node=node["node_name"], instance_id=node["instance_id"])
+    world.ledger.update(opened.incident_id, resolved_to(suspect))
+    world.ledger.update(opened.incident_id, moved_to(S.FAILED))
+    # a delivery of an alarm raised before it failed counts into it (only a later alarm is a repeat).
+    again = record.handler(event, CTX)
+    assert (again["incident_id"], again["duplicate"]) == (opened.incident_id, True)
+
+
 def test_uncordon_leaves_a_cordon_someone_else_set_during_the_incident(world: World) -> None:
     from sdcguard.lambdas.cordon import cordon_node, uncordon_node
 
@@ -1381,11 +1419,14 @@ def test_uncordon_leaves_a_cordon_someone_else_set_during_the_incident(world: Wo
     cordon_node(world.kube(), node, incident_id)
     # Given someone else cordoned the node for their own reasons while the incident held it,
     core = k8s.CoreV1Api(world.kube())
-    taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in (core.read_node(node).spec.taints or [])]
+    taints = [{"key": t.key, "value": t.value or "", "effect": t.effect} for t in (core.read_node(node).spec.taints or [])]
     core.patch_node(node, {"spec": {"taints": [*taints, {"key": "ops/maintenance", "value": "disk", "effect": "NoSchedule"}]}})
     # when the incident releases it,
     assert uncordon_node(world.kube(), node, incident_id).changed
-    # only sdcguard's taint goes: theirs stays, and so does the cordon.
+    # only sdcguard's taint goes: theirs stays, and so does the cordon (with the taint Kubernetes mirrors it as).
     after = core.read_node(node)
-    assert [(t.key, t.value) for t in after.spec.taints] == [("ops/maintenance", "disk")]
+    assert sorted((t.key, t.value or "") for t in after.spec.taints) == [
+        ("node.kubernetes.io/unschedulable", ""),
+        ("ops/maintenance", "disk"),
+    ]
     assert after.spec.unschedulable is True

@@ -464,7 +464,7 @@ def test_the_operators_lines_show_a_contained_node_and_job(
 
     nodes, taints, annotations, suspended, pods = outputs
     assert f"{node}   Ready,SchedulingDisabled" in nodes
-    assert taints == "true\nsdcguard.io/quarantine=inc-lines:NoSchedule\n"
+    assert taints == "true\nsdcguard.io/quarantine=inc-lines:NoSchedule\nnode.kubernetes.io/unschedulable=:NoSchedule\n"
     assert '"sdcguard.io/incident":"inc-lines"' in annotations
     assert suspended == "true\n"
     assert node in pods

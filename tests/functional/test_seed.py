@@ -298,7 +298,8 @@ def test_the_pipelines_own_eks_client_cordons_a_seeded_node(
 
     assert cordoned.spec.unschedulable is True
     assert [(t.key, t.value, t.effect) for t in cordoned.spec.taints] == [
-        (TAINT_KEY, "inc-seed-1", "NoSchedule")
+        (TAINT_KEY, "inc-seed-1", "NoSchedule"),
+        ("node.kubernetes.io/unschedulable", None, "NoSchedule"),  # Kubernetes mirrors the cordon as a taint
     ]
     assert released.spec.unschedulable is False
     assert not released.spec.taints

@@ -179,6 +179,20 @@ def test_a_refused_alarm_whose_fail_handler_fails_still_ends_with_a_direct_notif
     assert states["Refused"]["Type"] == "Fail"
 
 
+def test_a_record_that_wrote_then_failed_ends_as_record_failed_not_as_nothing_opened() -> None:
+    states = load("incident")["States"]
+    # The fail handler answers the incident it recorded FAILED (None when the alarm opened nothing),
+    refused = states["AlarmRefused"]
+    assert (refused["ResultSelector"], refused["ResultPath"]) == ({"incident_id.$": "$.Payload.incident_id"}, "$.ended")
+    assert refused["Next"] == "WasAnythingOpened"
+    # and only an alarm that opened nothing ends as refused.
+    opened = states["WasAnythingOpened"]
+    assert opened["Type"] == "Choice"
+    assert opened["Choices"] == [{"Variable": "$.ended.incident_id", "IsNull": True, "Next": "Refused"}]
+    assert opened["Default"] == "RecordFailed"
+    assert (states["RecordFailed"]["Type"], states["RecordFailed"]["Error"]) == ("Fail", "RecordFailed")
+
+
 def test_record_is_told_its_execution_and_a_mismatching_suspect_stops_for_attention() -> None:
     states = load("incident")["States"]
     assert states["Record"]["Parameters"]["Payload"] == {"event.$": "$", "execution_id.$": "$$.Execution.Id"}
@@ -289,7 +303,7 @@ def test_every_result_selector_reads_fields_its_handler_returns() -> None:
         "${StartNodeCheckFunctionArn}": outputs.NodeChecksStarted,
         "${NodeCheckStatusFunctionArn}": outputs.NodeCheckPoll,
         "${RejectReplacementFunctionArn}": outputs.ReplacementRejected,
-        "${DecideFunctionArn}": outputs.Decided,
+        "${DecideFunctionArn}": outputs.Decided, "${FailFunctionArn}": outputs.Ended,
     }  # fmt: skip
     checked = set()
     for name in MACHINES:

@@ -3,7 +3,10 @@
 Every write bumps one store-wide counter and stamps it on the object, as etcd
 revisions do; a write that carries a ``resourceVersion`` other than the
 stored one is refused with 409 Conflict. Objects leave the store only as
-deep copies, so callers can never mutate stored state behind the lock.
+deep copies, so callers can never mutate stored state behind the lock. Every
+node written, however (REST, seed, replacement), gets the node lifecycle
+controller's ``node.kubernetes.io/unschedulable`` taint in step with its
+``spec.unschedulable`` (:func:`mirror_cordon`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,37 @@ from collections.abc import Callable
 from typing import Any
 
 from sdcguard.infra.local.eks import errors
-from sdcguard.infra.local.eks.resources import Resource, validate
+from sdcguard.infra.local.eks.resources import NODES, Resource, validate
 from sdcguard.infra.local.eks.selectors import Predicate
 
 Key = tuple[str, str, str, str]  # group, plural, namespace ("" when cluster-scoped), name
+UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+"""The taint Kubernetes' node lifecycle controller keeps on every node whose ``spec.unschedulable`` is true."""
+
+
+def mirror_cordon(resource: Resource, obj: dict[str, Any]) -> None:
+    """Do to a written node what the node lifecycle controller does: add :data:`UNSCHEDULABLE_TAINT` while
+    ``spec.unschedulable`` is true, remove it once it is not.
+
+    On a cluster the controller writes it a moment after the cordon, as a
+    write of its own; here it lands in the same write. Without it, code that
+    reads a cordoned node's taints sees less than EKS shows (a release once
+    took this taint for someone else's hold and kept every node cordoned).
+    """
+    spec = obj.get("spec")
+    if resource is not NODES or not isinstance(spec, dict):
+        return
+    taints = spec.get("taints") or []
+    key = UNSCHEDULABLE_TAINT["key"]
+    mirrored = [t for t in taints if t.get("key") == key and t.get("effect") == "NoSchedule"]
+    if spec.get("unschedulable") is True and not mirrored:
+        spec["taints"] = [*taints, {**UNSCHEDULABLE_TAINT, "timeAdded": _now()}]
+    elif spec.get("unschedulable") is not True and mirrored:
+        kept = [t for t in taints if t not in mirrored]
+        if kept:
+            spec["taints"] = kept
+        else:
+            spec.pop("taints", None)
 
 
 def _now() -> str:
@@ -64,6 +94,7 @@ class ObjectStore:
         name = obj.get("metadata", {}).get("name", "") if isinstance(obj, dict) else ""
         self._check_valid(resource, obj, name)
         stored = copy.deepcopy(obj)
+        mirror_cordon(resource, stored)
         stored["apiVersion"] = resource.api_version
         stored["kind"] = resource.kind
         meta = stored["metadata"]
@@ -166,6 +197,7 @@ class ObjectStore:
             result["apiVersion"] = resource.api_version
             result["kind"] = resource.kind
             self._check_valid(resource, result, name)
+            mirror_cordon(resource, result)
             generation = int(cur_meta.get("generation", 1))
             meta["resourceVersion"] = cur_meta["resourceVersion"]
             meta["generation"] = generation

@@ -1,0 +1,301 @@
+"""The step's detectors as components with one interface: when each is due, what it observes, how it judges.
+
+:class:`SDCGuard <sdcguard.agent.guard.SDCGuard>` holds the list
+:func:`step_detectors` builds from the settings (a detector that is off is not
+in it) and runs every step through it:
+
+- :meth:`StepDetector.due`: whether the detector watches this step (its cadence);
+- :meth:`StepDetector.watching`: around the rank's own forward and backward
+  only (the product checks' hooks; nothing for the others);
+- :meth:`StepDetector.observe`: after the rank's own forward and backward, it
+  puts its flag into the step's :class:`~sdcguard.agent.findings.StepFindings`,
+  which :func:`sdcguard.agent.findings.agreement_vector` packs into the step's
+  one all-reduce. Detector 1 and the reduced-gradient comparison observe
+  nothing here: the gradient observer (DDP's hook, FSDP2's reduce-scatter) has
+  already filled their part of the summary;
+- :meth:`StepDetector.judge`: only when something disagreed, its verdict from
+  every rank's gathered row, through the pure verdict functions
+  (sdcguard.agent.nonfinite, weights, ring_audit, product_checks); None when its
+  flag is clear everywhere (it then gathers nothing);
+- :meth:`StepDetector.asks`: the ranks whose micro-batch another node must
+  recompute before that verdict blames anyone, or :meth:`StepDetector.final`
+  when the verdict needs no recomputation (the guard decides at once).
+
+The list's order is the order of observation and of judgement: the detectors
+that may decide at once (the reduced gradients, then detector 1) come first,
+so no later detector's collective (the audit's gather of its records) runs on
+a step they settle; the audit observes before the trigger, whose norm is read
+after the audit's recomputation, as it always was. Among the detectors that
+ask, the order is immaterial: the confirmation sorts the ranks. Which alarm wins
+when several fire is the guard's decision (``_decide``, ``_unconfirmed``), not
+the list's. Detector 3 (the weights) runs before the pass on a gather of its
+own: :class:`WeightCheck` gives only its cadence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from sdcguard.agent import confirm
+from sdcguard.agent.findings import GatheredFindings, StepFindings
+from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from sdcguard.agent.ring_audit import AuditVerdict
+from sdcguard.agent.ring_audit import judge as judge_audit
+from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
+from sdcguard.agent.weights import GroupVerdict, vote_in_groups
+from sdcguard.contract import Detector, ProductSite
+
+if TYPE_CHECKING:
+    from sdcguard.agent.config import GuardConfig
+    from sdcguard.agent.parallelism import Parallelism
+    from sdcguard.agent.product_checks import ProductChecks
+
+V = TypeVar("V")
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""Every rank's ``[n]`` tensor as ``[world, n]`` on the CPU (a collective)."""
+
+
+class StepDetector(ABC, Generic[V]):
+    """One detector of the step: its cadence, its flag in the step's findings, its verdict from the rows."""
+
+    detector: Detector
+    """Its name in alarms and in ``last_clean``."""
+    reason: str = ""
+    """Why its owners are confirmed (sdcguard.agent.confirm's NONFINITE, MAGNITUDE, PRODUCT, AUDIT)."""
+
+    def due(self, step: int) -> bool:
+        """Whether it watches ``step`` (every step unless it has a cadence of its own)."""
+        return True
+
+    def watching(self) -> contextlib.AbstractContextManager[None]:
+        """Around the rank's own forward and backward only (never a recomputation): what watches the pass."""
+        return contextlib.nullcontext()
+
+    def observe(self, step: int, found: StepFindings) -> None:
+        """After the own pass: put its flag into ``found`` (on the device; nothing comes back to the host)."""
+
+    @abstractmethod
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> V | None:
+        """Its verdict from every rank's gathered row (the same on every rank); None when its flag is clear
+        everywhere. A detector whose verdict needs more data gathers it here, on every rank alike."""
+
+    def final(self, verdict: V) -> bool:
+        """Whether ``verdict`` needs no recomputation on another node (the guard decides at once)."""
+        return False
+
+    def asks(self, verdict: V) -> list[int]:
+        """The ranks whose micro-batch another node must recompute before ``verdict`` blames anyone."""
+        return []
+
+    def passed(self, step: int) -> None:
+        """``step`` passed every check and updates (the detector may learn from it)."""
+
+
+class ReducedGradCheck(StepDetector[GroupVerdict]):
+    """The reduced gradients, which every replica of a vote group must hold bit for bit: a majority vote of
+    their fingerprints. Its verdict is final: no recomputation can say who received what."""
+
+    detector = Detector.REDUCED_GRAD
+
+    def __init__(self, vote_groups: list[list[int]]) -> None:
+        self.vote_groups = vote_groups
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> GroupVerdict | None:
+        # A step with non-finite sums belongs to detector 1 (their bits carry no meaning).
+        if rows.reduced_nonfinite:
+            return None
+        verdict = vote_in_groups(rows.reduced_lanes, self.vote_groups)
+        return None if verdict.unanimous else verdict
+
+    def final(self, verdict: GroupVerdict) -> bool:
+        return True
+
+
+class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
+    """Detector 1: NaN/Inf in a rank's local gradients or loss, or in the reduced gradients.
+
+    Final (no recomputation) when the reduction alone went non-finite, or when, under a GradScaler, every
+    rank's scaled gradients overflowed with finite losses (the scaler's routine backoff)."""
+
+    detector = Detector.NONFINITE_GRAD
+    reason = confirm.NONFINITE
+
+    def __init__(self, world_size: int, *, scaled: bool) -> None:
+        self.world_size = world_size
+        self.scaled = scaled
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> NonFiniteVerdict | None:
+        verdict = judge_nonfinite(rows.summaries)
+        return verdict if verdict.local_ranks or verdict.loss_ranks or verdict.reduced_ranks else None
+
+    def final(self, verdict: NonFiniteVerdict) -> bool:
+        return not self.asks(verdict) or self.overflow(verdict)
+
+    def overflow(self, verdict: NonFiniteVerdict) -> bool:
+        """Every rank's scaled gradients overflowed and every loss is finite (only with a GradScaler)."""
+        return self.scaled and len(verdict.local_ranks) == self.world_size and not verdict.loss_ranks
+
+    def asks(self, verdict: NonFiniteVerdict) -> list[int]:
+        return sorted(set(verdict.local_ranks) | set(verdict.loss_ranks))
+
+
+class ProductCheck(StepDetector[list[ProductSite]]):
+    """Every matrix product of the rank's own pass checked by checksums (sdcguard.agent.product_checks)."""
+
+    detector = Detector.PRODUCT_CHECK
+    reason = confirm.PRODUCT
+
+    def __init__(self, checks: ProductChecks) -> None:
+        self.checks = checks
+
+    def watching(self) -> contextlib.AbstractContextManager[None]:
+        """Every product of the own pass (recomputations run outside: a flag is always this rank's own)."""
+        return self._watching()
+
+    @contextlib.contextmanager
+    def _watching(self) -> Iterator[None]:
+        self.checks.begin_step()
+        with self.checks.watching():
+            yield
+
+    def observe(self, step: int, found: StepFindings) -> None:
+        found.products = self.checks.summary()
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> list[ProductSite] | None:
+        """The first failing product of each rank whose checks fired (named from this rank's sites: every rank
+        runs the same model, so the same sites in the same order)."""
+        sites = [ProductSite(rank=rank, site=site[:256]) for rank, site in self.checks.findings(rows.products)]
+        return sites[:4096] or None
+
+    def asks(self, verdict: list[ProductSite]) -> list[int]:
+        return [site.rank for site in verdict]
+
+
+class RingAuditCheck(StepDetector[AuditVerdict]):
+    """Detector 2: every ``every`` steps, each rank recomputes another's whole step and sends the record to
+    its owner, who compares it with its own."""
+
+    detector = Detector.RING_AUDIT
+    reason = confirm.AUDIT
+
+    def __init__(self, every: int, parallel: Parallelism, gather: Gather, group: dist.ProcessGroup | None) -> None:
+        self.every = every
+        self.parallel = parallel
+        self.gather = gather
+        self.group = group
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def observe(self, step: int, found: StepFindings) -> None:
+        parallel = self.parallel
+        found.own_record, found.audit_record = parallel.audit_records(step, found)
+        received = torch.empty_like(found.own_record)
+        if parallel.job.topology.world_size > 1:
+            ops = [dist.P2POp(dist.isend, found.audit_record, global_rank(self.group, parallel.audits), self.group),
+                   dist.P2POp(dist.irecv, received, global_rank(self.group, parallel.audited_by), self.group)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        else:
+            received = found.audit_record
+        found.audit_bad = (received != found.own_record).any()
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> AuditVerdict | None:
+        """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
+        if found.own_record is None or found.audit_record is None or not rows.audit_failed:
+            return None
+        both = self.gather(torch.cat([found.own_record, found.audit_record]))
+        width = both.shape[1] // 2
+        return judge_audit(both[:, :width], both[:, width:], self.parallel.audit_stride,
+                           names=self.parallel.digest_names())
+
+    def asks(self, verdict: AuditVerdict) -> list[int]:
+        return [pair.audited for pair in verdict.mismatched]
+
+
+class MagnitudeCheck(StepDetector[list[int]]):
+    """The magnitude trigger: a loss or gradient norm far from the rank's own history. It never blames by
+    itself; it asks for a confirmation of the ranks it fired on."""
+
+    detector = Detector.MAGNITUDE_TRIGGER
+    reason = confirm.MAGNITUDE
+
+    def __init__(self, trigger: MagnitudeTrigger, parallel: Parallelism,
+                 unscaled: Callable[[torch.Tensor], torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        self.trigger = trigger
+        self.parallel = parallel
+        self.unscaled = unscaled
+        self.group = group
+
+    def observe(self, step: int, found: StepFindings) -> None:
+        """While it has too little history of its own (a fresh job's first ``trigger_warmup`` steps, or a
+        resume from a checkpoint without its state), also the cross-rank test: a loss or local-gradient norm
+        orders of magnitude away from the other ranks' (an all-gather of two numbers per rank on those steps
+        only; nothing is read back)."""
+        norm = self.unscaled(self.parallel.local_norm(found))
+        fired = self.trigger.fires(found.loss, norm)
+        topology = self.parallel.job.topology
+        if self.trigger.warming_up and topology.world_size >= 2:
+            mine = torch.stack([found.loss.detach().reshape(()).to(torch.float64),
+                                norm.detach().reshape(()).to(torch.float64)])
+            rows = [torch.empty_like(mine) for _ in range(topology.world_size)]
+            dist.all_gather(rows, mine, group=self.group)
+            fired = fired | cross_rank_outliers(torch.stack(rows))[topology.rank]
+        found.trigger = fired
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> list[int] | None:
+        return rows.triggered or None
+
+    def asks(self, verdict: list[int]) -> list[int]:
+        return verdict
+
+    def passed(self, step: int) -> None:
+        self.trigger.observe()
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """Detector 3's cadence: the weights, optimizer state and checked buffers are compared before the pass of
+    every ``every``-th step (on a gather of their own, not from the step's rows)."""
+
+    every: int
+    detector: Detector = Detector.WEIGHT_FINGERPRINT
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` starts with the weight check."""
+        return step % self.every == 0
+
+
+def step_detectors(config: GuardConfig, parallel: Parallelism, *, audit: bool, gather: Gather,
+                   group: dist.ProcessGroup | None, trigger: MagnitudeTrigger | None,
+                   products: ProductChecks | None, unscaled: Callable[[torch.Tensor], torch.Tensor],
+                   scaled: bool) -> list[StepDetector[Any]]:
+    """The detectors ``config`` turns on, in the order they observe and judge (see the module's docstring).
+
+    ``audit`` says whether the ring audit can run (it needs another node); ``trigger`` and ``products`` are
+    the magnitude trigger's and the product checks' state (None when off)."""
+    detectors: list[StepDetector[Any]] = []
+    if config.reduced_grad:
+        detectors.append(ReducedGradCheck(parallel.vote_groups))
+    if config.nonfinite:
+        detectors.append(NonFiniteCheck(parallel.job.topology.world_size, scaled=scaled))
+    if products is not None:
+        detectors.append(ProductCheck(products))
+    if audit and config.audit_every > 0:
+        detectors.append(RingAuditCheck(config.audit_every, parallel, gather, group))
+    if trigger is not None:
+        detectors.append(MagnitudeCheck(trigger, parallel, unscaled, group))
+    return detectors
+
+
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """``rank`` of ``group`` as a rank of the default group (what point-to-point calls take)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
