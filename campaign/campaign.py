@@ -66,7 +66,7 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
                          f"{torch.cuda.device_count()} visible")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    configs = detectors.configs(settings.audit_every, settings.fingerprint_every)
+    configs = detectors.configs(settings.audit_every, settings.fingerprint_every, settings.product_checks)
     fault_configs = [n for n in configs if n not in ("none", "defaults")]
     # A replay re-runs one row of a campaign whose clean checks have passed: the reference run, then the row.
     clean: list[Phase] = ["clean"] if replay is None else []
@@ -106,7 +106,8 @@ def run_campaign(settings: Settings, out_dir: str | Path, *, replay: str | None 
                 for o in result["outcomes"]]
     report.plot(outcomes, result["rows"], settings.horizon, out / "coverage.png",
                 f"sdcguard fault-injection campaign: {len(outcomes)} faults, {settings.world} nodes x 1 rank, "
-                f"audit every {settings.audit_every}, weights every {settings.fingerprint_every}")
+                f"audit every {settings.audit_every}, weights every {settings.fingerprint_every}"
+                + (", product checks" if settings.product_checks else ""))
     if echo:
         print(result["text"], flush=True)
         print(f"\nwritten: {out / 'coverage.json'}, {out / 'coverage.txt'}, {out / 'coverage.png'}", flush=True)
@@ -180,7 +181,8 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
         f"faults from step {settings.first_step} to "
         f"{settings.first_step + settings.span - 1}, each run {settings.horizon} steps past its fault; "
         f"ring audit every {settings.audit_every}, weights every {settings.fingerprint_every}, "
-        f"checkpoints every {settings.checkpoint_every}; seed {settings.seed}",
+        f"checkpoints every {settings.checkpoint_every}; "
+        + ("product checks on in their rows; " if settings.product_checks else "") + f"seed {settings.seed}",
         "caught = of the silent corruptions; latency in steps after the fault's first step; localised = named "
         "exactly the faulty node; rollback ok = the checkpoint it leads to predates the fault; persist. = its "
         "transient/persistent verdict fits the fault (computation faults); on benign = alarms on faults that changed nothing",
@@ -190,6 +192,9 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
     for model in models:
         text_parts.append(report.model_table(model, [o for o in outcomes if o.model == model], rows))
     text_parts.append("silent corruptions caught, by persistence:\n" + report.persistence_table(outcomes, rows))
+    if settings.product_checks:
+        text_parts.append("caught at the fault's own step, later, or missed (visible: above 1e-3), by fault "
+                          "model and configuration:\n" + report.own_step_table(outcomes, rows))
     if any(reference_baselines.values()):
         text_parts.append("baselines on the clean reference run (false alarms; a faulted run's firing at those "
                           "steps is no catch): " + ", ".join(f"{n} {c}" for n, c in reference_baselines.items()))
@@ -220,6 +225,7 @@ def summarize(settings: Settings, records: list[dict[str, Any]], fault_configs: 
         "soak": soak_summary,
         "replays": replays,
         "detector_runs": derived,
+        **({"own_step": report.own_step_rows(outcomes, rows)} if settings.product_checks else {}),
         "text": "\n\n".join(text_parts),
     }
 
@@ -262,6 +268,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "faults_per_model": args.faults_per_model, "horizon": args.horizon, "audit_every": args.audit_every,
         "fingerprint_every": args.fingerprint_every, "soak_steps": args.soak_steps, "seed": args.seed,
         "worlds": args.worlds, "device": args.device,
+        "product_checks": True if args.product_checks else None,
         "derive": False if args.no_derive else None,
         "timeout_s": args.timeout}.items() if v is not None}
     if args.models:

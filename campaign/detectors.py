@@ -8,7 +8,10 @@ GuardConfig's defaults untouched (the soak). The per-step magnitude trigger,
 when GuardConfig has one (``trigger_ratio``, 0 = off), is a row of its own
 and off in the others' "alone" rows; the confirmation by recomputation
 (``confirm``), when there is one, belongs to every detector and is off only
-in ``none``.
+in ``none``. The product checks (``product_checks``: checksums on every
+matrix product, off in GuardConfig's defaults for their cost) are rows only
+when the campaign asks for them: ``product_checks`` alone, and
+``all_products``, ``all`` with them on, beside ``all`` with them off.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from typing import Any
 from sdcguard.agent.config import GuardConfig
 
 SAMPLED = {"ring_audit": "audit_every", "weight_fingerprint": "fingerprint_every"}
-PER_STEP = {"nonfinite": "nonfinite", "reduced_grad": "reduced_grad"}
+PER_STEP = {"nonfinite": "nonfinite", "reduced_grad": "reduced_grad", "product_checks": "product_checks"}
 
 
 _FIELDS = {f.name: f.default for f in dataclasses.fields(GuardConfig)}
 TRIGGER = "trigger_ratio"
 CONFIRM = "confirm"
+PRODUCTS = "product_checks"
 
 
 def has_trigger() -> bool:
@@ -37,11 +41,14 @@ def trigger_on(overrides: dict[str, Any]) -> bool:
     return has_trigger() and bool(overrides.get(TRIGGER, _FIELDS[TRIGGER]))
 
 
-def configs(audit_every: int, fingerprint_every: int) -> dict[str, dict[str, Any]]:
-    """Row name -> GuardConfig overrides, in table order (``none`` first, ``all`` last, then ``defaults``)."""
+def configs(audit_every: int, fingerprint_every: int, product_checks: bool = False) -> dict[str, dict[str, Any]]:
+    """Row name -> GuardConfig overrides, in table order (``none`` first, ``all`` (and ``all_products``) last,
+    then ``defaults``). ``product_checks`` adds the product checks' rows."""
     off: dict[str, Any] = {"nonfinite": False, "reduced_grad": False, "audit_every": 0, "fingerprint_every": 0}
     if has_trigger():
         off[TRIGGER] = 0.0
+    if product_checks or _FIELDS[PRODUCTS]:
+        off[PRODUCTS] = False
     alone = dict(off)
     if CONFIRM in _FIELDS:
         off[CONFIRM] = False
@@ -53,7 +60,12 @@ def configs(audit_every: int, fingerprint_every: int) -> dict[str, dict[str, Any
     rows["weight_fingerprint"] = {**alone, "fingerprint_every": fingerprint_every}
     if has_trigger():
         rows["magnitude_trigger"] = {**alone, TRIGGER: _FIELDS[TRIGGER]}
+    if product_checks:
+        rows["product_checks"] = {**alone, PRODUCTS: True}
     rows["all"] = {"audit_every": audit_every, "fingerprint_every": fingerprint_every}
+    if product_checks:
+        rows["all"][PRODUCTS] = False
+        rows["all_products"] = {**rows["all"], PRODUCTS: True}
     rows["defaults"] = {}
     return rows
 
@@ -62,7 +74,7 @@ def last_alarm_step(overrides: dict[str, Any], start: int, end: int) -> int:
     """The last step of ``start .. end - 1`` at which a configuration can raise an alarm.
 
     ``end - 1`` when it runs a per-step check (non-finite gradients, reduced
-    gradients, the magnitude trigger) or no detector at all; for sampled
+    gradients, the product checks, the magnitude trigger) or no detector at all; for sampled
     detectors alone, the last step of their cadence in the range (``start - 1``
     when there is none). A faulted run may stop after it: later steps train
     what the run without detectors trains, and nothing of that configuration

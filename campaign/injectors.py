@@ -12,6 +12,13 @@ tensors only: the gradient buckets; in place until the fault is removed,
 A micro-batch *pass* starts at each forward of the bare module (the DDP pass
 and each recomputation): a transient fault corrupts only pass 0 of its step,
 the others every pass of their steps, as hardware that is still faulty would.
+
+With the guard's product checks on, their own checksums are computed inside
+the checks' dispatch mode and so pass through the fault's (today as
+``aten.matmul``, which the fault does not count; an ``mm`` would be). The
+fault skips everything the checks compute (``install(checks=...)``), so it
+corrupts the same product of training with the checks on as with them off,
+and the runs of every configuration stay comparable.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.campaign.all_reduce_wrap import AllReduce, wrapped_all_reduce
 from sdcguard.campaign.faults import FaultSpec
 
@@ -74,6 +82,8 @@ class Installed:
     passes: int = -1
     """Forward passes of the bare module begun in this step, minus one."""
     fired: int = 0
+    checking: int = 0
+    """Above 0 while the guard's product checks compute their checksums (products the fault skips)."""
     _mode: TorchDispatchMode | None = None
     _undo: list[Callable[[], None]] = field(default_factory=list)
 
@@ -84,7 +94,7 @@ class Installed:
 
     def on(self) -> bool:
         """Whether the fault corrupts what is computed now (this rank, a firing step, an eligible pass)."""
-        if not (self.mine and self.fault.fires(self.step)):
+        if not (self.mine and self.fault.fires(self.step)) or self.checking:
             return False
         return self.fault.persistence != "transient" or self.passes <= 0
 
@@ -124,14 +134,18 @@ class ProductMode(TorchDispatchMode):
 
 
 def install(fault: FaultSpec, *, rank: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            shape: ModelShape) -> Installed:
+            shape: ModelShape, checks: ProductChecks | None = None) -> Installed:
     """Install ``fault`` around ``module`` (the bare model inside DDP) and ``optimizer`` on this rank.
 
     Every rank installs (so that every rank counts passes alike); only the
-    faulty rank corrupts. ``checkpoint`` faults are installed through
+    faulty rank corrupts. ``checks`` is the guard's product checks when they
+    are on (``guard.products``): the products of their checksums are then
+    not the fault's. ``checkpoint`` faults are installed through
     :func:`checkpoint_corrupter` instead. Raises ValueError for an unknown model.
     """
     inst = Installed(fault=fault, mine=rank == fault.rank)
+    if checks is not None:
+        _beside_checks(inst, checks)
     handle = module.register_forward_pre_hook(lambda *_: setattr(inst, "passes", inst.passes + 1))
     inst._undo.append(handle.remove)
     kind = fault.model
@@ -152,6 +166,22 @@ def install(fault: FaultSpec, *, rank: int, module: torch.nn.Module, optimizer: 
     else:
         raise ValueError(f"fault model {kind!r} is not installed around a step")
     return inst
+
+
+def _beside_checks(inst: Installed, checks: ProductChecks) -> None:
+    """Mark the product checks' own work (``checks.on_product``: every checksum of one product) as not the
+    fault's, until ``inst.remove()``."""
+    original = checks.on_product
+
+    def on_product(*args: Any, **kwargs: Any) -> Any:
+        inst.checking += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inst.checking -= 1
+
+    checks.on_product = on_product  # type: ignore[method-assign]  # on the instance: the class keeps its own
+    inst._undo.append(lambda: delattr(checks, "on_product"))
 
 
 def _products(inst: Installed, shape: ModelShape) -> None:

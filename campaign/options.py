@@ -25,8 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults-per-model", type=int, help="faults drawn per fault model (default 51)")
     p.add_argument("--models", help=f"comma-separated, of: {', '.join(MODELS)}")
     p.add_argument("--horizon", type=int, help="steps a faulted run trains from its fault (default 12)")
-    p.add_argument("--audit-every", type=int, help="ring audit cadence in the campaign's runs (default 10)")
-    p.add_argument("--fingerprint-every", type=int, help="weight fingerprint cadence (default 5)")
+    p.add_argument("--audit-every", type=int,
+                   help="ring audit cadence in the campaign's runs (default 10; GuardConfig's default is 100: "
+                        "--audit-every 100 --fingerprint-every 10 runs under the agent's defaults)")
+    p.add_argument("--fingerprint-every", type=int, help="weight fingerprint cadence (default 5; GuardConfig's is 10)")
+    p.add_argument("--product-checks", action="store_true",
+                   help="also run the product checks (checksums on every matrix product; off in GuardConfig's "
+                        "defaults for their cost): adds the rows 'product checks' (alone) and 'all + product "
+                        "checks', beside 'all sdcguard' (without them), on the same faults")
     p.add_argument("--worlds", type=int, help="process groups of 3 ranks that share the faults (default 2: on a "
                                              "machine with fewer cores than ranks one computes while another "
                                              "waits; the outcomes are the same with 1)")

@@ -17,7 +17,9 @@ LABELS = {
     "reduced_grad": "reduced-grad compare",
     "ring_audit": "ring audit",
     "weight_fingerprint": "weight fingerprints",
+    "product_checks": "product checks",
     "all": "all sdcguard",
+    "all_products": "all + product checks",
     "checkpoint_verify": "checkpoint verify",
 }
 
@@ -60,9 +62,9 @@ def model_table(model: str, outcomes: list[FaultOutcome], rows: list[str]) -> st
 
 def persistence_table(outcomes: list[FaultOutcome], rows: list[str]) -> str:
     """Coverage of silent faults by fault model and persistence, for the combined detectors and the baselines."""
-    shown = [r for r in ("all", "checkpoint_verify", "loss_spike", "mad") if r in rows]
-    short = {"all": "all sdcguard", "checkpoint_verify": "checkpoint verify", "loss_spike": "loss spike",
-             "mad": "MAD k=336"}
+    shown = [r for r in ("all", "all_products", "checkpoint_verify", "loss_spike", "mad") if r in rows]
+    short = {"all": "all sdcguard", "all_products": "all + products", "checkpoint_verify": "checkpoint verify",
+             "loss_spike": "loss spike", "mad": "MAD k=336"}
     lines = [f"  {'model':<12}{'persistence':<14}{'faults':>7}{'silent':>8}"
              + "".join(f"{short[r]:>20}" for r in shown)]
     for model in dict.fromkeys(o.model for o in outcomes):
@@ -78,6 +80,45 @@ def persistence_table(outcomes: list[FaultOutcome], rows: list[str]) -> str:
                 cells.append(f"{caught}/{len(silent)}" if applies else "-")
             lines.append(f"  {model:<12}{persistence:<14}{len(group):>7}{len(silent):>8}"
                          + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def own_step_rows(outcomes: list[FaultOutcome], rows: list[str]) -> list[dict[str, Any]]:
+    """Per fault model and sdcguard configuration: of its silent faults, how many were caught at their own step
+    (latency 0), caught later, missed while visible (above 1e-3, catastrophic included) or missed while tiny;
+    its benign faults; the latency of the catches (median, max)."""
+    out = []
+    for model in dict.fromkeys(o.model for o in outcomes):
+        mine = [o for o in outcomes if o.model == model]
+        for name in rows:
+            if name in ("none", "loss_spike", "mad") or not any(name in o.detections for o in mine):
+                continue
+            seen = [(o, o.detections[name]) for o in mine if o.silent and name in o.detections]
+            caught = [d for _, d in seen if d.caught]
+            latencies = sorted(d.latency for d in caught if d.latency is not None)
+            out.append({
+                "model": model, "detector": name, "faults": len(mine), "silent": len(seen),
+                "own_step": sum(d.latency == 0 for d in caught),
+                "later": sum(d.latency is not None and d.latency > 0 for d in caught),
+                "missed_visible": sum(not d.caught and o.size in ("catastrophic", "visible") for o, d in seen),
+                "missed_tiny": sum(not d.caught and o.size == "tiny" for o, d in seen),
+                "localized": sum(d.localized for d in caught),
+                "benign": sum(o.size == "benign" for o in mine),
+                "latency_median": latencies[len(latencies) // 2] if latencies else None,
+                "latency_max": latencies[-1] if latencies else None,
+            })
+    return out
+
+
+def own_step_table(outcomes: list[FaultOutcome], rows: list[str]) -> str:
+    """The text of :func:`own_step_rows`."""
+    lines = [f"  {'model':<12}{'configuration':<24}{'silent':>7}{'own step':>10}{'later':>7}"
+             f"{'missed visible':>16}{'missed tiny':>13}{'localised':>11}{'benign':>8}{'latency':>9}"]
+    for row in own_step_rows(outcomes, rows):
+        latency = "-" if row["latency_max"] is None else f"{row['latency_median']}/{row['latency_max']}"
+        lines.append(f"  {row['model']:<12}{label(row['detector']):<24}{row['silent']:>7}{row['own_step']:>10}"
+                     f"{row['later']:>7}{row['missed_visible']:>16}{row['missed_tiny']:>13}{row['localized']:>11}"
+                     f"{row['benign']:>8}{latency:>9}")
     return "\n".join(lines)
 
 

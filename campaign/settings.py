@@ -29,6 +29,8 @@ class Settings:
     span: int = 20
     """Fault steps are drawn uniformly from ``first_step .. first_step + span - 1``."""
     audit_every: int = 10
+    """The ring audit's cadence in the campaign's runs (GuardConfig's default is 100: a window of ``horizon``
+    steps then rarely holds an audit)."""
     fingerprint_every: int = 5
     checkpoint_every: int = 10
     """The job's checkpoint cadence, for the rollback each alarm would lead to."""
@@ -42,6 +44,9 @@ class Settings:
     soak). On 2 cores 3 ranks leave a core idle whenever two wait for the third in a collective; a second
     group fills it (the throughput measured, with its date: docs/coverage.md, "The job"). The outcomes do not
     depend on it."""
+    product_checks: bool = False
+    """Also run the product checks (GuardConfig.product_checks, off in its defaults): the rows ``product_checks``
+    (alone) and ``all_products`` (``all`` with them on), beside ``all`` (with them off)."""
     derive: bool = True
     """Skip training a detector's run where the run without detectors already proves it silent (the non-finite
     check alone when every loss and gradient stayed finite, the reduced-gradient comparison alone when every

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.campaign import detectors
 from sdcguard.campaign.end_state import compared
 from sdcguard.campaign.faults import FaultSpec
@@ -50,7 +51,7 @@ def baseline_run(rank: Rank, fault: FaultSpec, start: int, end: int) -> Baseline
     """The run without detectors, until ``end`` or, after the fault's last step, back on the clean run."""
     end = min(end, detectors.last_alarm_step(rank.configs["none"], start, end) + 1)
     guard, module, optimizer = rank.guard("none", start)
-    inst = _installed(rank, fault, module, optimizer)
+    inst = _installed(rank, fault, module, optimizer, guard.products)
     probe = GradNormProbe(module)
     watch = ReducedGradWatch(module, optimizer)
     training = TrainingRun(guard, probe)
@@ -84,7 +85,7 @@ def detector_run(rank: Rank, fault: FaultSpec, name: str, start: int, end: int, 
     ``stop_after`` (where the run without detectors was back on the clean run)."""
     end = min(end, detectors.last_alarm_step(rank.configs[name], start, end) + 1)
     guard, module, optimizer = rank.guard(name, start)
-    inst = _installed(rank, fault, module, optimizer)
+    inst = _installed(rank, fault, module, optimizer, guard.products)
     training = TrainingRun(guard)
     alarm = _until_alarm(rank, fault, name, start, end, training, inst,
                          stop=lambda step: stop_after is not None and step >= stop_after)
@@ -112,9 +113,11 @@ def _until_alarm(rank: Rank, fault: FaultSpec, name: str, start: int, end: int, 
 
 
 def _installed(rank: Rank, fault: FaultSpec, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               ) -> Installed:
+               checks: ProductChecks | None) -> Installed:
+    """``fault`` installed on this rank; ``checks``, the guard's product checks when they are on, keep their own
+    checksums out of the fault's count of products."""
     assert rank.shape is not None, "the reference measures the shape first"
-    return install(fault, rank=rank.rank, module=module, optimizer=optimizer, shape=rank.shape)
+    return install(fault, rank=rank.rank, module=module, optimizer=optimizer, shape=rank.shape, checks=checks)
 
 
 def _fired(rank: Rank, inst: Installed) -> int:
