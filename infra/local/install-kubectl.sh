@@ -9,7 +9,7 @@
 set -euo pipefail
 
 if command -v kubectl >/dev/null 2>&1; then
-    kubectl version --client 2>/dev/null | head -n 1
+    kubectl version --client 2>/dev/null | sed -n 1p  # sed reads it all: head could close the pipe early (SIGPIPE under pipefail)
     exit 0
 fi
 sudo=""
@@ -23,4 +23,4 @@ else
     package=kubernetes-client
 fi
 $sudo apt-get install -y --no-install-recommends "$package"
-kubectl version --client 2>/dev/null | head -n 1
+kubectl version --client 2>/dev/null | sed -n 1p
