@@ -208,6 +208,10 @@ class Replacement(Strict):
     new_instance_id: InstanceId | None = None
     status: Annotated[str, Field(max_length=64)] = "Requested"
     """Requested, Running, or :data:`REPLACEMENT_REJECTED`."""
+    present_before: list[InstanceId] = Field(default_factory=list, max_length=10_000)
+    """The instances of the old one's instance group that HyperPod listed just before the replacement was asked
+    for: none of them is its successor (a node launched around the request by something else is never taken for
+    the new one)."""
 
 
 NodeCheckState = Literal["running", "passed", "failed", "skipped", "inconclusive"]

@@ -90,7 +90,7 @@ def request_replacement(
             )
             if why is not None:
                 raise BlastRadiusExceeded(f"incident {incident_id}: {why}; nothing was replaced")
-        replacement = _ask_hyperpod(instance_id, hyperpod_cluster, sagemaker or boto3.client("sagemaker"))
+        replacement = _ask_hyperpod(incident, instance_id, hyperpod_cluster, sagemaker or boto3.client("sagemaker"))
 
         def record(current: Incident) -> Incident:
             if any(r.old_instance_id == instance_id for r in current.replacements):
@@ -107,7 +107,9 @@ def request_replacement(
     return replacement
 
 
-def _ask_hyperpod(instance_id: str, hyperpod_cluster: str, sagemaker: Any) -> Replacement:
+def _ask_hyperpod(incident: Incident, instance_id: str, hyperpod_cluster: str, sagemaker: Any) -> Replacement:
+    group = {s.instance_id: s.instance_group for s in incident.suspects}.get(origin_of(incident, instance_id))
+    present = sorted(i for i, n in list_cluster_nodes(hyperpod_cluster, sagemaker).items() if n.instance_group == group)
     response = sagemaker.batch_replace_cluster_nodes(ClusterName=hyperpod_cluster, NodeIds=[instance_id])
     for failed in response.get("Failed", []):
         if failed.get("NodeId") != instance_id:
@@ -123,7 +125,7 @@ def _ask_hyperpod(instance_id: str, hyperpod_cluster: str, sagemaker: Any) -> Re
             # request went through.
             break
         raise ReplacementFailed(f"{instance_id}: {code or 'unknown error'}: {message}")
-    return Replacement(old_instance_id=instance_id, status="Requested")
+    return Replacement(old_instance_id=instance_id, status="Requested", present_before=present)
 
 
 def _going_away(instance_id: str, cluster: str, sagemaker: Any) -> bool:
@@ -152,8 +154,9 @@ def find_successors(incident: Incident, nodes: dict[str, ClusterNode]) -> dict[s
 
     A successor is a node of the same instance group (as the suspect it
     ultimately replaces), launched after the latest replacement request, not
-    claimed by another replacement of the incident, and not one of the
-    incident's suspects. A replacement whose new node was rejected has none:
+    listed in the group when its replacement was asked for, not claimed by
+    another replacement of the incident, and not one of the incident's
+    suspects. A replacement whose new node was rejected has none:
     that node is being replaced in its turn.
     """
     requested = max((t.at for t in incident.transitions if t.state == S.REPLACING), default=None)
@@ -174,6 +177,7 @@ def find_successors(incident: Incident, nodes: dict[str, ClusterNode]) -> dict[s
                 for n in nodes.values()
                 if n.instance_id not in suspects
                 and n.instance_id not in claimed
+                and n.instance_id not in replacement.present_before
                 and n.instance_group == groups.get(origin_of(incident, replacement.old_instance_id), n.instance_group)
                 and n.launch_time >= since
             ),

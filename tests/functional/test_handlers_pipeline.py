@@ -1430,3 +1430,67 @@ def test_uncordon_leaves_a_cordon_someone_else_set_during_the_incident(world: Wo
         ("ops/maintenance", "disk"),
     ]
     assert after.spec.unschedulable is True
+
+
+# -- the daily limit at the moment of replacing (issue #27) ------------------------------------------------
+# Last in the file: it replaces node 0 of this world's cluster.
+
+
+def test_the_daily_limit_is_checked_again_at_replace(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sdcguard.contract import Replacement
+    from sdcguard.lambdas import replace as replace_module
+    from sdcguard.lambdas.abort import release_stopped
+    from sdcguard.lambdas.blast_radius import DAY, replacements_since
+
+    asked: list[str] = []
+
+    def asking(incident: Any, instance_id: str, cluster: str, sagemaker: Any) -> Any:
+        # HyperPod is asked nothing for real: the world's nodes stay as they are for the tests that run after
+        # (test_iam_inventory runs every test of this file in one world).
+        asked.append(instance_id)
+        return Replacement(old_instance_id=instance_id, status="Requested")
+
+    monkeypatch.setattr(replace_module, "_ask_hyperpod", asking)
+    # Given two incidents on two nodes, both admitted and approved,
+    first, second = world.node(0), world.node(1)
+    ids = []
+    for index in (0, 1):
+        incident_id = drive(world, alarm_event(world, index), through="evidence")
+        world.tokens.put(incident_id, "t", expires_at=time.time() + 60)
+        world.ledger.update(incident_id, lambda i: i.advance(S.AWAITING_APPROVAL, actor="test"))
+        approved_in_the_ledger(world, incident_id)
+        ids.append(incident_id)
+    # and a daily limit with room for one more replacement (earlier tests' replacements count),
+    cluster = world.seeded["hyperpod_cluster"]
+    earlier = replacements_since(world.ledger.counting(cluster), datetime.now(UTC) - DAY, exclude="")
+    monkeypatch.setenv("MAX_REPLACEMENTS_PER_DAY", str(earlier + 1))
+    get_settings.cache_clear()
+    try:
+        # the first replaces its node,
+        replace.handler({"incident_id": ids[0], "instance_id": first["instance_id"]}, CTX)
+        # and the second is refused under the lock: nothing is asked of HyperPod.
+        with pytest.raises(BlastRadiusExceeded, match=f"exceed the limit of {earlier + 1} per day"):
+            replace.handler({"incident_id": ids[1], "instance_id": second["instance_id"]}, CTX)
+    finally:
+        get_settings.cache_clear()
+    assert asked == [first["instance_id"]]
+    assert world.ledger.get(ids[0]).state == S.REPLACING
+    refused = world.ledger.get(ids[1])
+    assert (refused.state, refused.replacements) == (S.APPROVED, [])
+    sagemaker = world.standin.client("sagemaker")
+    summaries = sagemaker.list_cluster_nodes(ClusterName=cluster)["ClusterNodeSummaries"]
+    listed = {n["InstanceId"]: n["InstanceStatus"]["Status"] for n in summaries}
+    assert listed[second["instance_id"]] == "Running"
+    # The machine's Catch stops it for a human; its node stays cordoned.
+    error = {"Error": "BlastRadiusExceeded", "Cause": "the daily limit"}
+    needs_attention.handler({"incident_id": ids[1], "state": "Pipeline", "error": error}, CTX)
+    stopped = world.ledger.get(ids[1])
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert stopped.failure is not None
+    assert stopped.failure.error == "BlastRadiusExceeded"
+    assert stopped.replacements == []
+    assert read_node(world, second["node_name"]).spec.unschedulable is True
+    # Both released by an operator: this test holds nothing of the world any more.
+    needs_attention.handler({"incident_id": ids[0], "state": "Pipeline", "error": error}, CTX)
+    for incident_id in ids:
+        assert release_stopped(world.ledger, world.kube, incident_id, operator="test", reason="over").state == S.RELEASED

@@ -140,6 +140,17 @@ def test_other_nodes_jobs_or_windows_are_other_incidents() -> None:
     assert base == f"ml-cluster|training/gpt-pretrain|hyperpod-{I1}|after-100"
 
 
+def test_two_runs_of_the_same_job_are_two_incidents() -> None:
+    # The same cluster, job, node and trusted step; the agent names its alarms "<run id>-<step>-<detector>".
+    run_1 = alarm("alarm_ring_audit", alarm_id="0123456789abcdef-150-ring_audit")
+    run_1_again = alarm("alarm_ring_audit", alarm_id="0123456789abcdef-151-ring_audit", publisher_rank=5)
+    run_2 = alarm("alarm_ring_audit", alarm_id="fedcba9876543210-150-ring_audit")
+    assert run_1.trusted_through_step() == run_2.trusted_through_step()
+    assert idempotency_key(run_1) == idempotency_key(run_1_again)
+    assert idempotency_key(run_1) != idempotency_key(run_2)
+    assert incident_id_for(idempotency_key(run_1)) != incident_id_for(idempotency_key(run_2))
+
+
 def test_incident_ids_are_valid_and_stable() -> None:
     key = idempotency_key(alarm("alarm_unlocalized"))
     assert "unlocalised" in key
@@ -270,6 +281,27 @@ def test_the_successor_is_the_new_node_of_the_same_group_launched_after_the_requ
     assert found[I1] is not None
     assert found[I1].instance_id == new  # type: ignore[union-attr]
     assert find_successors(inc, {I2: nodes[I2]}) == {I1: None}
+
+
+def test_a_node_listed_when_the_replacement_was_asked_for_is_never_its_successor() -> None:
+    # A node of the group launched a moment before the request (inside the clock slack) by something else: the
+    # replacement recorded it as already there, so only the node launched for it is taken.
+    from sdcguard.contract import Replacement
+
+    inc = incident("alarm_ring_audit", IncidentState.REPLACING, [(I1, "")], entered={IncidentState.REPLACING: NOW})
+    around = "i-0ddddddddddddddd1"
+    replacement = Replacement(old_instance_id=I1, present_before=[I1, around])
+    inc = inc.model_copy(update={"replacements": [replacement],
+                                 "suspects": [inc.suspects[0].model_copy(update={"instance_group": "workers"})]})
+    new = "i-0fffffffffffffff1"
+    nodes = {
+        around: ClusterNode(around, "workers", "Running", launch_time=(NOW - timedelta(seconds=2)).timestamp()),
+        new: ClusterNode(new, "workers", "Pending", launch_time=(NOW + timedelta(seconds=60)).timestamp()),
+    }
+    assert find_successors(inc, {around: nodes[around]}) == {I1: None}
+    found = find_successors(inc, nodes)
+    assert found[I1] is not None
+    assert found[I1].instance_id == new  # type: ignore[union-attr]
 
 
 # -- inputs and settings ---------------------------------------------------------------
