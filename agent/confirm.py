@@ -37,7 +37,11 @@ After a confirmed mismatch each localised suspect replays, once, the
 computation it got wrong: if it gets the majority's result now the fault was
 ``transient``; its own first result again, ``persistent``; a third result,
 the suspect cannot reproduce its own computation: non-reproducible, not a
-fault (``judge_replays``).
+fault (``judge_replays``). In the same collective one rank of the majority
+(the *witness*) replays its own result: healthy hardware gives the same bits
+again, so a witness that does not is a computation with a few possible
+results (a non-deterministic reduction), where two of three runs agree by
+chance; that too is non-reproducible and blames nobody.
 
 Every tensor made here lives on the device of the claims (the rank's GPU):
 ``torch.cat``/``torch.stack`` refuse a CPU tensor among CUDA ones. The
@@ -365,6 +369,21 @@ def replay_plan(verdict: ConfirmationVerdict) -> dict[int, Outcome]:
     return plan
 
 
+def witness_plan(plan: dict[int, Outcome]) -> dict[int, Outcome]:
+    """Which micro-batch each witness replays: per outcome in ``plan``, its majority rank replays what it
+    computed for the owner (the owner its own micro-batch, a confirmer its recomputation); a rank that is
+    the majority of several outcomes replays the first."""
+    witnesses: dict[int, Outcome] = {}
+    for outcome in sorted({o.owner: o for o in plan.values()}.values(), key=lambda o: o.owner):
+        if outcome.majority is not None:
+            witnesses.setdefault(outcome.majority, outcome)
+    return witnesses
+
+
+REPLAY_SLOTS = 2
+"""Per rank in a replay collective: slot 0 its replay as a suspect, slot 1 as a witness."""
+
+
 @dataclass(frozen=True)
 class ReplayVerdict:
     """What the localised suspects' replays say."""
@@ -372,36 +391,49 @@ class ReplayVerdict:
     persistence: FaultPersistence
     """``transient``, ``persistent`` or ``unknown`` over the suspects that reproduced something."""
     nonreproducible: list[int] = field(default_factory=list)
-    """Suspects whose replay matched neither the majority's result nor their own first one: they cannot
-    reproduce their own computation, which is non-reproducible work, not a hardware fault."""
+    """Suspects whose replay matched neither the majority's result nor their own first one (they cannot
+    reproduce their own computation), or whose majority's witness could not reproduce its own: work that is
+    not bit-reproducible, not a hardware fault."""
 
 
 def judge_replays(replays: torch.Tensor, plan: dict[int, Outcome], claims: torch.Tensor, records: torch.Tensor,
                   ring: Ring) -> ReplayVerdict:
-    """The localised suspects' replays, judged.
+    """The localised suspects' and the witnesses' replays, judged.
 
-    ``replays`` is ``[world, 1 + C]``: column 0 says whether the rank replayed.
-    A suspect that gets the majority's result now was hit by a transient
-    fault; one that gets its own first result again, by a persistent one (any
-    persistent wins); one that gets a third result is non-reproducible (not
-    counted as either). ``unknown`` when a suspect did not replay, there is no
-    plan, or every suspect was non-reproducible. Reads the rows back once."""
+    ``replays`` is ``[world, REPLAY_SLOTS, 1 + C]``: per rank, slot 0 its
+    replay as a suspect (``plan``), slot 1 as a witness (``witness_plan``);
+    column 0 says whether it replayed. A witness that does not get its own
+    first result again makes its outcome's suspects non-reproducible. Of the
+    rest, a suspect that gets the majority's result now was hit by a
+    transient fault; one that gets its own first result again, by a
+    persistent one (any persistent wins); one that gets a third result is
+    non-reproducible (counted as neither). ``unknown`` when a rank did not
+    replay, there is no plan, or every suspect was non-reproducible. Reads
+    the rows back once."""
     if not plan:
         return ReplayVerdict("unknown")
     if any(outcome.majority is None for outcome in plan.values()):
         return ReplayVerdict("unknown")
-    suspects = sorted(plan)
-    rows = torch.stack([torch.stack([
-        replays.select(0, s).select(0, 0) != 0,
-        (replays.select(0, s).narrow(0, 1, claims.shape[1]) ==
-         record_of(plan[s].majority, plan[s].owner, claims, records, ring)).all(),  # type: ignore[arg-type]
-        (replays.select(0, s).narrow(0, 1, claims.shape[1]) ==
-         record_of(s, plan[s].owner, claims, records, ring)).all(),
-    ]) for s in suspects]).tolist()
-    if not all(replayed for replayed, _, _ in rows):
+    width = claims.shape[1]
+    suspects, witnesses = sorted(plan), witness_plan(plan)
+    rows = [torch.stack([
+        replays[s, 0, 0] != 0,
+        (replays[s, 0, 1:1 + width] == record_of(plan[s].majority, plan[s].owner, claims, records,  # type: ignore[arg-type]
+                                                 ring)).all(),
+        (replays[s, 0, 1:1 + width] == record_of(s, plan[s].owner, claims, records, ring)).all(),
+    ]) for s in suspects]
+    for w, o in sorted(witnesses.items()):  # (replayed, got its first result again) in the suspects' layout
+        again = (replays[w, 1, 1:1 + width] == record_of(w, o.owner, claims, records, ring)).all()
+        rows.append(torch.stack([replays[w, 1, 0] != 0, again, again]))
+    table = torch.stack(rows).tolist()
+    suspect_rows, witness_rows = table[:len(suspects)], table[len(suspects):]
+    if not all(replayed for replayed, _, _ in table):
         return ReplayVerdict("unknown")
-    nonreproducible = [s for s, (_, right, again) in zip(suspects, rows, strict=True) if not right and not again]
-    judged = [right for s, (_, right, _) in zip(suspects, rows, strict=True) if s not in nonreproducible]
+    unsettled = {o.owner for (w, o), (_, again, _) in zip(sorted(witnesses.items()), witness_rows, strict=True)
+                 if not again}
+    nonreproducible = [s for s, (_, right, again) in zip(suspects, suspect_rows, strict=True)
+                       if plan[s].owner in unsettled or (not right and not again)]
+    judged = [right for s, (_, right, _) in zip(suspects, suspect_rows, strict=True) if s not in nonreproducible]
     if not judged:
         return ReplayVerdict("unknown", nonreproducible)
     return ReplayVerdict("transient" if all(judged) else "persistent", nonreproducible)

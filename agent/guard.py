@@ -678,14 +678,18 @@ class SDCGuard:
         return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.buckets)
 
     def _replays(self, step: int, c: _Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
-        """Each localised suspect replays once the micro-batch it got wrong (a collective; under FSDP2 every
-        other rank replays its own in lock step, the result unused); their verdict."""
+        """Each localised suspect replays once the micro-batch it got wrong, and each outcome's witness (a rank
+        of its majority) its own result, in one collective (under FSDP2 every other rank replays its own in lock
+        step, the result unused); their verdict."""
         plan = confirm.replay_plan(c.verdict)
         if not plan:
             return confirm.ReplayVerdict("unknown")
-        assigned = {0: plan[self.topology.rank].owner} if self.topology.rank in plan else {}
-        replayed = self._recomputed_claims(step, assigned, c.claims.shape[1], 1, digests=digests)
-        return confirm.judge_replays(self._all_gather(replayed.reshape(-1)), plan, c.claims, c.records, self.ring)
+        rank, width = self.topology.rank, c.claims.shape[1]
+        witnesses = confirm.witness_plan(plan)
+        assigned = {slot: roles[rank].owner for slot, roles in enumerate((plan, witnesses)) if rank in roles}
+        replayed = self._recomputed_claims(step, assigned, width, confirm.REPLAY_SLOTS, digests=digests)
+        gathered = self._all_gather(replayed.reshape(-1)).reshape(-1, confirm.REPLAY_SLOTS, 1 + width)
+        return confirm.judge_replays(gathered, plan, c.claims, c.records, self.ring)
 
     def _nonreproducible(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
         """The computation of ``ranks``' micro-batches is not bit-reproducible: no alarm, no rank blamed; the

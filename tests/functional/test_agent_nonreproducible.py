@@ -1,7 +1,7 @@
 """Work that cannot be reproduced is never a hardware alarm (issue 24), on 3 simulated nodes (gloo, world 3).
 
-A model whose forward adds run-to-run noise (1e-6 and 1e-3 relative, drawn
-from ``os.urandom``, which nothing seeds: what a non-deterministic kernel does)
+A model whose forward adds run-to-run noise (1e-6 and 1e-3 relative per output
+element, drawn from ``os.urandom``, which nothing seeds: what a non-deterministic kernel does)
 is audited every step: every recomputation differs from the owner and from the
 other, so no alarm names a rank and each step says the computation is not
 reproducible. A ``batch_for`` that draws from unseeded state is refused at
@@ -37,9 +37,12 @@ STEPS = 3
 
 
 
-def _unseeded() -> float:
-    """A number in [-1, 1) from the OS: no seed the guard sets reaches it."""
-    return int.from_bytes(os.urandom(4), "little") / 2**31 - 1.0
+def _unseeded(like: torch.Tensor) -> torch.Tensor:
+    """Numbers in [-1, 1) shaped like ``like``, from the OS: no seed the guard sets reaches them. One per
+    element, as a non-deterministic kernel perturbs each output on its own (1e-6 of an fp32 number near 1 is
+    one of about 25 values, so one shared draw would repeat itself one time in twenty)."""
+    raw = torch.frombuffer(bytearray(os.urandom(4 * like.numel())), dtype=torch.int32).to(torch.float64)
+    return (raw / 2**31).reshape(like.shape).to(like.dtype)
 
 
 def _run(work: str, noise: float, loader: str) -> dict[str, Any]:
@@ -58,7 +61,7 @@ def _run(work: str, noise: float, loader: str) -> dict[str, Any]:
     def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         out = module(batch[0])
         if noise:
-            out = out * (1.0 + noise * _unseeded())
+            out = out * (1.0 + noise * _unseeded(out))
         return F.mse_loss(out, batch[1])
 
     config = GuardConfig(on_alarm="continue", on_nonreproducible="continue", ranks_per_node=1, audit_every=1,

@@ -118,13 +118,13 @@ def test_a_replay_that_now_agrees_is_transient_one_that_does_not_persistent() ->
     verdict = judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring)
     plan = replay_plan(verdict)
     assert list(plan) == [3]
-    replays = torch.zeros(6, 1 + c.shape[1], dtype=torch.int64)
-    replays[3, 0] = 1
-    replays[3, 1:] = right
+    replays = witnessed(c, records, ring, plan)
+    replays[3, 0, 0] = 1
+    replays[3, 0, 1:] = right
     assert persistence(replays, plan, c, records, ring) == "transient"
-    replays[3, 1:] = c[3]
+    replays[3, 0, 1:] = c[3]
     assert persistence(replays, plan, c, records, ring) == "persistent"
-    replays[3, 0] = 0
+    replays[3, 0, 0] = 0
     assert persistence(replays, plan, c, records, ring) == "unknown"
 
 
@@ -228,17 +228,63 @@ def test_a_suspect_that_cannot_reproduce_its_own_result_is_nonreproducible_not_p
     records = honest_records(c, ring, {3})
     c[3, NORM] += 1
     plan = replay_plan(judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring))
-    replays = torch.zeros(6, 1 + c.shape[1], dtype=torch.int64)
-    replays[3, 0] = 1
+    replays = witnessed(c, records, ring, plan)
+    replays[3, 0, 0] = 1
     # When: its replay gives a third result, neither the majority's nor its own first one.
-    replays[3, 1:] = c[3]
-    replays[3, 1 + NORM] += 5
+    replays[3, 0, 1:] = c[3]
+    replays[3, 0, 1 + NORM] += 5
     verdict = confirm.judge_replays(replays, plan, c, records, ring)
     # Then: not a fault of either kind; the owner is non-reproducible.
     assert verdict == confirm.ReplayVerdict("unknown", [3])
     # The check can fail: its own first result again is persistent.
-    replays[3, 1:] = c[3]
+    replays[3, 0, 1:] = c[3]
     assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("persistent", [])
+
+
+def witnessed(c: torch.Tensor, records: torch.Tensor, ring: Ring, plan: dict[int, confirm.Outcome]) -> torch.Tensor:
+    """``[world, 2, 1 + C]`` replays where every witness got its own first result again, no suspect replayed."""
+    replays = torch.zeros(c.shape[0], confirm.REPLAY_SLOTS, 1 + c.shape[1], dtype=torch.int64)
+    for w, outcome in confirm.witness_plan(plan).items():
+        replays[w, 1, 0] = 1
+        replays[w, 1, 1:] = confirm.record_of(w, outcome.owner, c, records, ring)
+    return replays
+
+
+def test_two_of_three_agreeing_by_chance_is_nonreproducible_when_the_witness_cannot_repeat_itself() -> None:
+    # Given: both confirmers of rank 3 agree against it, and rank 3 replays its own first result again: persistent
+    # on its face. What a non-deterministic reduction with a few possible results does one time in a few dozen.
+    ring, c = Ring.of(6, 2), claims(6)
+    records = honest_records(c, ring, {3})
+    c[3, NORM] += 1
+    plan = replay_plan(judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring))
+    witnesses = confirm.witness_plan(plan)
+    assert [(w, o.owner) for w, o in witnesses.items()] == [(1, 3)]  # the first confirmer, the majority's rank
+    replays = witnessed(c, records, ring, plan)
+    replays[3, 0, 0] = 1
+    replays[3, 0, 1:] = c[3]
+    assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("persistent", [])
+    # When: the witness, replaying its own recomputation of rank 3's micro-batch, gets other bits.
+    replays[1, 1, 1 + NORM] += 7
+    # Then: the majority was chance; nobody is blamed.
+    assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("unknown", [3])
+    # A witness that did not replay at all settles nothing either way.
+    replays[1, 1, 0] = 0
+    assert confirm.judge_replays(replays, plan, c, records, ring).persistence == "unknown"
+
+
+def test_a_faulty_confirmer_is_witnessed_by_the_owner_replaying_its_own_micro_batch() -> None:
+    ring, c = Ring.of(6, 2), claims(6)
+    records = honest_records(c, ring, {3})
+    records[5, 1, 1 + NORM] += 1  # rank 5 (the next node) recomputed rank 3's micro-batch wrong
+    plan = replay_plan(judge_confirmations(c, records, {3: (confirm.MAGNITUDE,)}, ring))
+    assert list(plan) == [5]
+    assert [(w, o.owner) for w, o in confirm.witness_plan(plan).items()] == [(3, 3)]
+    replays = witnessed(c, records, ring, plan)
+    replays[5, 0, 0] = 1
+    replays[5, 0, 1:] = c[3]
+    assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("transient", [])
+    replays[3, 1, 1 + CLAIM_LOSS] += 1
+    assert confirm.judge_replays(replays, plan, c, records, ring) == confirm.ReplayVerdict("unknown", [5])
 
 
 def test_the_claim_and_verdict_paths_make_every_tensor_on_the_claims_device(monkeypatch: pytest.MonkeyPatch) -> None:
