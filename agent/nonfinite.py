@@ -80,9 +80,9 @@ def _nonfinite_on_cpu(t: torch.Tensor) -> bool:
     return bool(nonfinite_flag(t)) if scanned is None else scanned
 
 
-def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool on the tensors' device (one device): does any element of any of ``tensors`` hold a NaN or
-    an infinity? ``nonfinite_flag`` of each, reduced, without a host synchronisation and without a kernel per
+def any_nonfinite(tensors: Sequence[torch.Tensor], *, device: torch.device | None = None) -> torch.Tensor:
+    """A 0-dim bool on the tensors' device (one device; ``device`` for an empty list, else the CPU): does any
+    element of any of ``tensors`` hold a NaN or an infinity? ``nonfinite_flag`` of each, reduced, without a host synchronisation and without a kernel per
     tensor on an accelerator.
 
     Under ``SDCGUARD_FINGERPRINT_KERNEL=triton`` one multi-tensor Triton pass per element width reads the raw
@@ -93,7 +93,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     each tensor (``nonfinite_flag``), stopping at the first hit; torch's foreach ops measured 5-50x slower
     there."""
     if not tensors:
-        return torch.zeros((), dtype=torch.bool)
+        return torch.zeros((), dtype=torch.bool, device=device)
     device = tensors[0].device
     fused = fp.triton_kernels_for(device)
     if fused is not None:

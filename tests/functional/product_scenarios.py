@@ -67,7 +67,7 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
                               "product_flags": 0, "flipped": 0}
     for step in range(scenario["steps"]):
         state["step"], state["forwards"] = step, 0
-        with _product_fault(fault, step, result) if mine and fault.get("kind") == "product" else \
+        with product_fault(fault, step, result) if mine and fault.get("kind") == "product" else \
                 contextlib.nullcontext():
             outcome = guard.step(step)
         result["updated"] += outcome.updated
@@ -84,8 +84,9 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _product_fault(fault: dict[str, Any], step: int, result: dict[str, Any]) -> Any:
-    """At ``fault["step"]``: flip ``fault["bit"]`` of one element of the ``fault["product"]``-th product in
+def product_fault(fault: dict[str, Any], step: int, result: dict[str, Any]) -> Any:
+    """Around the faulty rank's guard step (here, and under FSDP2 in test_sharded_product_checks.py).
+    At ``fault["step"]``: flip ``fault["bit"]`` of one element of the ``fault["product"]``-th product in
     ``fault["direction"]`` ("fwd"/"bwd") of the step, once (a transient fault: the own pass runs first)."""
     if step != fault["step"]:
         yield

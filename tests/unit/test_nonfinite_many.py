@@ -209,3 +209,15 @@ def test_off_the_triton_setting_the_shards_pass_is_the_separate_checks() -> None
     assert bool(reduced_shards(shards, flag=True, fingerprint=False).nonfinite)
     assert reduced_shards(shards, flag=False, fingerprint=False) == ShardsPass()
     assert reduced_shards([], flag=True, fingerprint=True) == ShardsPass()
+
+
+def test_no_tensors_is_a_false_flag_on_the_device_asked_for() -> None:
+    """An empty list has no device of its own: the flag lands where the caller's step tensors live (a fake CUDA
+    device under FakeTensorMode here, as on a GPU, where a CPU flag among CUDA tensors would raise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not bool(nonfinite.any_nonfinite([]))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        flag = nonfinite.any_nonfinite([], device=torch.device("cuda", 0))
+        assert flag.device == torch.device("cuda", 0)
+        assert flag.dtype == torch.bool
