@@ -77,6 +77,7 @@ from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
 from sdcguard.agent.data_parallel import DataParallel
 from sdcguard.agent.detectors import NonFiniteCheck, StepDetector, WeightCheck, global_rank, step_detectors
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
+from sdcguard.agent.exit_grace import settle_gloo_at_exit
 from sdcguard.agent.findings import GatheredFindings, StepFindings
 from sdcguard.agent.nonfinite import NonFiniteVerdict
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
@@ -265,6 +266,8 @@ class SDCGuard:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.group = group
+        if dist.is_initialized():
+            settle_gloo_at_exit(group)
         self.ring = self.parallel.ring
         # None publishes nothing (no bus, no spool); the default builds the EventBridge publisher.
         if isinstance(publisher, PublisherDefault):
