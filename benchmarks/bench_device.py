@@ -31,7 +31,10 @@ any fails; 3, with nothing run, on a machine without CUDA unless
    clean step must wait on the host at most once (syncs counted per step).
 
 Then it times, on the device, a copy into a preallocated buffer, a sum, the
-fingerprint and the non-finite flag, and prints the ratios to the copy.
+fingerprint and the non-finite flag, and prints the ratios to the copy; and
+the GPT example's whole training step (world 1) as plain DDP, under the
+guard's defaults, and with product checks on, each as a ratio to plain DDP
+(``--step-rounds``).
 
 With ``--device cpu`` it runs everything on the CPU with small sizes (the
 sync count is a GPU's only), which is how the tests keep it working. It is
@@ -330,6 +333,70 @@ def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
               f"per step: {syncs}")
 
 
+STEP_ROWS = ("plain DDP", "guard, defaults", "guard, defaults + product checks")
+
+
+def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
+    """The whole training step of the GPT example (examples/gpt_model.py, its default sizes) on ``device``, as
+    plain DDP, under the guard's defaults, and under the defaults with product checks on; a world of one.
+
+    Each row has its own model, optimizer and guard; the rows take turns a step at a time, in an order rotated
+    every round (round 0 warms up and is dropped), each step timed to the device's completion. Returns the
+    median seconds per step by row (``print_steps`` prints them). A world of one has no other node, so no ring audit or confirmation runs:
+    this is the every-step checks' cost (and the weight check at its cadence), not the audit's."""
+    from benchmarks.bench_products import _gpt_example
+    from sdcguard.agent.guard import SDCGuard
+
+    example = _gpt_example()
+    cfg = example.GPTConfig()
+    sampler = example.TokenSampler(cfg, micro_batch=8, accum=1, device=device)
+    scratch = tempfile.mkdtemp(prefix="sdcguard-bench-")
+    steps: dict[str, Callable[[int], object]] = {}
+    try:
+        for row in STEP_ROWS:
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                example.GPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+            optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+            if row == "plain DDP":
+                def plain(n: int, ddp: Any = ddp, optimizer: Any = optimizer) -> None:
+                    optimizer.zero_grad(set_to_none=True)
+                    example.loss_fn(ddp, sampler(n, 0)[0]).backward()
+                    optimizer.step()
+                steps[row] = plain
+                continue
+            where = os.path.join(scratch, str(len(steps)))
+            config = GuardConfig(on_alarm="continue", product_checks=row.endswith("product checks"),
+                                 checkpoint_prefix=os.path.join(where, "checkpoints"),
+                                 spool_dir=os.path.join(where, "spool"))
+            guard = SDCGuard(ddp, optimizer, loss_fn=example.loss_fn, batch_for=lambda n, r: sampler(n, r)[0],
+                             config=config, publisher=_Silent(), injection=None)  # type: ignore[arg-type]
+            steps[row] = guard.step
+        times: dict[str, list[float]] = {row: [] for row in STEP_ROWS}
+        for round_ in range(rounds + 1):
+            shift = round_ % len(STEP_ROWS)
+            for row in STEP_ROWS[shift:] + STEP_ROWS[:shift]:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                steps[row](round_)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_:
+                    times[row].append(time.perf_counter() - started)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {row: sorted(t)[len(t) // 2] for row, t in times.items()}
+
+
+def print_steps(medians: dict[str, float], device: torch.device, rounds: int) -> None:
+    """``time_steps``' table: each row's median step and its ratio to plain DDP."""
+    print(f"the GPT example's whole step on {device}, world 1, median of {rounds} interleaved rounds:")
+    print(f"{'row':<34} {'ms':>9} {'x plain':>8}")
+    for row in STEP_ROWS:
+        print(f"{row:<34} {medians[row] * 1e3:9.2f} {medians[row] / medians['plain DDP']:8.3f}")
+
+
 def run_kernels(device: torch.device, table: Table) -> None:
     """The fused kernels' timings and bit checks (``benchmarks/device_kernels.py``)."""
     device_kernels.run(table, device)
@@ -343,9 +410,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--elements", type=_counts, default=None, help="tensor sizes to time, e.g. 64M,256M")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="micro-batches recomputed per setting")
+    parser.add_argument("--step-rounds", type=int, default=None,
+                        help="interleaved rounds of the whole-step timing (default 30 on a GPU, 2 on the CPU)")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.steps < 1:
-        parser.error("--repeats and --steps must be at least 1")
+    if args.repeats < 1 or args.steps < 1 or (args.step_rounds is not None and args.step_rounds < 1):
+        parser.error("--repeats, --steps and --step-rounds must be at least 1")
     if args.device is None and not has_gpu:
         print(f"bench device: no CUDA device on this machine (torch {torch.__version__}, CUDA "
               f"{torch.version.cuda or 'not built in'}): the GPU checks did not run. "
@@ -386,6 +455,8 @@ def main(argv: list[str]) -> int:
         check_attention(device, table)
         check_guard(device, table)
         run_kernels(device, table)
+        step_rounds = args.step_rounds or (30 if device.type == "cuda" else 2)
+        step_times = time_steps(device, step_rounds)
     finally:
         torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
@@ -393,5 +464,6 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
     table.print()
     time_on(device, elements, args.repeats)
+    print_steps(step_times, device, step_rounds)
     print(f"checks took {time.monotonic() - started:.0f} s")
     return 1 if table.failed else 0

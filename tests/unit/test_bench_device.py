@@ -22,6 +22,9 @@ def test_the_smoke_run_passes_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> 
     assert "INFO  environment signature" in out
     assert "FAIL" not in out
     assert "float32" in out  # the timing table
+    # The whole step: a row each, timed against plain DDP in the same run.
+    for row in bench_device.STEP_ROWS:
+        assert any(line.startswith(row) and line.split()[-1].replace(".", "").isdigit() for line in out.splitlines()), row
 
 
 def test_without_cuda_it_says_so_and_exits_with_its_own_code(capsys: pytest.CaptureFixture[str],
