@@ -13,7 +13,10 @@ stop on an alarm (``on_alarm="stop"``) leaves the group as it is.
 Seen once in about 70 runs of ``examples/adopt_minimal.py`` under load
 (2026-12-02; its core dump: ``~AsyncAllreduceWork`` called from
 ``ProcessGroupGloo::runLoop``, ``take_gil`` -> ``PyThread_exit_thread``), and
-in CI. So a process whose guard talks over a gloo group waits, once, at exit,
+in CI; a script that ends with its all-reduces still in flight aborts 4 ranks
+in 8 runs without the wait and 0 in 28 with it
+(``tests/functional/test_exit_grace_gloo.py``). So a process whose guard talks
+over a gloo group waits, once, at exit,
 with the GIL released, while the interpreter is still whole: a worker that
 finished a collective gets the CPU and retires it. NCCL retires its work on
 its watchdog thread, which ``destroy_process_group`` joins: a group without
