@@ -416,12 +416,14 @@ def judge_replays(replays: torch.Tensor, plan: dict[int, Outcome], claims: torch
         return ReplayVerdict("unknown")
     width = claims.shape[1]
     suspects, witnesses = sorted(plan), witness_plan(plan)
-    rows = [torch.stack([
-        replays[s, 0, 0] != 0,
-        (replays[s, 0, 1:1 + width] == record_of(plan[s].majority, plan[s].owner, claims, records,  # type: ignore[arg-type]
-                                                 ring)).all(),
-        (replays[s, 0, 1:1 + width] == record_of(s, plan[s].owner, claims, records, ring)).all(),
-    ]) for s in suspects]
+    rows = []
+    for s in suspects:  # (replayed, got the majority's result, got its own first result again)
+        majority = plan[s].majority
+        assert majority is not None  # checked above
+        replayed = replays[s, 0, 1:1 + width]
+        rows.append(torch.stack([replays[s, 0, 0] != 0,
+                                 (replayed == record_of(majority, plan[s].owner, claims, records, ring)).all(),
+                                 (replayed == record_of(s, plan[s].owner, claims, records, ring)).all()]))
     for w, o in sorted(witnesses.items()):  # (replayed, got its first result again) in the suspects' layout
         again = (replays[w, 1, 1:1 + width] == record_of(w, o.owner, claims, records, ring)).all()
         rows.append(torch.stack([replays[w, 1, 0] != 0, again, again]))

@@ -82,8 +82,8 @@ def _nonfinite_on_cpu(t: torch.Tensor) -> bool:
 
 def any_nonfinite(tensors: Sequence[torch.Tensor], *, device: torch.device | None = None) -> torch.Tensor:
     """A 0-dim bool on the tensors' device (one device; ``device`` for an empty list, else the CPU): does any
-    element of any of ``tensors`` hold a NaN or an infinity? ``nonfinite_flag`` of each, reduced, without a host synchronisation and without a kernel per
-    tensor on an accelerator.
+    element of any of ``tensors`` hold a NaN or an infinity? ``nonfinite_flag`` of each, reduced, without a
+    host synchronisation and without a kernel per tensor on an accelerator.
 
     Under ``SDCGUARD_FINGERPRINT_KERNEL=triton`` one multi-tensor Triton pass per element width reads the raw
     exponent bits (``sdcguard.agent.kernels.triton_fingerprint.any_nonfinite``). Elsewhere on an accelerator,
