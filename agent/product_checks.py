@@ -13,14 +13,14 @@ The two sides never agree exactly: the product and the checksums are
 rounded. The check compares their difference against a bound that is
 rigorous for the arithmetic that ran (Higham's ``gamma_n = n u / (1 - n u)``):
 
-    |1ᵀC - (1ᵀA) B|_j  ≤  c · Σ_i Σ_k |A_ik| |B_kj|  +  (underflow)
+    |C 1 - A (B 1)|_i  ≤  c · Σ_k |A_ik| Σ_j |B_kj|  +  (underflow)
 
 where ``c`` adds up the product's accumulation error ``gamma_p`` (``p`` the
 accumulation length, ``u`` the accumulation's unit roundoff: fp32 for fp32,
 bf16 and fp16 products), the rounding of the operands on the way in (TF32
 when it is allowed), the rounding of ``C`` into a narrower output dtype
 (bf16/fp16 autocast), and the rounding of the checksums themselves (the sums
-over ``m`` and the matrix-vector product, computed in fp32, fp64 for fp64
+over a row and the matrix-vector product, computed in fp32, fp64 for fp64
 products). ``Σ|A||B|`` comes from the same checksums on absolute values. A
 clean run therefore never trips it, whatever the data; what it cannot see is
 an error below that bound (low mantissa bits of an output element: the
@@ -39,8 +39,15 @@ they would, and forward hooks installed on the modules only name the sites.
 A backward product is named after its forward product through the autograd
 node's sequence number. The mode must be entered inside any other dispatch
 mode around the step (the campaign's fault injector), so that it sees the
-results those modes hand on. Flags accumulate per site in a preallocated int64
-tensor on the device: no host synchronisation per product.
+results those modes hand on.
+
+Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
+weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
+computed once per step and serve every micro-batch, so a product costs the
+sum of ``C`` and two matrix-vector products on ``A`` (with ``B 1`` and with
+``|B| 1``). The differences and bounds of a whole pass are judged together
+when it ends, into one int64 per site on the device: a few device operations
+per pass instead of several per product, and no host synchronisation.
 
 Not seen: products inside fused kernels that do not lower to these
 operators (``F.scaled_dot_product_attention``'s fused kernels; ``einsum``
@@ -74,8 +81,8 @@ convolution)."""
 FIRST, COUNT = range(2)
 """The layout of :meth:`ProductChecks.summary`: the first failing site's index (-1: none), how many failed."""
 
-_ABS_CACHE = 3
-"""Absolute values kept for reuse: enough for a backward node's |dY| and both operands of a product."""
+_LAYOUTS = 16
+"""Judging layouts (the sites and lengths of one pass's checksums) kept on the device: a few pass shapes per job."""
 
 REDUCED_PRECISION_SPLITS = 32
 """On CUDA with ``allow_bf16/fp16_reduced_precision_reduction`` (torch's default), cuBLAS may add split-K partial
@@ -178,6 +185,21 @@ class Arithmetic:
 _arithmetic = functools.lru_cache(maxsize=256)(Arithmetic._of)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """One pass's judging vectors on the device, per checksum and per product (``_layout_vectors``)."""
+
+    coefficients: torch.Tensor
+    absolutes: torch.Tensor
+    limits: torch.Tensor
+    product_of: torch.Tensor
+    """The product of each checksum."""
+    site_of: torch.Tensor
+    """The site of each product."""
+    host: tuple[torch.Tensor, ...]
+    """The host tensors they were copied from (kept alive for a non-blocking copy from pinned memory)."""
+
+
 class ProductChecks:
     """Checksums on every matrix product of ``model``'s passes run inside :meth:`watching`.
 
@@ -211,9 +233,7 @@ class ProductChecks:
         self.enabled = {kind: kind in enabled for kind in KINDS}
         self.margin = margin
         self.capacity = capacity
-        self.flags = torch.zeros(capacity, dtype=torch.int64, device=device)
-        """Failing products per site (index into ``sites``), on the device; the last slot also takes any site
-        past ``capacity``."""
+        self._flags = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.sites: list[str] = []
         self.checked = 0
         """Products checked since the last :meth:`begin_step` (a host-side count; it costs no sync)."""
@@ -225,11 +245,13 @@ class ProductChecks:
         self._forward_sites: dict[int, tuple[str, str]] = {}
         self._node: tuple[int, int] = (-1, 0)
         self._handles: list[Any] = []
-        self._abs_cache: list[tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = []
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         self._weights: set[int] = set()
-        self._weight_abs: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ones_cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._layout: list[tuple[int, int, float, float, float]] = []
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
+        self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._mode = _ProductMode(self)
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
@@ -239,9 +261,10 @@ class ProductChecks:
 
     def begin_step(self) -> None:
         """Zero the flags and forget the last step's forward products (call it before the step's passes)."""
-        self.flags.zero_()
-        self._abs_cache.clear()
-        self._weight_abs.clear()
+        self._flags.zero_()
+        self._pending.clear()
+        self._layout.clear()
+        self._weight_rows.clear()
         # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
@@ -255,8 +278,18 @@ class ProductChecks:
 
         Recomputations of other ranks' micro-batches belong outside it: their flags would be charged to this
         rank's sites."""
-        with self._mode:
-            yield self
+        try:
+            with self._mode:
+                yield self
+        finally:
+            self._judge_pending()
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """Failing products per site (index into ``sites``), int64 on the device; the last slot also takes any
+        site past ``capacity``. Reading it judges any checksums not judged yet (still no host sync)."""
+        self._judge_pending()
+        return self._flags
 
     def summary(self) -> torch.Tensor:
         """``[first failing site or -1, number of failing sites]``, int64 on the device (no host sync)."""
@@ -388,9 +421,13 @@ class ProductChecks:
 
     def _verify_product(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
                         alpha: float, beta: float, site: str) -> None:
-        """``c = beta·bias + alpha·(a @ b)`` (batched over leading dims): the cheaper direction's checksums."""
-        if b.numel() > a.numel():
-            # Row sums: the column check of the transposed product (the smaller operand is the one taken whole).
+        """``c = beta·bias + alpha·(a @ b)`` (batched over leading dims), by its row sums ``c 1 = a (b 1)``.
+
+        The operand taken by rows (``b``: its row sums and its rows' absolute sums) is the weight where one
+        operand is a parameter, so that those two vectors are computed once per step and serve the products of
+        every micro-batch; the other operand (``a``) then costs two matrix-vector products per product, with
+        ``b 1`` and with ``|b| 1`` (the bound ``Σ_k |a_ik| Σ_j |b_kj|``), and the result one sum."""
+        if self._is_weight(a) and not self._is_weight(b):
             a, b, c = b.mT, a.mT, c.mT
             bias = None if bias is None else bias.expand(c.mT.shape).mT
         elif bias is not None:
@@ -399,79 +436,124 @@ class ProductChecks:
         if arithmetic is None:
             self.unchecked += 1
             return
-        m, p = a.shape[-2], a.shape[-1]
+        p, n = a.shape[-1], c.shape[-1]
         work = torch.float64 if a.dtype == torch.float64 else torch.float32
-        coefficient = arithmetic.coefficient(p + (2 if bias is not None else 0), m)
+        coefficient = arithmetic.coefficient(p + (2 if bias is not None else 0), n)
         if not coefficient < math.inf:
             self.unchecked += 1
             return
-        abs_a = self._abs(a)
-        if a.dtype == work and c.dtype == work:
-            # Sums over m as matrix-vector products with a vector of ones: BLAS, the fastest pass on every device.
-            ones = self._ones(m, work, c.device)
-            sum_c, sum_a, abs_sum_a = _vecmat(ones, c), _vecmat(ones, a), _vecmat(ones, abs_a)
-        else:
-            sum_c = c.sum(-2, dtype=work, keepdim=True)
-            sum_a = a.sum(-2, dtype=work, keepdim=True)
-            abs_sum_a = abs_a.sum(-2, dtype=work, keepdim=True)
-        wide_b = b if b.dtype == work else b.to(work)
-        expected = _vecmat(sum_a, wide_b)
-        bound = _vecmat(abs_sum_a, self._abs(wide_b))
+        sums_b, abs_sums_b = self._row_stats(b, work)
+        observed = c.sum(-1, dtype=work)
+        expected = _matvec(self._widened(a, work, 1), sums_b)
+        bound = _matvec(self._absolute(a, work, 0), abs_sums_b)
         if alpha != 1:
             expected, bound = expected * alpha, bound * abs(alpha)
         if bias is not None and beta != 0:
-            if bias.stride(-2) == 0:
-                # A bias broadcast along the summed rows (nn.Linear's): m times its one row.
-                row = bias.select(-2, 0).unsqueeze(-2)
-                expected = torch.add(expected, row, alpha=beta * m)
-                bound = torch.add(bound, row.abs(), alpha=abs(beta) * m)
-            else:
-                sum_bias, abs_bias = _row_sums(bias, work)
-                expected = expected + beta * sum_bias.unsqueeze(-2)
-                bound = bound + abs(beta) * abs_bias.unsqueeze(-2)
-        self._judge(sum_c, expected, bound, coefficient, arithmetic.absolute(p, m), arithmetic, site)
+            sum_bias, abs_bias = _row_sums(bias.mT, work)
+            expected = expected + beta * sum_bias
+            bound = bound + abs(beta) * abs_bias
+        self._judge(observed, expected, bound, coefficient, arithmetic.absolute(p, n), arithmetic, site)
 
-    def _abs(self, t: torch.Tensor) -> torch.Tensor:
-        """``|t|``, reusing recent results: a backward node's two products share ``|dY|``, and a parameter's
-        ``|W|`` serves its forward and backward dX products of every micro-batch. Keyed by storage, layout and
-        version, and each entry holds ``t`` itself, so that its memory cannot be reused by another tensor with
-        the same key while the entry lives (that would hand out a stale value)."""
-        storage = t.untyped_storage().data_ptr()
-        key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        if storage in self._weights:
-            entry = self._weight_abs.get(key)
-            if entry is None:
-                entry = self._weight_abs[key] = (t, t.abs())
-            return entry[1]
-        for i, (seen, _source, value) in enumerate(self._abs_cache):
-            if seen == key:
-                if i:
-                    self._abs_cache.insert(0, self._abs_cache.pop(i))
-                return value
-        value = t.abs()
-        self._abs_cache.insert(0, (key, t, value))
-        del self._abs_cache[_ABS_CACHE:]
-        return value
+    def _is_weight(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._weights
 
-    def _ones(self, m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (m, dtype, device)
-        ones = self._ones_cache.get(key)
-        if ones is None:
-            ones = self._ones_cache[key] = torch.ones(1, m, dtype=dtype, device=device)
-        return ones
+    def _row_stats(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b 1, |b| 1)``: the row sums of ``b`` and of its absolute values, in ``work``. A parameter's are kept
+        for the step, keyed by its storage, layout and version (the weights do not change inside a step; the
+        entry holds no tensor of its own)."""
+        storage = b.untyped_storage().data_ptr()
+        if storage not in self._weights:
+            return b.sum(-1, dtype=work), self._absolute(b, work, 2).sum(-1)
+        key = (storage, b.storage_offset(), tuple(b.shape), b.stride(), b.dtype, b._version, work)
+        stats = self._weight_rows.get(key)
+        if stats is None:
+            stats = self._weight_rows[key] = (b.sum(-1, dtype=work), self._absolute(b, work, 2).sum(-1))
+        return stats
+
+    def _scratch_like(self, t: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
+        """An uninitialised CPU tensor of ``t``'s shape (contiguous) from scratch buffer ``slot``: a fresh
+        allocation of this size costs its page faults on every call, more than the pass that fills it."""
+        scratch = self._scratch.get((dtype, slot))
+        if scratch is None or scratch.numel() < t.numel():
+            scratch = self._scratch[(dtype, slot)] = torch.empty(t.numel(), dtype=dtype)
+        return scratch[:t.numel()].view(t.shape)
+
+    def _widened(self, t: torch.Tensor, work: torch.dtype, slot: int) -> torch.Tensor:
+        """``t`` in ``work`` (itself when it already is), in ``t``'s own memory order."""
+        if t.dtype == work:
+            return t
+        if t.device.type != "cpu":
+            return t.to(work)
+        transposed = _transposed(t)
+        source = t.mT if transposed else t
+        wide = self._scratch_like(source, work, slot).copy_(source)
+        return wide.mT if transposed else wide
+
+    def _absolute(self, t: torch.Tensor, work: torch.dtype, slot: int) -> torch.Tensor:
+        """``|t|`` in ``work``, in ``t``'s own memory order (a transposed copy is several times slower); on the
+        CPU in scratch buffer ``slot``, valid until that slot is used again."""
+        if t.device.type != "cpu":
+            return t.abs() if t.dtype == work else t.abs().to(work)
+        transposed = _transposed(t)
+        source = self._widened(t.mT if transposed else t, work, 3)
+        absolute = torch.abs(source, out=self._scratch_like(source, work, slot))
+        return absolute.mT if transposed else absolute
 
     def _judge(self, observed: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, coefficient: float,
                absolute: float, arithmetic: Arithmetic, site: str) -> None:
-        """Count the checksums of ``site`` whose difference passes the bound, on the device.
+        """Queue the checksums of ``site`` to be judged with the pass's others (:meth:`_judge_pending`).
 
-        ``|observed - expected| <= coefficient · bound + absolute`` is false for a NaN too: an infinite or NaN
-        checksum from finite operands is a fault, unless the bound reaches the dtype's range (a legitimate
-        overflow, as a GradScaler's fp16 step has); operands that are not finite leave ``bound`` not finite, and
-        such a product is the non-finite check's."""
-        within = torch.sub(observed, expected).abs_().sub_(bound, alpha=coefficient * self.margin) <= absolute
-        representable = bound < arithmetic.largest / (1 + coefficient)
-        self.flags.select(0, self._site(site)).add_((representable > within).sum())
+        The test, per checksum: ``|observed - expected| <= coefficient · bound + absolute``, false for a NaN too:
+        an infinite or NaN checksum from finite operands is a fault, unless the bound reaches the dtype's range
+        (a legitimate overflow, as a GradScaler's fp16 step has); operands that are not finite leave ``bound``
+        not finite, and such a product is the non-finite check's."""
+        difference = torch.sub(observed, expected).abs_()
+        self._pending.append((difference.reshape(-1), bound.expand_as(difference).reshape(-1)))
+        self._layout.append((self._site(site), difference.numel(), coefficient * self.margin, absolute,
+                             arithmetic.largest / (1 + coefficient)))
         self.checked += 1
+
+    def _judge_pending(self) -> None:
+        """Judge every queued checksum at once and count the failing products per site into ``flags``: a few
+        device operations per pass instead of several per product, and still no host synchronisation."""
+        if not self._pending:
+            return
+        key = tuple(self._layout)
+        vectors = self._layouts.get(key)
+        if vectors is None:
+            vectors = self._layouts[key] = self._layout_vectors(self._layout)
+            while len(self._layouts) > _LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]
+        coefficients, absolutes, limits, product_of, site_of = (
+            vectors.coefficients, vectors.absolutes, vectors.limits, vectors.product_of, vectors.site_of)
+        differences = torch.cat([d for d, _ in self._pending])
+        bounds = torch.cat([e for _, e in self._pending])
+        self._pending.clear()
+        self._layout.clear()
+        within = differences <= torch.addcmul(absolutes, bounds, coefficients)
+        failing = (bounds < limits) > within
+        products = torch.zeros(site_of.numel(), dtype=torch.int64, device=self._flags.device)
+        products.index_add_(0, product_of, failing.to(torch.int64))
+        self._flags.index_add_(0, site_of, (products > 0).to(torch.int64))
+
+    def _layout_vectors(self, layout: Sequence[tuple[int, int, float, float, float]]) -> _Layout:
+        """Per checksum: the coefficient, the underflow term and the representable limit; the product of each
+        checksum and the site of each product, on the device (built once per layout; copied from pinned memory
+        without blocking on a GPU). The host tensors are kept with them for that copy's sake."""
+        sites = [site for site, *_ in layout]
+        lengths = [length for _, length, *_ in layout]
+        per_product = torch.tensor([entry[2:] for entry in layout], dtype=torch.float64)
+        host: tuple[torch.Tensor, ...] = (per_product, torch.tensor(sites, dtype=torch.int64),
+                                          torch.tensor(lengths, dtype=torch.int64))
+        device = self._flags.device
+        if device.type == "cuda":
+            host = tuple(t.pin_memory() for t in host)
+        per_product_d, sites_d, lengths_d = (t.to(device, non_blocking=True) for t in host)
+        total = sum(lengths)
+        expanded = torch.repeat_interleave(per_product_d, lengths_d, dim=0, output_size=total)
+        product_of = torch.repeat_interleave(torch.arange(len(layout), device=device), lengths_d, output_size=total)
+        return _Layout(expanded[:, 0].contiguous(), expanded[:, 1].contiguous(), expanded[:, 2].contiguous(),
+                       product_of, sites_d, host)
 
     # -- convolutions ------------------------------------------------------------------------------------------
 
@@ -576,12 +658,17 @@ def _plain(*tensors: Any) -> bool:
     return all(type(t) in _PLAIN and t.is_floating_point() and t.numel() > 0 for t in tensors)
 
 
-def _vecmat(v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``v @ m`` for a row vector ``v`` (``[..., 1, p]``), as ``(mᵀ vᵀ)ᵀ`` when ``m`` is a transposed matrix:
-    a matrix-vector product on the matrix's own layout (the other form took 25x as long on the CPU)."""
-    if m.dim() == 2 and not m.is_contiguous() and m.mT.is_contiguous():
-        return (m.mT @ v.mT).mT
-    return v @ m
+def _transposed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last two dims are stored transposed (its ``.mT`` is the row-major one)."""
+    return t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1
+
+
+def _matvec(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``m @ v`` for ``m`` ``[..., r, p]`` and ``v`` ``[..., p]``: ``[..., r]`` (a BLAS matrix-vector product on
+    ``m``'s own layout, transposed or not)."""
+    if m.dim() == 2:
+        return torch.mv(m, v)
+    return torch.matmul(m, v.unsqueeze(-1)).squeeze(-1)
 
 
 def _row_sums(t: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
