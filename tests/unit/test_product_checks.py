@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdcguard.agent.product_checks import COUNT, FIRST, ProductChecks
 from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
@@ -327,3 +328,68 @@ def test_both_directions_with_a_bias_pass_clean_and_catch_a_flip(m: int, p: int,
     checks.begin_step()
     checks._verify_product(x, layer.weight.detach().t(), corrupted, layer.bias.detach(), 1.0, 1.0, "probe")
     assert checks.findings(checks.flags.reshape(1, -1)) == [(0, "probe")]
+
+
+class _WeightReads(TorchDispatchMode):
+    """Counts the operators, other than the products themselves and views, that read a weight matrix's memory."""
+
+    _PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dim() >= 2}
+        self.reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        view = func.is_view or func.overloadpacket in (torch.ops.aten.t, torch.ops.aten.mT)
+        if func.overloadpacket not in self._PRODUCTS and not view and any(
+                isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages
+                for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            self.reads += 1
+        return out
+
+
+def test_a_weight_is_summed_once_per_step_not_once_per_micro_batch() -> None:
+    # The weight's row sums serve the forward and dX products of every micro-batch of the step: after the first
+    # micro-batch the checks read no weight matrix (the model's own operators do, as without the checks; before,
+    # each product read W and |W| once more; a bias, a vector, is still summed per product).
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    plain = _WeightReads(model)
+    with plain:
+        loss_fn(model, data(0, 0)).backward()
+    checks.begin_step()
+    reads = []
+    for micro in range(3):
+        counter = _WeightReads(model)
+        with counter, checks.watching():  # the counter outside: it sees what the checks compute
+            loss_fn(model, data(0, micro)).backward()
+        reads.append(counter.reads)
+    assert reads[0] > plain.reads
+    assert reads[1:] == [plain.reads, plain.reads]
+    assert checks.summary().tolist() == [-1, 0]
+    # A new step sums the (updated) weights afresh.
+    checks.begin_step()
+    counter = _WeightReads(model)
+    with counter, checks.watching():
+        loss_fn(model, data(1, 0)).backward()
+    assert counter.reads == reads[0]
+
+
+def test_a_site_counts_its_failing_products_over_the_step_s_micro_batches() -> None:
+    # A pass's checksums are judged together when it ends; flags count failing products per site, not
+    # failing checksum rows, and add up over the micro-batches of a step.
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    checks.begin_step()
+    for micro in range(2):
+        with _flip_product("fwd", 0, bit=30, element=7) as fired, checks.watching():
+            loss_fn(model, data(0, micro)).backward()
+        assert fired == [1]
+    site = checks.sites.index(FORWARD[0])
+    assert int(checks.flags[site]) == 2
+    assert int(checks.flags.sum()) == 2
+    assert checks.summary().tolist() == [site, 1]
