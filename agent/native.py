@@ -5,8 +5,9 @@ pure-torch fingerprint ran at about a tenth of memory bandwidth. The C kernel
 does the same arithmetic in one vectorised pass (AVX-512 or AVX2 picked at run
 time on x86-64, plain C elsewhere) and gives the same bits. The same library
 has detector 1's test for NaN/Inf, one pass over the raw bits where torch
-needed five ops per bucket, and the communication hook's fused bucket passes:
-a sum of squares (whose order is part of its definition, ``sdcguard.agent.grad_norm``)
+needed five ops per bucket; the product checks' pass over an operand (its
+products with two vectors, one on its absolute values, in one read); and the
+communication hook's fused bucket passes: a sum of squares (whose order is part of its definition, ``sdcguard.agent.grad_norm``)
 together with the division by the world size before the all-reduce, or
 together with the fingerprint after it.
 
@@ -70,7 +71,7 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch", "triton")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 6
+ABI = 7
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
@@ -216,6 +217,16 @@ class Kernel:
         if self.lib.sdc_fp_sumsq(data, n, float_format, self.isa, out, ctypes.byref(total)) != 0:
             raise NativeKernelError(f"fingerprint with sum of squares: unknown float format {float_format}")
         return total.value
+
+    def dual_matvec(self, a: int, shape: tuple[int, int, int], strides: tuple[int, int, int], s: int, t: int,
+                    vec_stride: int, e: int, b: int) -> None:
+        """The product checks' pass over one fp32 operand: for ``shape`` = (batch, r, p) matrices at address
+        ``a`` with element ``strides`` (batch, row, column; the row or the column stride 1), ``e = a @ s`` and
+        ``b = |a| @ t`` (fp32, ``batch x r``, contiguous at ``e`` and ``b``), with ``p`` floats of ``s`` and
+        ``t`` per matrix ``vec_stride`` apart (0: shared), in one read of ``a``."""
+        batch, r, p = shape
+        if self.lib.sdc_dual_matvec(a, batch, r, p, *strides, s, t, vec_stride, self.isa, e, b) != 0:
+            raise NativeKernelError(f"dual matrix-vector pass: strides {strides} have no unit row or column stride")
 
     def with_isa(self, isa: int) -> Kernel:
         """This kernel limited to instruction set ``isa`` (at most the machine's best)."""
@@ -389,6 +400,12 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     lib.sdc_fp_sumsq.restype = ctypes.c_int
     lib.sdc_fp_sumsq.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+    ]
+    lib.sdc_dual_matvec.restype = ctypes.c_int
+    lib.sdc_dual_matvec.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p,
     ]
     best = lib.sdc_fp_best_isa()
     return Kernel(lib, best if isa is None else min(isa, best), path, kinds)

@@ -95,6 +95,15 @@ _SMALLEST = {torch.float64: 2.0 ** -1074, torch.float32: 2.0 ** -149, torch.bflo
 """The spacing of subnormals: the absolute error of rounding a tiny value (gradual underflow)."""
 
 
+def matmul_settings() -> tuple[str, tuple[bool, ...]]:
+    """torch's settings that change a product's rounding: the fp32 matmul precision, and whether cuDNN and cuBLAS
+    may use TF32 and reduced-precision bf16/fp16 reductions."""
+    return torch.get_float32_matmul_precision(), (
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+
+
 def gamma(n: int, u: float) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)``, the relative error bound of ``n`` rounded additions; ``inf`` when
     ``n u >= 1`` (no bound)."""
@@ -122,14 +131,12 @@ class Arithmetic:
     """The output dtype's largest finite value (an infinite output is legitimate only where the bound reaches it)."""
 
     @staticmethod
-    def of(operand: torch.dtype, output: torch.dtype, device: torch.device, *, conv: bool) -> Arithmetic | None:
+    def of(operand: torch.dtype, output: torch.dtype, device: torch.device, *, conv: bool,
+           settings: tuple[str, tuple[bool, ...]] | None = None) -> Arithmetic | None:
         """The arithmetic of a product of ``operand`` tensors into ``output`` on ``device``; None for a dtype that
         is not checked (integers, fp8, complex). Reads torch's TF32 and reduced-precision settings as they are
-        now."""
-        precision = torch.get_float32_matmul_precision()
-        flags = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-                 torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+        now, or takes them from ``settings`` (:func:`matmul_settings`, read once per pass by the checks)."""
+        precision, flags = settings if settings is not None else matmul_settings()
         return _arithmetic(operand, output, device.type, conv, precision, flags)
 
     @staticmethod
@@ -252,7 +259,9 @@ class ProductChecks:
         self._layout: list[tuple[int, int, float, float, float]] = []
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._ones_cache: dict[int, torch.Tensor] = {}
         self._mode = _ProductMode(self)
+        self._refresh()
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
             self._handles.append(module.register_forward_hook(self._leaving, always_call=True))
@@ -262,6 +271,7 @@ class ProductChecks:
     def begin_step(self) -> None:
         """Zero the flags and forget the last step's forward products (call it before the step's passes)."""
         self._flags.zero_()
+        self._refresh()
         self._pending.clear()
         self._layout.clear()
         self._weight_rows.clear()
@@ -278,11 +288,21 @@ class ProductChecks:
 
         Recomputations of other ranks' micro-batches belong outside it: their flags would be charged to this
         rank's sites."""
+        self._refresh()
         try:
             with self._mode:
                 yield self
         finally:
             self._judge_pending()
+
+    def _refresh(self) -> None:
+        """Read torch's rounding settings and the compiled kernel's availability, once per pass."""
+        self._settings = matmul_settings()
+        self._kernel = _native_kernel() if self.device.type == "cpu" else None
+
+    def _arithmetic(self, operand: torch.dtype, output: torch.dtype, device: torch.device, *,
+                    conv: bool) -> Arithmetic | None:
+        return Arithmetic.of(operand, output, device, conv=conv, settings=self._settings)
 
     @property
     def flags(self) -> torch.Tensor:
@@ -432,7 +452,7 @@ class ProductChecks:
             bias = None if bias is None else bias.expand(c.mT.shape).mT
         elif bias is not None:
             bias = bias.expand(c.shape)
-        arithmetic = Arithmetic.of(a.dtype, c.dtype, c.device, conv=False)
+        arithmetic = self._arithmetic(a.dtype, c.dtype, c.device, conv=False)
         if arithmetic is None:
             self.unchecked += 1
             return
@@ -444,8 +464,12 @@ class ProductChecks:
             return
         sums_b, abs_sums_b = self._row_stats(b, work)
         observed = c.sum(-1, dtype=work)
-        expected = _matvec(self._widened(a, work, 1), sums_b)
-        bound = _matvec(self._absolute(a, work, 0), abs_sums_b)
+        fused = self._dual(a, sums_b, abs_sums_b)
+        if fused is not None:
+            expected, bound = fused
+        else:
+            expected = _matvec(self._widened(a, work, 1), sums_b)
+            bound = _matvec(self._absolute(a, work, 0), abs_sums_b)
         if alpha != 1:
             expected, bound = expected * alpha, bound * abs(alpha)
         if bias is not None and beta != 0:
@@ -463,12 +487,42 @@ class ProductChecks:
         entry holds no tensor of its own)."""
         storage = b.untyped_storage().data_ptr()
         if storage not in self._weights:
-            return b.sum(-1, dtype=work), self._absolute(b, work, 2).sum(-1)
+            return self._row_sums_of(b, work)
         key = (storage, b.storage_offset(), tuple(b.shape), b.stride(), b.dtype, b._version, work)
         stats = self._weight_rows.get(key)
         if stats is None:
-            stats = self._weight_rows[key] = (b.sum(-1, dtype=work), self._absolute(b, work, 2).sum(-1))
+            stats = self._weight_rows[key] = self._row_sums_of(b, work)
         return stats
+
+    def _row_sums_of(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        ones = self._ones(b.shape[-1], b.device)
+        fused = self._dual(b, ones, ones)
+        if fused is not None:
+            return fused
+        return b.sum(-1, dtype=work), self._absolute(b, work, 2).sum(-1)
+
+    def _ones(self, n: int, device: torch.device) -> torch.Tensor:
+        ones = self._ones_cache.get(n)
+        if ones is None or ones.device != device:
+            ones = self._ones_cache[n] = torch.ones(n, device=device)
+        return ones
+
+    def _dual(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(a @ s, |a| @ t)`` for an fp32 CPU operand, in one read of ``a`` by the compiled kernel
+        (``sdcguard.agent.native``: torch takes four passes and an ``|a|`` copy); None where it does not apply
+        (another device or dtype, no unit stride, no kernel: ``SDCGUARD_FINGERPRINT_KERNEL=torch``)."""
+        kernel = self._kernel
+        if kernel is None or a.device.type != "cpu" or a.dtype != torch.float32 or a.dim() not in (2, 3) or (
+                s.dtype != a.dtype) or (a.stride(-1) != 1 and a.stride(-2) != 1):
+            return None
+        *batch, r, p = a.shape
+        vectors = s.dim() == 2 and s.shape[0] > 1
+        s, t = s.contiguous(), t.contiguous()
+        out = torch.empty(2, *batch, r, dtype=torch.float32)
+        kernel.dual_matvec(a.data_ptr(), (batch[0] if batch else 1, r, p),
+                           (a.stride(0) if batch else 0, a.stride(-2), a.stride(-1)),
+                           s.data_ptr(), t.data_ptr(), p if vectors else 0, out[0].data_ptr(), out[1].data_ptr())
+        return out[0], out[1]
 
     def _scratch_like(self, t: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
         """An uninitialised CPU tensor of ``t``'s shape (contiguous) from scratch buffer ``slot``: a fresh
@@ -562,7 +616,7 @@ class ProductChecks:
         if transposed or not _plain(x, w, out) or (bias is not None and not _plain(bias)):
             self.unchecked += 1
             return
-        arithmetic = Arithmetic.of(x.dtype, out.dtype, out.device, conv=True)
+        arithmetic = self._arithmetic(x.dtype, out.dtype, out.device, conv=True)
         if arithmetic is None:
             self.unchecked += 1
             return
@@ -602,7 +656,7 @@ class ProductChecks:
         dy_work, x_work, w_work = dy.to(work), x.to(work), w.to(work)
         spatial = tuple(x.shape[2:])
         if mask[0] and isinstance(dx, torch.Tensor) and _plain(dx):
-            arithmetic = Arithmetic.of(dy.dtype, dx.dtype, dx.device, conv=True)
+            arithmetic = self._arithmetic(dy.dtype, dx.dtype, dx.device, conv=True)
             # Σ over each group's input channels of dX: the input gradient of the filters summed over theirs.
             w_sum = w_work.sum(1, keepdim=True)
             w_abs = w_work.abs().sum(1, keepdim=True)
@@ -615,7 +669,7 @@ class ProductChecks:
             p = m_out * math.prod(w.shape[2:])
             self._judge_if(arithmetic, observed, expected, bound, p, c_in_g, f"{base} backward dX")
         if mask[1] and isinstance(dw, torch.Tensor) and _plain(dw):
-            arithmetic = Arithmetic.of(dy.dtype, dw.dtype, dw.device, conv=True)
+            arithmetic = self._arithmetic(dy.dtype, dw.dtype, dw.device, conv=True)
             # Σ over each group's output channels of dW: the weight gradient of dY summed over them.
             dy_sum = dy_work.reshape(dy.shape[0], g, m_out, *dy.shape[2:]).sum(2)
             dy_abs = dy_work.abs().reshape(dy.shape[0], g, m_out, *dy.shape[2:]).sum(2)
@@ -656,6 +710,13 @@ class _ProductMode(TorchDispatchMode):
 def _plain(*tensors: Any) -> bool:
     """Plain (not subclass: not an FSDP2 DTensor, not a fake tensor) floating tensors with elements."""
     return all(type(t) in _PLAIN and t.is_floating_point() and t.numel() > 0 for t in tensors)
+
+
+def _native_kernel() -> Any:
+    """The compiled kernel, or None (not built, refused, or ``SDCGUARD_FINGERPRINT_KERNEL=torch``)."""
+    from sdcguard.agent import native
+
+    return native.kernel()
 
 
 def _transposed(t: torch.Tensor) -> bool:

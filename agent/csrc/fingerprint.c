@@ -23,7 +23,8 @@
  * The same library holds the communication hook's bucket passes (at the end of
  * this file): the non-finite scan, and the sum of squares fused with the
  * division by the world size before the all-reduce or with the fingerprint
- * after it, so that each side of the all-reduce reads a bucket once.
+ * after it, so that each side of the all-reduce reads a bucket once; and the
+ * product checks' pass over an operand (sdc_dual_matvec, the last function).
  *
  * Pure C11 (plus x86 intrinsics), no Python or torch headers: the loader (agent/native.py) builds
  * it with the system C compiler and calls it through ctypes, which releases
@@ -36,7 +37,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SDC_FP_ABI 6
+#define SDC_FP_ABI 7
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -790,5 +791,169 @@ int sdc_fp_sumsq(const void *data, int64_t n, int format, int isa, uint64_t *lan
         total += sq_chunk(whole, format, at, m);
     }
     *out = total;
+    return 0;
+}
+
+/* The product checks' pass over one operand (sdcguard.agent.product_checks).
+ *
+ * For ``batch`` matrices of r x p fp32 (matrix n at a + n * batch_stride,
+ * element (i, k) at i * row_stride + k * col_stride, one of the two strides
+ * 1) and vectors s, t of p fp32 per matrix (vec_stride apart; 0 to share
+ * them), in one read of a:
+ *
+ *   e[n][i] = sum_k a_ik s_k        b[n][i] = sum_k |a_ik| t_k
+ *
+ * into e and b (batch x r, contiguous). The checks' bound holds for any
+ * order of the additions, so rows keep vector-wide partial sums and columns
+ * add whole columns in turn (which compilers vectorise as written). A
+ * NaN or an infinity in a or in the vectors carries into its sums. Returns
+ * 0, or -1 when neither stride is 1. */
+
+#include <math.h>
+
+#define DUAL_LANES 16
+
+#define DUAL_ROWS(NAME, ATTR)                                                                       \
+    ATTR static void NAME(const float *restrict a, int64_t r, int64_t p, int64_t ld,              \
+                          const float *restrict s, const float *restrict t, float *restrict e,     \
+                          float *restrict b)                                                       \
+    {                                                                                              \
+        for (int64_t i = 0; i < r; i++) {                                                          \
+            const float *row = a + i * ld;                                                         \
+            float pe[DUAL_LANES] = {0}, pb[DUAL_LANES] = {0};                                      \
+            int64_t k = 0;                                                                         \
+            for (; k + DUAL_LANES <= p; k += DUAL_LANES)                                           \
+                for (int l = 0; l < DUAL_LANES; l++) {                                             \
+                    float x = row[k + l];                                                          \
+                    pe[l] += x * s[k + l];                                                         \
+                    pb[l] += fabsf(x) * t[k + l];                                                  \
+                }                                                                                  \
+            float te = 0.0f, tb = 0.0f;                                                            \
+            for (; k < p; k++) {                                                                   \
+                te += row[k] * s[k];                                                               \
+                tb += fabsf(row[k]) * t[k];                                                        \
+            }                                                                                      \
+            for (int l = 0; l < DUAL_LANES; l++) {                                                 \
+                te += pe[l];                                                                       \
+                tb += pb[l];                                                                       \
+            }                                                                                      \
+            e[i] = te;                                                                             \
+            b[i] = tb;                                                                             \
+        }                                                                                          \
+    }
+
+#define DUAL_COLS(NAME, ATTR)                                                                       \
+    ATTR static void NAME(const float *restrict a, int64_t r, int64_t p, int64_t ld,              \
+                          const float *restrict s, const float *restrict t, float *restrict e,     \
+                          float *restrict b)                                                       \
+    {                                                                                              \
+        for (int64_t i = 0; i < r; i++) {                                                          \
+            e[i] = 0.0f;                                                                           \
+            b[i] = 0.0f;                                                                           \
+        }                                                                                          \
+        for (int64_t k = 0; k < p; k++) {                                                          \
+            const float *col = a + k * ld;                                                         \
+            float sk = s[k], tk = t[k];                                                            \
+            for (int64_t i = 0; i < r; i++) {                                                      \
+                e[i] += col[i] * sk;                                                               \
+                b[i] += fabsf(col[i]) * tk;                                                        \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+typedef void (*dual_fn)(const float *, int64_t, int64_t, int64_t, const float *, const float *, float *,
+                        float *);
+
+DUAL_ROWS(dual_rows_scalar, )
+DUAL_COLS(dual_cols_scalar, )
+#ifdef SDC_FP_X86
+/* Rows by hand: compilers kept the 16 partial sums above in scalar registers. Two accumulators per sum
+ * cover the fused multiply-add's latency; the tail and the final lane sums are plain C. */
+__attribute__((target("avx2,fma"))) static float hsum_avx2(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+__attribute__((target("avx2,fma"))) static void dual_rows_avx2(const float *restrict a, int64_t r, int64_t p,
+                                                               int64_t ld, const float *restrict s,
+                                                               const float *restrict t, float *restrict e,
+                                                               float *restrict b)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t i = 0; i < r; i++) {
+        const float *row = a + i * ld;
+        __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(),
+               b1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= p; k += 16) {
+            __m256 x0 = _mm256_loadu_ps(row + k), x1 = _mm256_loadu_ps(row + k + 8);
+            e0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(s + k), e0);
+            e1 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + k + 8), e1);
+            b0 = _mm256_fmadd_ps(_mm256_and_ps(x0, magnitude), _mm256_loadu_ps(t + k), b0);
+            b1 = _mm256_fmadd_ps(_mm256_and_ps(x1, magnitude), _mm256_loadu_ps(t + k + 8), b1);
+        }
+        float te = hsum_avx2(_mm256_add_ps(e0, e1)), tb = hsum_avx2(_mm256_add_ps(b0, b1));
+        for (; k < p; k++) {
+            te += row[k] * s[k];
+            tb += fabsf(row[k]) * t[k];
+        }
+        e[i] = te;
+        b[i] = tb;
+    }
+}
+
+__attribute__((target("avx512f"))) static void dual_rows_avx512(const float *restrict a, int64_t r, int64_t p,
+                                                                int64_t ld, const float *restrict s,
+                                                                const float *restrict t, float *restrict e,
+                                                                float *restrict b)
+{
+    for (int64_t i = 0; i < r; i++) {
+        const float *row = a + i * ld;
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
+               b1 = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 32 <= p; k += 32) {
+            __m512 x0 = _mm512_loadu_ps(row + k), x1 = _mm512_loadu_ps(row + k + 16);
+            e0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(s + k), e0);
+            e1 = _mm512_fmadd_ps(x1, _mm512_loadu_ps(s + k + 16), e1);
+            b0 = _mm512_fmadd_ps(_mm512_abs_ps(x0), _mm512_loadu_ps(t + k), b0);
+            b1 = _mm512_fmadd_ps(_mm512_abs_ps(x1), _mm512_loadu_ps(t + k + 16), b1);
+        }
+        float te = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1)), tb = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+        for (; k < p; k++) {
+            te += row[k] * s[k];
+            tb += fabsf(row[k]) * t[k];
+        }
+        e[i] = te;
+        b[i] = tb;
+    }
+}
+
+DUAL_COLS(dual_cols_avx2, __attribute__((target("avx2,fma"))))
+DUAL_COLS(dual_cols_avx512, __attribute__((target("avx512f"))))
+#endif
+
+int sdc_dual_matvec(const float *a, int64_t batch, int64_t r, int64_t p, int64_t batch_stride, int64_t row_stride,
+                    int64_t col_stride, const float *s, const float *t, int64_t vec_stride, int isa, float *e,
+                    float *b)
+{
+    int by_rows = col_stride == 1;
+    if (!by_rows && row_stride != 1)
+        return -1;
+    if (isa > best_isa)
+        isa = best_isa;
+    dual_fn run = by_rows ? dual_rows_scalar : dual_cols_scalar;
+#ifdef SDC_FP_X86
+    if (isa == ISA_AVX512)
+        run = by_rows ? dual_rows_avx512 : dual_cols_avx512;
+    else if (isa == ISA_AVX2)
+        run = by_rows ? dual_rows_avx2 : dual_cols_avx2;
+#endif
+    for (int64_t n = 0; n < batch; n++)
+        run(a + n * batch_stride, r, p, by_rows ? row_stride : col_stride, s + n * vec_stride, t + n * vec_stride,
+            e + n * r, b + n * r);
     return 0;
 }

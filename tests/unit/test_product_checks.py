@@ -350,10 +350,12 @@ class _WeightReads(TorchDispatchMode):
         return out
 
 
-def test_a_weight_is_summed_once_per_step_not_once_per_micro_batch() -> None:
+def test_a_weight_is_summed_once_per_step_not_once_per_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     # The weight's row sums serve the forward and dX products of every micro-batch of the step: after the first
     # micro-batch the checks read no weight matrix (the model's own operators do, as without the checks; before,
-    # each product read W and |W| once more; a bias, a vector, is still summed per product).
+    # each product read W and |W| once more; a bias, a vector, is still summed per product). The torch path,
+    # whose operators a dispatch mode sees (the compiled kernel's reads are not operators).
+    monkeypatch.setenv("SDCGUARD_FINGERPRINT_KERNEL", "torch")
     model = _model()
     checks = ProductChecks(model)
     data = SyntheticData(SHAPE, torch.device("cpu"))
