@@ -45,7 +45,8 @@ Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
 computed once per step and serve every micro-batch, so a product costs the
 sum of ``C`` and two matrix-vector products on ``A`` (with ``B 1`` and with
-``|B| 1``). The differences and bounds of a whole pass are judged together
+``|B| 1``; on the CPU one read of ``A`` in the compiled kernel,
+``sdcguard.agent.native``). The differences and bounds of a whole pass are judged together
 when it ends, into one int64 per site on the device: a few device operations
 per pass instead of several per product, and no host synchronisation.
 
