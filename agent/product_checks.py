@@ -597,18 +597,18 @@ class ProductChecks:
         without blocking on a GPU). The host tensors are kept with them for that copy's sake."""
         sites = [site for site, *_ in layout]
         lengths = [length for _, length, *_ in layout]
-        per_product = torch.tensor([entry[2:] for entry in layout], dtype=torch.float64)
+        per_product = torch.tensor([entry[2:] for entry in layout], dtype=torch.float64).T.contiguous()
         host: tuple[torch.Tensor, ...] = (per_product, torch.tensor(sites, dtype=torch.int64),
-                                          torch.tensor(lengths, dtype=torch.int64))
+                                          torch.tensor(lengths, dtype=torch.int64), torch.arange(len(layout)))
         device = self._flags.device
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.is_available():
             host = tuple(t.pin_memory() for t in host)
-        per_product_d, sites_d, lengths_d = (t.to(device, non_blocking=True) for t in host)
+        per_product_d, sites_d, lengths_d, products_d = (t.to(device, non_blocking=True) for t in host)
         total = sum(lengths)
-        expanded = torch.repeat_interleave(per_product_d, lengths_d, dim=0, output_size=total)
-        product_of = torch.repeat_interleave(torch.arange(len(layout), device=device), lengths_d, output_size=total)
-        return _Layout(expanded[:, 0].contiguous(), expanded[:, 1].contiguous(), expanded[:, 2].contiguous(),
-                       product_of, sites_d, host)
+        expanded = torch.repeat_interleave(per_product_d, lengths_d, dim=1, output_size=total)
+        product_of = torch.repeat_interleave(products_d, lengths_d, output_size=total)
+        coefficients, absolutes, limits = expanded.unbind(0)
+        return _Layout(coefficients, absolutes, limits, product_of, sites_d, host)
 
     # -- convolutions ------------------------------------------------------------------------------------------
 

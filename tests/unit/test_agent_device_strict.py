@@ -115,3 +115,32 @@ def test_the_ddp_hooks_summary_and_norms_are_made_on_the_device(fake: None) -> N
     assert hook.local_mask(CUDA).device == CUDA
     assert hook.bucket_norms(CUDA).device == CUDA
     assert hook.reduced_norm(CUDA).device == CUDA
+
+
+def test_the_product_checks_judge_on_the_device(fake: None) -> None:
+    # A linear product and a batched bf16 one, checked and judged: every checksum, bound and judging vector is
+    # made on the rank's device (the compiled CPU pass and the CPU scratch buffers stay out of a CUDA job).
+    import warnings
+
+    from torch import nn
+
+    from sdcguard.agent.product_checks import ProductChecks
+
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.zeros(8, 16, device=CUDA))
+    layer.bias = nn.Parameter(torch.zeros(8, device=CUDA))
+    checks = ProductChecks(layer, device=CUDA)
+    assert checks._kernel is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fake tensors' storage pointers (the weights' keys)
+        checks.begin_step()
+        x = torch.zeros(4, 16, device=CUDA)
+        weight, bias = layer.weight.detach(), layer.bias.detach()
+        checks._verify_product(x, weight.t(), torch.addmm(bias, x, weight.t()), bias, 1.0, 1.0, "linear")
+        a = torch.zeros(2, 4, 16, device=CUDA, dtype=torch.bfloat16)
+        b = torch.zeros(2, 16, 5, device=CUDA, dtype=torch.bfloat16)
+        checks._verify_product(a, b, torch.bmm(a, b), None, 1.0, 1.0, "bmm")
+        assert checks.checked == 2
+        assert checks.flags.device == CUDA
+        assert checks.summary().device == CUDA
+    assert not checks._scratch
