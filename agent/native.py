@@ -519,8 +519,8 @@ def _check_sums(kernel: Kernel, rng: random.Random) -> str | None:
 
 
 def self_check(kernel: Kernel) -> str | None:
-    """Compare the kernel with the torch implementation's known answers on each element width, and the bucket
-    passes with their definition; None when they agree."""
+    """Compare the kernel with the torch implementation's known answers on each element width, the bucket
+    passes with their definition, and the product checks' pass with exact answers; None when they agree."""
     for (size, unsigned, n), data, want in zip(KNOWN_ANSWER_CASES, known_answer_inputs(), KNOWN_ANSWERS, strict=True):
         got = kernel_lanes(kernel, data, size, unsigned)
         if got != want:
@@ -540,7 +540,31 @@ def self_check(kernel: Kernel) -> str | None:
             if name in SUM_FORMATS and math.isfinite(
                     kernel.sum_of_squares(ctypes.addressof(buffer), len(probe), code)) == expected:
                 return f"the sum of squares of {name} with {bad} at one element was not {'in' * expected}finite"
-    return _check_sums(kernel, rng)
+    return _check_sums(kernel, rng) or _check_dual(kernel, rng)
+
+
+def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
+    """The product checks' pass against exact answers: small integers, whose fp32 sums are exact in any order, in
+    a batch of two matrices stored by rows and by columns, past a vector register's width."""
+    batch, r, p = 2, 3, 37
+    values = [float(rng.randint(-8, 8)) for _ in range(batch * r * p)]
+    s = [float(rng.randint(-3, 3)) for _ in range(batch * p)]
+    t = [float(rng.randint(0, 3)) for _ in range(batch * p)]
+    want_e = [sum(values[(n * r + i) * p + k] * s[n * p + k] for k in range(p)) for n in range(batch) for i in range(r)]
+    want_b = [sum(abs(values[(n * r + i) * p + k]) * t[n * p + k] for k in range(p))
+              for n in range(batch) for i in range(r)]
+    by_columns = [values[(n * r + i) * p + k] for n in range(batch) for k in range(p) for i in range(r)]
+    floats = ctypes.c_float * (batch * r * p)
+    vectors = ctypes.c_float * (batch * p)
+    s_buf, t_buf = vectors(*s), vectors(*t)
+    for layout, data, strides in (("rows", values, (r * p, p, 1)), ("columns", by_columns, (r * p, 1, r))):
+        a = floats(*data)
+        e, b = (ctypes.c_float * (batch * r))(), (ctypes.c_float * (batch * r))()
+        kernel.dual_matvec(ctypes.addressof(a), (batch, r, p), strides, ctypes.addressof(s_buf),
+                           ctypes.addressof(t_buf), p, ctypes.addressof(e), ctypes.addressof(b))
+        if list(e) != want_e or list(b) != want_b:
+            return f"the product checks' pass by {layout}: {list(e)}, {list(b)} instead of {want_e}, {want_b}"
+    return None
 
 
 def reset_for_tests() -> None:

@@ -92,3 +92,20 @@ def test_the_checks_judge_alike_through_the_compiled_pass_and_through_torch(
         assert torch.equal(native_flags, torch_flags)
     assert all(int(f.sum()) == 0 for f in flags["native"][:3])
     assert int(flags["native"][3].sum()) == 1
+
+
+def test_the_load_time_self_check_covers_the_pass(kernel: native.Kernel) -> None:  # noqa: F811
+    # The loaded kernel passes it at every instruction set; a pass that computes nothing is refused by name (the
+    # loader then falls back to torch in auto mode, as for a wrong fingerprint).
+    import random
+
+    for each in isas(kernel):
+        assert native.self_check(each) is None, each.isa_name
+
+    class Broken:
+        def dual_matvec(self, *args: object) -> None:
+            pass
+
+    problem = native._check_dual(Broken(), random.Random(0))  # type: ignore[arg-type]
+    assert problem is not None
+    assert "product checks' pass by rows" in problem
