@@ -20,7 +20,8 @@ Concurrent ranks build into temporary files and the first rename wins. After loa
 compares the kernel with known answers of the torch implementation on every element width
 (``KNOWN_ANSWERS``; a unit test recomputes them with ``sdcguard.agent.fingerprint``), so this module needs
 neither torch nor the fingerprint module, and the element kinds are the library's own
-(``sdc_fp_kind``), not a copy.
+(``sdc_fp_kind``), not a copy; the bucket passes and the product checks' pass are checked against
+their definitions and exact answers the same way.
 
 ``SDCGUARD_FINGERPRINT_KERNEL`` chooses:
 
