@@ -72,7 +72,7 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch", "triton")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 7
+ABI = 8
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
@@ -228,6 +228,19 @@ class Kernel:
         batch, r, p = shape
         if self.lib.sdc_dual_matvec(a, batch, r, p, *strides, s, t, vec_stride, self.isa, e, b) != 0:
             raise NativeKernelError(f"dual matrix-vector pass: strides {strides} have no unit row or column stride")
+
+    def row_check(self, a: int, shape: tuple[int, int, int], strides: tuple[int, int, int], s: int, t: int,
+                  vec_stride: int, c: int, n: int, c_strides: tuple[int, int, int], alpha: float, shift: float,
+                  shift_abs: float, work: int, difference: int, bound: int) -> None:
+        """The product checks' whole check of one fp32 product ``C = alpha A B + shift`` by its row sums: with
+        ``A`` as in :meth:`dual_matvec` (``s = B 1``, ``t = |B| 1``) and ``C`` ``batch x r x n`` at ``c`` with
+        element strides ``c_strides`` (the row or the column stride 1), ``difference = |C 1 - (alpha A s +
+        shift)|`` and ``bound = |alpha| |A| t + shift_abs`` (fp32, ``batch x r``, contiguous); ``work`` holds
+        ``r`` floats of scratch."""
+        batch, r, p = shape
+        if self.lib.sdc_row_check(a, batch, r, p, *strides, s, t, vec_stride, c, n, *c_strides, alpha, shift,
+                                  shift_abs, self.isa, work, difference, bound) != 0:
+            raise NativeKernelError(f"row check: strides {strides} or {c_strides} have no unit row or column stride")
 
     def with_isa(self, isa: int) -> Kernel:
         """This kernel limited to instruction set ``isa`` (at most the machine's best)."""
@@ -408,6 +421,13 @@ def load(path: Path, isa: int | None = None) -> Kernel:
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
         ctypes.c_void_p,
     ]
+    lib.sdc_row_check.restype = ctypes.c_int
+    lib.sdc_row_check.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ]
     best = lib.sdc_fp_best_isa()
     return Kernel(lib, best if isa is None else min(isa, best), path, kinds)
 
@@ -541,7 +561,7 @@ def self_check(kernel: Kernel) -> str | None:
             if name in SUM_FORMATS and math.isfinite(
                     kernel.sum_of_squares(ctypes.addressof(buffer), len(probe), code)) == expected:
                 return f"the sum of squares of {name} with {bad} at one element was not {'in' * expected}finite"
-    return _check_sums(kernel, rng) or _check_dual(kernel, rng)
+    return _check_sums(kernel, rng) or _check_dual(kernel, rng) or _check_row_check(kernel, rng)
 
 
 def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
@@ -565,6 +585,37 @@ def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
                            ctypes.addressof(t_buf), p, ctypes.addressof(e), ctypes.addressof(b))
         if list(e) != want_e or list(b) != want_b:
             return f"the product checks' pass by {layout}: {list(e)}, {list(b)} instead of {want_e}, {want_b}"
+    return None
+
+
+def _check_row_check(kernel: Kernel, rng: random.Random) -> str | None:
+    """The product checks' whole check of a product against exact answers (small integers again): a batch of
+    two, ``C`` stored by rows and by columns, ``alpha`` 2 and a shift, so every term of both outputs counts."""
+    batch, r, p, n = 2, 3, 19, 21
+    a = [float(rng.randint(-4, 4)) for _ in range(batch * r * p)]
+    s = [float(rng.randint(-3, 3)) for _ in range(p)]
+    t = [float(rng.randint(0, 3)) for _ in range(p)]
+    c = [float(rng.randint(-6, 6)) for _ in range(batch * r * n)]
+    alpha, shift, shift_abs = -2.0, 3.0, 5.0
+    want_d, want_b = [], []
+    for m in range(batch):
+        for i in range(r):
+            row = a[(m * r + i) * p:(m * r + i + 1) * p]
+            expected = alpha * sum(x * y for x, y in zip(row, s, strict=True)) + shift
+            want_d.append(abs(sum(c[(m * r + i) * n:(m * r + i + 1) * n]) - expected))
+            want_b.append(abs(alpha) * sum(abs(x) * y for x, y in zip(row, t, strict=True)) + shift_abs)
+    by_columns = [c[(m * r + i) * n + j] for m in range(batch) for j in range(n) for i in range(r)]
+    a_buf = (ctypes.c_float * len(a))(*a)
+    s_buf, t_buf = (ctypes.c_float * p)(*s), (ctypes.c_float * p)(*t)
+    for layout, data, strides in (("rows", c, (r * n, n, 1)), ("columns", by_columns, (r * n, 1, r))):
+        c_buf = (ctypes.c_float * len(data))(*data)
+        work = (ctypes.c_float * r)()
+        d, b = (ctypes.c_float * (batch * r))(), (ctypes.c_float * (batch * r))()
+        kernel.row_check(ctypes.addressof(a_buf), (batch, r, p), (r * p, p, 1), ctypes.addressof(s_buf),
+                         ctypes.addressof(t_buf), 0, ctypes.addressof(c_buf), n, strides, alpha, shift, shift_abs,
+                         ctypes.addressof(work), ctypes.addressof(d), ctypes.addressof(b))
+        if list(d) != want_d or list(b) != want_b:
+            return f"the product check with C by {layout}: {list(d)}, {list(b)} instead of {want_d}, {want_b}"
     return None
 
 

@@ -256,7 +256,15 @@ class ProductChecks:
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         self._weights: set[int] = set()
         self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._bias_rows: dict[tuple[Any, ...], tuple[float, float]] = {}
+        self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the
+        compiled check wrote straight into ``_rows`` (its span in ``_spans``)."""
+        self._rows = torch.empty(2, 0, dtype=torch.float32)
+        self._rows_at = (0, 0)
+        """The addresses of ``_rows``' two rows (differences, bounds)."""
+        self._spans: list[tuple[int, int]] = []
+        self._work = torch.empty(0, dtype=torch.float32)
         self._layout: list[tuple[int, int, float, float, float]] = []
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -274,8 +282,10 @@ class ProductChecks:
         self._flags.zero_()
         self._refresh()
         self._pending.clear()
+        self._spans.clear()
         self._layout.clear()
         self._weight_rows.clear()
+        self._bias_rows.clear()
         # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
@@ -298,7 +308,10 @@ class ProductChecks:
 
     def _refresh(self) -> None:
         """Read torch's rounding settings and the compiled kernel's availability, once per pass."""
-        self._settings = matmul_settings()
+        settings = matmul_settings()
+        if settings != getattr(self, "_settings", None):
+            self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
+        self._settings = settings
         self._kernel = _native_kernel() if self.device.type == "cpu" else None
 
     def _arithmetic(self, operand: torch.dtype, output: torch.dtype, device: torch.device, *,
@@ -448,22 +461,27 @@ class ProductChecks:
         operand is a parameter, so that those two vectors are computed once per step and serve the products of
         every micro-batch; the other operand (``a``) then costs two matrix-vector products per product, with
         ``b 1`` and with ``|b| 1`` (the bound ``Σ_k |a_ik| Σ_j |b_kj|``), and the result one sum."""
+        row_bias = bias  # broadcast along the rows (an nn.Linear's), unless swapped below
         if self._is_weight(a) and not self._is_weight(b):
             a, b, c = b.mT, a.mT, c.mT
             bias = None if bias is None else bias.expand(c.mT.shape).mT
+            row_bias = None if bias is None else bias  # a full matrix now: only the torch form takes it
         elif bias is not None:
             bias = bias.expand(c.shape)
-        arithmetic = self._arithmetic(a.dtype, c.dtype, c.device, conv=False)
+        p, n = a.shape[-1], c.shape[-1]
+        key = (a.dtype, c.dtype, c.device.type, p, n, bias is not None)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._terms[key] = self._terms_of(a.dtype, c.dtype, c.device, p, n, bias is not None)
+        arithmetic, coefficient, absolute = terms
         if arithmetic is None:
             self.unchecked += 1
             return
-        p, n = a.shape[-1], c.shape[-1]
         work = torch.float64 if a.dtype == torch.float64 else torch.float32
-        coefficient = arithmetic.coefficient(p + (2 if bias is not None else 0), n)
-        if not coefficient < math.inf:
-            self.unchecked += 1
-            return
         sums_b, abs_sums_b = self._row_stats(b, work)
+        if self._kernel is not None and self._row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta):
+            self._queued(arithmetic, coefficient, absolute, c.shape[:-1].numel(), site)
+            return
         observed = c.sum(-1, dtype=work)
         fused = self._dual(a, sums_b, abs_sums_b)
         if fused is not None:
@@ -477,7 +495,83 @@ class ProductChecks:
             sum_bias, abs_bias = _row_sums(bias.mT, work)
             expected = expected + beta * sum_bias
             bound = bound + abs(beta) * abs_bias
-        self._judge(observed, expected, bound, coefficient, arithmetic.absolute(p, n), arithmetic, site)
+        self._judge(observed, expected, bound, coefficient, absolute, arithmetic, site)
+
+    def _terms_of(self, operand: torch.dtype, output: torch.dtype, device: torch.device, p: int, n: int,
+                  bias: bool) -> tuple[Arithmetic | None, float, float]:
+        """(arithmetic, coefficient, underflow term) of a product of ``p``-long accumulations into ``n`` columns;
+        arithmetic None where no bound applies (a dtype not checked, or no finite coefficient)."""
+        arithmetic = self._arithmetic(operand, output, device, conv=False)
+        if arithmetic is None:
+            return None, math.inf, math.inf
+        coefficient = arithmetic.coefficient(p + (2 if bias else 0), n)
+        if not coefficient < math.inf:
+            return None, math.inf, math.inf
+        return arithmetic, coefficient, arithmetic.absolute(p, n)
+
+    def _row_check(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor,
+                   bias: torch.Tensor | None, alpha: float, beta: float) -> bool:
+        """The whole check of an fp32 CPU product by the compiled kernel (``sdcguard.agent.native``: one call
+        where torch takes a dozen operations), its differences and bounds written straight into the pass's rows;
+        False where it does not apply (then the torch form runs)."""
+        a_strides, c_strides = a.stride(), c.stride()
+        dims = len(a_strides)
+        if a.dtype != torch.float32 or c.dtype != torch.float32 or s.dtype != torch.float32 or (
+                dims not in (2, 3) or len(c_strides) != dims or a.device.type != "cpu") or (
+                a_strides[-1] != 1 and a_strides[-2] != 1) or (c_strides[-1] != 1 and c_strides[-2] != 1):
+            return False
+        shift = shift_abs = 0.0
+        if bias is not None and beta != 0:
+            sums = self._bias_sums(bias, c.shape[-1])
+            if sums is None:
+                return False
+            shift, shift_abs = beta * sums[0], abs(beta) * sums[1]
+        shape = a.shape
+        batch, r, p = (shape[0], shape[1], shape[2]) if dims == 3 else (1, shape[0], shape[1])
+        rows = batch * r
+        start = self._reserve(rows)
+        if self._work.numel() < r:
+            self._work = torch.empty(r, dtype=torch.float32)
+        vectors = s.dim() == 2 and s.shape[0] > 1
+        if not (s.is_contiguous() and t.is_contiguous()):
+            s, t = s.contiguous(), t.contiguous()
+        rows_at = self._rows_at
+        kernel = self._kernel
+        if kernel is None or kernel.lib.sdc_row_check(
+                a.data_ptr(), batch, r, p, a_strides[0] if dims == 3 else 0, a_strides[-2], a_strides[-1],
+                s.data_ptr(), t.data_ptr(), p if vectors else 0, c.data_ptr(), c.shape[-1],
+                c_strides[0] if dims == 3 else 0, c_strides[-2], c_strides[-1], alpha, shift, shift_abs, kernel.isa,
+                self._work.data_ptr(), rows_at[0] + 4 * start, rows_at[1] + 4 * start) != 0:
+            return False
+        self._pending.append(None)
+        self._spans.append((start, start + rows))
+        return True
+
+    def _reserve(self, count: int) -> int:
+        """The start of ``count`` fresh slots of ``_rows`` after the pass's last (grown, kept, as needed)."""
+        start = self._spans[-1][1] if self._spans else 0
+        if start + count > self._rows.shape[1]:
+            grown = torch.empty(2, max(2 * self._rows.shape[1], start + count, 4096), dtype=torch.float32)
+            grown[:, :start] = self._rows[:, :start]
+            self._rows = grown
+            self._rows_at = (grown[0].data_ptr(), grown[1].data_ptr())
+        return start
+
+    def _bias_sums(self, bias: torch.Tensor, n: int) -> tuple[float, float] | None:
+        """``(Σ bias, Σ |bias|)`` over one row of the output (``n`` elements) for a bias broadcast along the rows
+        (an ``nn.Linear``'s), in fp32 as the torch form computes them; a parameter's kept for the step. None for
+        any other bias."""
+        if bias.dtype != torch.float32 or bias.shape[-1] not in (1, n) or bias.numel() != bias.shape[-1]:
+            return None
+        key = (bias.untyped_storage().data_ptr(), bias.storage_offset(), tuple(bias.shape), bias.stride(),
+               bias._version, n)
+        sums = self._bias_rows.get(key)
+        if sums is None:
+            row = bias.reshape(-1).expand(n)
+            sums = (float(row.sum(dtype=torch.float32)), float(torch.linalg.vector_norm(row, 1, dtype=torch.float32)))
+            if bias.untyped_storage().data_ptr() in self._weights:
+                self._bias_rows[key] = sums
+        return sums
 
     def _is_weight(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._weights
@@ -564,7 +658,11 @@ class ProductChecks:
         not finite, and such a product is the non-finite check's."""
         difference = torch.sub(observed, expected).abs_()
         self._pending.append((difference.reshape(-1), bound.expand_as(difference).reshape(-1)))
-        self._layout.append((self._site(site), difference.numel(), coefficient * self.margin, absolute,
+        self._queued(arithmetic, coefficient, absolute, difference.numel(), site)
+
+    def _queued(self, arithmetic: Arithmetic, coefficient: float, absolute: float, count: int, site: str) -> None:
+        """Enter the product just queued (``count`` checksums of ``site``) in the pass's layout."""
+        self._layout.append((self._site(site), count, coefficient * self.margin, absolute,
                              arithmetic.largest / (1 + coefficient)))
         self.checked += 1
 
@@ -581,9 +679,16 @@ class ProductChecks:
                 del self._layouts[next(iter(self._layouts))]
         coefficients, absolutes, limits, product_of, site_of = (
             vectors.coefficients, vectors.absolutes, vectors.limits, vectors.product_of, vectors.site_of)
-        differences = torch.cat([d for d, _ in self._pending])
-        bounds = torch.cat([e for _, e in self._pending])
+        if all(entry is None for entry in self._pending):
+            differences, bounds = self._rows[:, :self._spans[-1][1]]
+        else:
+            spans = iter(self._spans)
+            pieces = [entry if entry is not None else tuple(self._rows[:, slice(*next(spans))])
+                      for entry in self._pending]
+            differences = torch.cat([d for d, _ in pieces])
+            bounds = torch.cat([e for _, e in pieces])
         self._pending.clear()
+        self._spans.clear()
         self._layout.clear()
         within = differences <= torch.addcmul(absolutes, bounds, coefficients)
         failing = (bounds < limits) > within

@@ -24,7 +24,8 @@
  * this file): the non-finite scan, and the sum of squares fused with the
  * division by the world size before the all-reduce or with the fingerprint
  * after it, so that each side of the all-reduce reads a bucket once; and the
- * product checks' pass over an operand (sdc_dual_matvec, the last function).
+ * product checks' pass over an operand (sdc_dual_matvec) and their whole check
+ * of one product by its row sums (sdc_row_check, the last function).
  *
  * Pure C11 (plus x86 intrinsics), no Python or torch headers: the loader (agent/native.py) builds
  * it with the system C compiler and calls it through ctypes, which releases
@@ -37,7 +38,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SDC_FP_ABI 7
+#define SDC_FP_ABI 8
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -955,5 +956,94 @@ int sdc_dual_matvec(const float *a, int64_t batch, int64_t r, int64_t p, int64_t
     for (int64_t n = 0; n < batch; n++)
         run(a + n * batch_stride, r, p, by_rows ? row_stride : col_stride, s + n * vec_stride, t + n * vec_stride,
             e + n * r, b + n * r);
+    return 0;
+}
+
+/* The product checks' whole check of one product C = alpha A B (+ a shift) by its row sums, in one call: the
+ * pass over A above gives e = A s and b = |A| t (s = B 1 and t = |B| 1, from the caller), one read of C gives its
+ * row sums o, and per row i of each of the batch's matrices (C's rows at c + n * c_batch + i * c_row, n elements
+ * each, with the row or the column stride 1):
+ *
+ *   difference[i] = |o_i - (alpha e_i + shift)|        bound[i] = |alpha| b_i + shift_abs
+ *
+ * in fp32, which is what the torch form computes one operation at a time (shift: beta times the bias's sum over
+ * a row; shift_abs: |beta| times its absolute sum). work holds r floats (C by columns adds into it). A NaN or an
+ * infinity carries into the difference or the bound. Returns 0, or -1 when A or C has neither stride 1. */
+
+#define ROW_SUMS(NAME, ATTR)                                                                        \
+    ATTR static float NAME(const float *restrict row, int64_t n)                                   \
+    {                                                                                              \
+        float lanes[DUAL_LANES] = {0};                                                             \
+        int64_t j = 0;                                                                             \
+        for (; j + DUAL_LANES <= n; j += DUAL_LANES)                                               \
+            for (int l = 0; l < DUAL_LANES; l++)                                                   \
+                lanes[l] += row[j + l];                                                            \
+        float total = 0.0f;                                                                        \
+        for (; j < n; j++)                                                                         \
+            total += row[j];                                                                       \
+        for (int l = 0; l < DUAL_LANES; l++)                                                       \
+            total += lanes[l];                                                                     \
+        return total;                                                                              \
+    }
+
+#define COL_SUMS(NAME, ATTR)                                                                        \
+    ATTR static void NAME(const float *restrict c, int64_t r, int64_t n, int64_t ld, float *restrict o) \
+    {                                                                                              \
+        for (int64_t i = 0; i < r; i++)                                                            \
+            o[i] = 0.0f;                                                                           \
+        for (int64_t j = 0; j < n; j++) {                                                          \
+            const float *col = c + j * ld;                                                         \
+            for (int64_t i = 0; i < r; i++)                                                        \
+                o[i] += col[i];                                                                    \
+        }                                                                                          \
+    }
+
+typedef float (*row_sum_fn)(const float *, int64_t);
+typedef void (*col_sums_fn)(const float *, int64_t, int64_t, int64_t, float *);
+
+ROW_SUMS(row_sum_scalar, )
+COL_SUMS(col_sums_scalar, )
+#ifdef SDC_FP_X86
+ROW_SUMS(row_sum_avx2, __attribute__((target("avx2,fma"))))
+ROW_SUMS(row_sum_avx512, __attribute__((target("avx512f"))))
+COL_SUMS(col_sums_avx2, __attribute__((target("avx2,fma"))))
+COL_SUMS(col_sums_avx512, __attribute__((target("avx512f"))))
+#endif
+
+int sdc_row_check(const float *a, int64_t batch, int64_t r, int64_t p, int64_t a_batch, int64_t a_row,
+                  int64_t a_col, const float *s, const float *t, int64_t vec_stride, const float *c, int64_t n,
+                  int64_t c_batch, int64_t c_row, int64_t c_col, float alpha, float shift, float shift_abs, int isa,
+                  float *work, float *difference, float *bound)
+{
+    int c_by_rows = c_col == 1;
+    if (!c_by_rows && c_row != 1)
+        return -1;
+    if (sdc_dual_matvec(a, batch, r, p, a_batch, a_row, a_col, s, t, vec_stride, isa, difference, bound) != 0)
+        return -1;
+    if (isa > best_isa)
+        isa = best_isa;
+    row_sum_fn row_sum = row_sum_scalar;
+    col_sums_fn col_sums = col_sums_scalar;
+#ifdef SDC_FP_X86
+    if (isa == ISA_AVX512) {
+        row_sum = row_sum_avx512;
+        col_sums = col_sums_avx512;
+    } else if (isa == ISA_AVX2) {
+        row_sum = row_sum_avx2;
+        col_sums = col_sums_avx2;
+    }
+#endif
+    float scale = fabsf(alpha);
+    for (int64_t m = 0; m < batch; m++) {
+        const float *cm = c + m * c_batch;
+        float *d = difference + m * r, *bd = bound + m * r;
+        if (!c_by_rows)
+            col_sums(cm, r, n, c_col, work);
+        for (int64_t i = 0; i < r; i++) {
+            float observed = c_by_rows ? row_sum(cm + i * c_row, n) : work[i];
+            d[i] = fabsf(observed - (alpha * d[i] + shift));
+            bd[i] = scale * bd[i] + shift_abs;
+        }
+    }
     return 0;
 }

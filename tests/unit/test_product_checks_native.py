@@ -109,3 +109,85 @@ def test_the_load_time_self_check_covers_the_pass(kernel: native.Kernel) -> None
     problem = native._check_dual(Broken(), random.Random(0))  # type: ignore[arg-type]
     assert problem is not None
     assert "product checks' pass by rows" in problem
+
+
+def _row_check(k: native.Kernel, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor, alpha: float,
+               shift: float, shift_abs: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batched = a.dim() == 3
+    difference, bound = torch.empty(a.shape[:-1]), torch.empty(a.shape[:-1])
+    work = torch.empty(a.shape[-2])
+    k.row_check(a.data_ptr(), (a.shape[0] if batched else 1, a.shape[-2], a.shape[-1]),
+                (a.stride(0) if batched else 0, a.stride(-2), a.stride(-1)), s.data_ptr(), t.data_ptr(),
+                a.shape[-1] if s.dim() == 2 else 0, c.data_ptr(), c.shape[-1],
+                (c.stride(0) if batched else 0, c.stride(-2), c.stride(-1)), alpha, shift, shift_abs, work.data_ptr(),
+                difference.data_ptr(), bound.data_ptr())
+    return difference, bound
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "batched rows", "batched columns"])
+@pytest.mark.parametrize(("r", "p", "n"), [(1, 1, 1), (7, 15, 33), (64, 200, 17), (5, 1031, 40)])
+def test_the_compiled_check_of_a_product_equals_its_definition_within_rounding(
+        kernel: native.Kernel, layout: str, r: int, p: int, n: int) -> None:  # noqa: F811
+    # difference = |C 1 - (alpha A s + shift)|, bound = |alpha| |A| t + shift_abs, with C stored either way.
+    g = torch.Generator().manual_seed(r * 7 + p * 3 + n)
+    batch = 2 if "batched" in layout else 1
+    a = torch.randn(batch, r, p, generator=g)
+    b = torch.randn(batch, p, n, generator=g)
+    c = (a @ b) * -1.5 + 0.25
+    c[..., 0, 0] += 100.0  # one row off, by far more than rounding
+    if "columns" in layout:
+        c = c.mT.contiguous().mT
+    if batch == 1:
+        a, b, c = a[0], b[0], c[0]
+    s, t = b.sum(-1), b.abs().sum(-1)
+    exact_c = c.double().sum(-1)
+    exact_e = -1.5 * (a.double() @ s.double().unsqueeze(-1)).squeeze(-1) + 0.25 * n
+    exact_b = 1.5 * (a.double().abs() @ t.double().unsqueeze(-1)).squeeze(-1) + 0.75
+    scale = (c.double().abs().sum(-1) + 1.5 * (a.double().abs() @ s.double().abs().unsqueeze(-1)).squeeze(-1) +
+             0.25 * n)
+    allowed = (p + n + 4) * 2.0 ** -24 / (1 - (p + n + 4) * 2.0 ** -24)
+    for each in isas(kernel):
+        difference, bound = _row_check(each, a, s, t, c, -1.5, 0.25 * n, 0.75)
+        assert torch.all((difference.double() - (exact_c - exact_e).abs()).abs() <= allowed * scale), each.isa_name
+        assert torch.all((bound.double() - exact_b).abs() <= allowed * exact_b), each.isa_name
+        assert float(difference.reshape(-1)[0]) > 99.0
+
+
+def test_a_pass_mixing_compiled_and_torch_checks_charges_each_product_to_its_own_site(
+        kernel: native.Kernel) -> None:  # noqa: F811
+    # Compiled checks write their rows in place; a product only torch checks (fp64 here) is queued between them:
+    # the pass is judged in its order, past a growth of the rows, and a fault is charged to its own site only.
+    model = nn.Linear(8, 8)
+    checks = ProductChecks(model)
+    checks.begin_step()
+    g = torch.Generator().manual_seed(3)
+    w = model.weight.detach()
+
+    def product(rows: int, dtype: torch.dtype, fault: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, 8, generator=g, dtype=dtype)
+        y = x @ w.t().to(dtype)
+        if fault:
+            y[rows // 2, 3] += 1000.0
+        return x, w.t().to(dtype), y
+
+    for name, rows, dtype, fault in (("first", 100, torch.float32, False), ("wide", 50, torch.float64, True),
+                                     ("large", 6000, torch.float32, False), ("last", 30, torch.float32, True)):
+        checks._verify_product(*product(rows, dtype, fault), None, 1.0, 1.0, name)
+    assert checks._spans, "the fp32 products did not go through the compiled check"
+    failing = {checks.sites[i] for i in torch.nonzero(checks.flags).flatten().tolist()}
+    assert failing == {"wide", "last"}
+    checks.begin_step()
+    checks._verify_product(*product(6000, torch.float32, False), None, 1.0, 1.0, "large")
+    assert int(checks.flags.sum()) == 0
+
+
+def test_the_load_time_self_check_covers_the_whole_check(kernel: native.Kernel) -> None:  # noqa: F811
+    import random
+
+    class Broken:
+        def row_check(self, *args: object) -> None:
+            pass
+
+    problem = native._check_row_check(Broken(), random.Random(0))  # type: ignore[arg-type]
+    assert problem is not None
+    assert "the product check with C by rows" in problem
