@@ -270,6 +270,9 @@ class ProductChecks:
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._ones_cache: dict[int, torch.Tensor] = {}
         self._mode = _ProductMode(self)
+        self._settings: tuple[str, tuple[bool, ...]] | None = None
+        self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
+        """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
         self._refresh()
         for name, module in model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
@@ -309,8 +312,8 @@ class ProductChecks:
     def _refresh(self) -> None:
         """Read torch's rounding settings and the compiled kernel's availability, once per pass."""
         settings = matmul_settings()
-        if settings != getattr(self, "_settings", None):
-            self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
+        if settings != self._settings:
+            self._terms.clear()
         self._settings = settings
         self._kernel = _native_kernel() if self.device.type == "cpu" else None
 

@@ -395,3 +395,30 @@ def test_a_site_counts_its_failing_products_over_the_step_s_micro_batches() -> N
     assert int(checks.flags[site]) == 2
     assert int(checks.flags.sum()) == 2
     assert checks.summary().tolist() == [site, 1]
+
+
+def test_a_change_of_the_fp32_matmul_precision_between_passes_changes_the_bound() -> None:
+    # A product's bound terms are kept per pass's settings: an error the fp32 bound sees, and bf16 operands'
+    # ("medium") would not, is judged by the precision in force at each pass, both ways.
+    layer = nn.Linear(32, 16, bias=False)
+    checks = ProductChecks(layer)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 32, generator=g)
+    w = layer.weight.detach()
+    y = x @ w.t()
+    y[0, 0] += 1e-4 * float(x[0].abs() @ w.abs().sum(0))
+
+    def failing() -> int:
+        checks.begin_step()
+        checks._verify_product(x, w.t(), y, None, 1.0, 1.0, "probe")
+        return int(checks.flags.sum())
+
+    prior = torch.get_float32_matmul_precision()
+    try:
+        verdicts = []
+        for precision in ("highest", "medium", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            verdicts.append(failing())
+    finally:
+        torch.set_float32_matmul_precision(prior)
+    assert verdicts == [1, 0, 1]
