@@ -37,7 +37,10 @@ product they lower to) and ``convolution`` / ``convolution_backward``
 dtypes that actually ran. Nothing in the model changes: the products run as
 they would, and forward hooks installed on the modules only name the sites.
 A backward product is named after its forward product through the autograd
-node's sequence number. The mode must be entered inside any other dispatch
+node's sequence number. Under activation checkpointing
+(``torch.utils.checkpoint``, either implementation), a module's forward
+recomputed inside the backward gives forward products, named
+``"... forward (recomputed)"``, and the backward products keep their names. The mode must be entered inside any other dispatch
 mode around the step (the campaign's fault injector), so that it sees the
 results those modes hand on.
 
@@ -368,8 +371,15 @@ class ProductChecks:
 
     def _entering(self, name: str, module: torch.nn.Module, *, root: bool) -> Any:
         def hook(_module: torch.nn.Module, _inputs: Any) -> None:
-            if root and not self._stack:
-                self._ordinal.clear()  # every pass names its products alike
+            if not self._stack:
+                if root:
+                    self._ordinal.clear()  # every pass names its products alike
+                else:
+                    # A submodule run on its own: activation checkpointing recomputing it in the backward. Its
+                    # products are named as in its forward.
+                    prefix = name + "."
+                    for label in [label for label in self._ordinal if label == name or label.startswith(prefix)]:
+                        del self._ordinal[label]
             self._stack.append((name, module))
         return hook
 
@@ -403,15 +413,19 @@ class ProductChecks:
         packet = func.overloadpacket
         node = torch._C._current_autograd_node()
         conv = packet in _CONVS
-        if node is None:
+        # A module's forward running inside a backward node is activation checkpointing's recomputation: its
+        # products are forward products (and must not count as the node's own backward products).
+        recomputed = node is not None and bool(self._stack)
+        if node is None or recomputed:
             if not self.enabled["forward"]:
                 return
             base, kind = self._forward_site(conv)
             if not self.enabled[kind]:
                 return
-            # The autograd node of this product was made just before it ran: its sequence number is the last.
-            self._forward_sites[torch._C._autograd._get_sequence_nr() - 1] = (base, kind)
-            self._check(packet, args, kwargs, out, f"{base} forward")
+            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:3]):
+                # Its autograd node was made just before it ran: its sequence number is the last.
+                self._forward_sites[torch._C._autograd._get_sequence_nr() - 1] = (base, kind)
+            self._check(packet, args, kwargs, out, f"{base} forward (recomputed)" if recomputed else f"{base} forward")
             return
         if not self.enabled["backward"]:
             return

@@ -422,3 +422,68 @@ def test_a_change_of_the_fp32_matmul_precision_between_passes_changes_the_bound(
     finally:
         torch.set_float32_matmul_precision(prior)
     assert verdicts == [1, 0, 1]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Checkpointed(nn.Module):
+    """Two blocks, each recomputed in the backward (activation checkpointing, either implementation)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+# The products of the backward pass under activation checkpointing, in the order they run (written out: the
+# oracle). Non-reentrant checkpointing recomputes a block only as far as its saved tensors need (fc1's product);
+# the reentrant one recomputes it whole, then runs its backward.
+_RECOMPUTED_BACKWARD = {
+    False: [name for i in (1, 0) for name in (
+        f"blocks.{i}.fc1 forward (recomputed)", f"blocks.{i}.fc2 backward dX", f"blocks.{i}.fc2 backward dW",
+        f"blocks.{i}.fc1 backward dX", f"blocks.{i}.fc1 backward dW")],
+    True: [name for i in (1, 0) for name in (
+        f"blocks.{i}.fc1 forward (recomputed)", f"blocks.{i}.fc2 forward (recomputed)",
+        f"blocks.{i}.fc2 backward dX", f"blocks.{i}.fc2 backward dW", f"blocks.{i}.fc1 backward dX",
+        f"blocks.{i}.fc1 backward dW")],
+}
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_under_activation_checkpointing_every_product_is_checked_and_named_as_it_is(reentrant: bool) -> None:
+    # The recomputation runs a block's forward inside a backward node: its products are forward products
+    # ("recomputed"), and the node's own backward products keep their names (dX, dW), so a fault is named right.
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    checks = ProductChecks(model)
+    names = _RECOMPUTED_BACKWARD[reentrant]
+
+    def step(seed: int) -> None:
+        checks.begin_step()
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        with checks.watching():
+            model(x).square().sum().backward()
+
+    for seed in range(3):
+        step(seed)
+        assert int(checks.flags.sum()) == 0
+    assert checks.checked == 4 + len(names)
+    for target, name in enumerate(names):
+        with _flip_product("bwd", target, 30) as fired:
+            step(target)
+        assert fired == [1]
+        assert checks.findings(checks.flags.unsqueeze(0)) == [(0, name)], name
