@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
@@ -252,6 +255,8 @@ class ProductChecks:
         """Products seen but not checkable since the last :meth:`begin_step` (a subclass, a dtype, no bound)."""
         self._index: dict[str, int] = {}
         self._stack: list[tuple[str, torch.nn.Module]] = []
+        self._watching = False
+        """Inside :meth:`watching`: the naming hooks do nothing outside it."""
         self._ordinal: dict[str, int] = {}
         self._forward_sites: dict[int, tuple[str, str]] = {}
         self._node: tuple[int, int] = (-1, 0)
@@ -273,6 +278,12 @@ class ProductChecks:
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._ones_cache: dict[int, torch.Tensor] = {}
         self._mode = _ProductMode(self)
+        compiled = [name or "<model>" for name, module in model.named_modules() if _compiled(module)]
+        if compiled:
+            log.warning("product checks: %s compiled (torch.compile); torch does not run compiled code inside a "
+                        "dispatch mode, nor afterwards once a module has run in one, so with product checks on the "
+                        "model runs eagerly (every product is still checked)",
+                        ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
         self._settings: tuple[str, tuple[bool, ...]] | None = None
         self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
         """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
@@ -306,10 +317,13 @@ class ProductChecks:
         Recomputations of other ranks' micro-batches belong outside it: their flags would be charged to this
         rank's sites."""
         self._refresh()
+        self._watching = True
         try:
             with self._mode:
                 yield self
         finally:
+            self._watching = False
+            self._stack.clear()
             self._judge_pending()
 
     def _refresh(self) -> None:
@@ -371,6 +385,8 @@ class ProductChecks:
 
     def _entering(self, name: str, module: torch.nn.Module, *, root: bool) -> Any:
         def hook(_module: torch.nn.Module, _inputs: Any) -> None:
+            if not self._watching:
+                return  # outside the checks (and what torch.compile traces of a module's call there)
             if not self._stack:
                 if root:
                     self._ordinal.clear()  # every pass names its products alike
@@ -384,7 +400,7 @@ class ProductChecks:
         return hook
 
     def _leaving(self, _module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-        if self._stack:
+        if self._watching and self._stack:
             self._stack.pop()
 
     def _site(self, name: str) -> int:
@@ -833,6 +849,11 @@ class _ProductMode(TorchDispatchMode):
 def _plain(*tensors: Any) -> bool:
     """Plain (not subclass: not an FSDP2 DTensor, not a fake tensor) floating tensors with elements."""
     return all(type(t) in _PLAIN and t.is_floating_point() and t.numel() > 0 for t in tensors)
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs through torch.compile (``torch.compile(module)``'s wrapper, or ``module.compile()``)."""
+    return type(module).__module__.startswith("torch._dynamo") or getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _native_kernel() -> Any:

@@ -487,3 +487,47 @@ def test_under_activation_checkpointing_every_product_is_checked_and_named_as_it
             step(target)
         assert fired == [1]
         assert checks.findings(checks.flags.unsqueeze(0)) == [(0, name)], name
+
+
+@pytest.mark.parametrize("form", ["torch.compile(model)", "module.compile()"])
+def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
+        form: str, caplog: pytest.LogCaptureFixture) -> None:
+    # torch does not use compiled code inside a dispatch mode: the checks still see every product (the module
+    # runs eagerly), and the user is told why the step is slower. Before the checks' first pass, the compiled
+    # code runs with the naming hooks installed (they do nothing outside the checks; they once broke
+    # torch.compile's tracing of the module's call).
+    torch._dynamo.reset()  # what an earlier test compiled (or chose not to) is in dynamo's process-wide caches
+    runs = [0]
+
+    def backend(graph: Any, _inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            runs[0] += 1
+            return graph.forward(*args)
+        return run
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    if form == "module.compile()":
+        model[0].compile(backend=backend)
+        net: nn.Module = model
+    else:
+        net = torch.compile(model, backend=backend)
+    with caplog.at_level("WARNING", logger="sdcguard.agent.product_checks"):
+        checks = ProductChecks(net)
+    assert "compiled (torch.compile)" in caplog.text
+    assert ("0" if form == "module.compile()" else "<model>") in caplog.text
+    x = torch.randn(8, 16)
+    net(x).sum().backward()
+    assert runs == [1]
+    checks.begin_step()
+    with checks.watching():
+        net(x).sum().backward()
+    assert runs == [1]  # not the compiled code
+    assert checks.checked == 5
+    assert int(checks.flags.sum()) == 0
+    net(x).sum().backward()
+    assert runs == [1]  # torch's own rule: nor afterwards, once a frame ran inside a dispatch mode
+    torch._dynamo.reset()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sdcguard.agent.product_checks"):
+        ProductChecks(nn.Sequential(nn.Linear(4, 4)))
+    assert not caplog.text
