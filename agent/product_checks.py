@@ -40,18 +40,22 @@ A backward product is named after its forward product through the autograd
 node's sequence number. Under activation checkpointing
 (``torch.utils.checkpoint``, either implementation), a module's forward
 recomputed inside the backward gives forward products, named
-``"... forward (recomputed)"``, and the backward products keep their names. The mode must be entered inside any other dispatch
-mode around the step (the campaign's fault injector), so that it sees the
-results those modes hand on.
+``"... forward (recomputed)"``, and the backward products keep their names.
+The mode must be entered inside any other dispatch mode around the step (the
+campaign's fault injector), so that it sees the results those modes hand on.
+A compiled module (``torch.compile``) runs eagerly under it: torch runs no
+compiled code inside a dispatch mode (a warning says so).
 
 Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
 computed once per step and serve every micro-batch, so a product costs the
 sum of ``C`` and two matrix-vector products on ``A`` (with ``B 1`` and with
-``|B| 1``; on the CPU one read of ``A`` in the compiled kernel,
-``sdcguard.agent.native``). The differences and bounds of a whole pass are judged together
-when it ends, into one int64 per site on the device: a few device operations
-per pass instead of several per product, and no host synchronisation.
+``|B| 1``). On the CPU an fp32 product is checked whole in one call of the
+compiled kernel (``sdcguard.agent.native``: one read of ``A``, one of ``C``,
+the differences and bounds written straight into the pass's rows). The
+differences and bounds of a whole pass are judged together when it ends,
+into one int64 per site on the device: a few device operations per pass
+instead of several per product, and no host synchronisation.
 
 Not seen: products inside fused kernels that do not lower to these
 operators (``F.scaled_dot_product_attention``'s fused kernels; ``einsum``
