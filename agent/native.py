@@ -6,7 +6,9 @@ does the same arithmetic in one vectorised pass (AVX-512 or AVX2 picked at run
 time on x86-64, plain C elsewhere) and gives the same bits. The same library
 has detector 1's test for NaN/Inf, one pass over the raw bits where torch
 needed five ops per bucket; the product checks' pass over an operand (its
-products with two vectors, one on its absolute values, in one read); and the
+products with two vectors, one on its absolute values, in one read) and
+their whole check of a product (that pass, the result's row sums and the
+differences, in one call); and the
 communication hook's fused bucket passes: a sum of squares (whose order is part of its definition, ``sdcguard.agent.grad_norm``)
 together with the division by the world size before the all-reduce, or
 together with the fingerprint after it.
@@ -20,7 +22,7 @@ Concurrent ranks build into temporary files and the first rename wins. After loa
 compares the kernel with known answers of the torch implementation on every element width
 (``KNOWN_ANSWERS``; a unit test recomputes them with ``sdcguard.agent.fingerprint``), so this module needs
 neither torch nor the fingerprint module, and the element kinds are the library's own
-(``sdc_fp_kind``), not a copy; the bucket passes and the product checks' pass are checked against
+(``sdc_fp_kind``), not a copy; the bucket passes and the product checks' two calls are checked against
 their definitions and exact answers the same way.
 
 ``SDCGUARD_FINGERPRINT_KERNEL`` chooses:
