@@ -232,16 +232,17 @@ class Kernel:
             raise NativeKernelError(f"dual matrix-vector pass: strides {strides} have no unit row or column stride")
 
     def row_check(self, a: int, shape: tuple[int, int, int], strides: tuple[int, int, int], s: int, t: int,
-                  vec_stride: int, c: int, n: int, c_strides: tuple[int, int, int], alpha: float, shift: float,
-                  shift_abs: float, work: int, difference: int, bound: int) -> None:
-        """The product checks' whole check of one fp32 product ``C = alpha A B + shift`` by its row sums: with
-        ``A`` as in :meth:`dual_matvec` (``s = B 1``, ``t = |B| 1``) and ``C`` ``batch x r x n`` at ``c`` with
-        element strides ``c_strides`` (the row or the column stride 1), ``difference = |C 1 - (alpha A s +
-        shift)|`` and ``bound = |alpha| |A| t + shift_abs`` (fp32, ``batch x r``, contiguous); ``work`` holds
-        ``r`` floats of scratch."""
+                  vec_stride: int, c: int, n: int, c_strides: tuple[int, int, int], alpha: float, bias: int | None,
+                  bias_stride: int, beta: float, work: int, difference: int, bound: int) -> None:
+        """The product checks' whole check of one fp32 product ``C = alpha A B + beta bias`` by its row sums: with
+        ``A`` as in :meth:`dual_matvec` (``s = B 1``, ``t = |B| 1``), ``C`` ``batch x r x n`` at ``c`` with element
+        strides ``c_strides`` (the row or the column stride 1) and a bias row of ``n`` floats ``bias_stride``
+        apart (0: one value broadcast; None: no bias), ``difference = |C 1 - (alpha A s + beta Σ bias)|`` and
+        ``bound = |alpha| |A| t + |beta| Σ |bias|`` (fp32, ``batch x r``, contiguous); ``work`` holds ``r``
+        floats of scratch."""
         batch, r, p = shape
-        if self.lib.sdc_row_check(a, batch, r, p, *strides, s, t, vec_stride, c, n, *c_strides, alpha, shift,
-                                  shift_abs, self.isa, work, difference, bound) != 0:
+        if self.lib.sdc_row_check(a, batch, r, p, *strides, s, t, vec_stride, c, n, *c_strides, alpha, bias,
+                                  bias_stride, beta, self.isa, work, difference, bound) != 0:
             raise NativeKernelError(f"row check: strides {strides} or {c_strides} have no unit row or column stride")
 
     def with_isa(self, isa: int) -> Kernel:
@@ -427,8 +428,8 @@ def load(path: Path, isa: int | None = None) -> Kernel:
     lib.sdc_row_check.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]
     best = lib.sdc_fp_best_isa()
     return Kernel(lib, best if isa is None else min(isa, best), path, kinds)
@@ -592,13 +593,16 @@ def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
 
 def _check_row_check(kernel: Kernel, rng: random.Random) -> str | None:
     """The product checks' whole check of a product against exact answers (small integers again): a batch of
-    two, ``C`` stored by rows and by columns, ``alpha`` 2 and a shift, so every term of both outputs counts."""
+    two, ``C`` stored by rows and by columns, ``alpha`` -2 and a bias row with ``beta`` 1/2, so every term of
+    both outputs counts."""
     batch, r, p, n = 2, 3, 19, 21
     a = [float(rng.randint(-4, 4)) for _ in range(batch * r * p)]
     s = [float(rng.randint(-3, 3)) for _ in range(p)]
     t = [float(rng.randint(0, 3)) for _ in range(p)]
     c = [float(rng.randint(-6, 6)) for _ in range(batch * r * n)]
-    alpha, shift, shift_abs = -2.0, 3.0, 5.0
+    alpha, beta = -2.0, 0.5
+    bias = [float(rng.randint(-4, 4)) for _ in range(n)]
+    shift, shift_abs = beta * sum(bias), abs(beta) * sum(abs(x) for x in bias)
     want_d, want_b = [], []
     for m in range(batch):
         for i in range(r):
@@ -608,14 +612,16 @@ def _check_row_check(kernel: Kernel, rng: random.Random) -> str | None:
             want_b.append(abs(alpha) * sum(abs(x) * y for x, y in zip(row, t, strict=True)) + shift_abs)
     by_columns = [c[(m * r + i) * n + j] for m in range(batch) for j in range(n) for i in range(r)]
     a_buf = (ctypes.c_float * len(a))(*a)
+    bias_buf = (ctypes.c_float * n)(*bias)
     s_buf, t_buf = (ctypes.c_float * p)(*s), (ctypes.c_float * p)(*t)
     for layout, data, strides in (("rows", c, (r * n, n, 1)), ("columns", by_columns, (r * n, 1, r))):
         c_buf = (ctypes.c_float * len(data))(*data)
         work = (ctypes.c_float * r)()
         d, b = (ctypes.c_float * (batch * r))(), (ctypes.c_float * (batch * r))()
         kernel.row_check(ctypes.addressof(a_buf), (batch, r, p), (r * p, p, 1), ctypes.addressof(s_buf),
-                         ctypes.addressof(t_buf), 0, ctypes.addressof(c_buf), n, strides, alpha, shift, shift_abs,
-                         ctypes.addressof(work), ctypes.addressof(d), ctypes.addressof(b))
+                         ctypes.addressof(t_buf), 0, ctypes.addressof(c_buf), n, strides, alpha,
+                         ctypes.addressof(bias_buf), 1, beta, ctypes.addressof(work), ctypes.addressof(d),
+                         ctypes.addressof(b))
         if list(d) != want_d or list(b) != want_b:
             return f"the product check with C by {layout}: {list(d)}, {list(b)} instead of {want_d}, {want_b}"
     return None

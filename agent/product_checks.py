@@ -268,7 +268,6 @@ class ProductChecks:
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         self._weights: set[int] = set()
         self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._bias_rows: dict[tuple[Any, ...], tuple[float, float]] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the
         compiled check wrote straight into ``_rows`` (its span in ``_spans``)."""
@@ -306,7 +305,6 @@ class ProductChecks:
         self._spans.clear()
         self._layout.clear()
         self._weight_rows.clear()
-        self._bias_rows.clear()
         # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
@@ -557,12 +555,12 @@ class ProductChecks:
                 dims not in (2, 3) or len(c_strides) != dims or a.device.type != "cpu") or (
                 a_strides[-1] != 1 and a_strides[-2] != 1) or (c_strides[-1] != 1 and c_strides[-2] != 1):
             return False
-        shift = shift_abs = 0.0
+        bias_at, bias_stride = None, 0
         if bias is not None and beta != 0:
-            sums = self._bias_sums(bias, c.shape[-1])
-            if sums is None:
+            # Only a bias broadcast along the rows (an nn.Linear's): one row of n, or one value.
+            if bias.dtype != torch.float32 or bias.numel() != bias.shape[-1] or bias.shape[-1] not in (1, c.shape[-1]):
                 return False
-            shift, shift_abs = beta * sums[0], abs(beta) * sums[1]
+            bias_at, bias_stride = bias.data_ptr(), bias.stride(-1) if bias.shape[-1] > 1 else 0
         shape = a.shape
         batch, r, p = (shape[0], shape[1], shape[2]) if dims == 3 else (1, shape[0], shape[1])
         rows = batch * r
@@ -577,8 +575,8 @@ class ProductChecks:
         if kernel is None or kernel.lib.sdc_row_check(
                 a.data_ptr(), batch, r, p, a_strides[0] if dims == 3 else 0, a_strides[-2], a_strides[-1],
                 s.data_ptr(), t.data_ptr(), p if vectors else 0, c.data_ptr(), c.shape[-1],
-                c_strides[0] if dims == 3 else 0, c_strides[-2], c_strides[-1], alpha, shift, shift_abs, kernel.isa,
-                self._work.data_ptr(), rows_at[0] + 4 * start, rows_at[1] + 4 * start) != 0:
+                c_strides[0] if dims == 3 else 0, c_strides[-2], c_strides[-1], alpha, bias_at, bias_stride, beta,
+                kernel.isa, self._work.data_ptr(), rows_at[0] + 4 * start, rows_at[1] + 4 * start) != 0:
             return False
         self._pending.append(None)
         self._spans.append((start, start + rows))
@@ -593,22 +591,6 @@ class ProductChecks:
             self._rows = grown
             self._rows_at = (grown[0].data_ptr(), grown[1].data_ptr())
         return start
-
-    def _bias_sums(self, bias: torch.Tensor, n: int) -> tuple[float, float] | None:
-        """``(Σ bias, Σ |bias|)`` over one row of the output (``n`` elements) for a bias broadcast along the rows
-        (an ``nn.Linear``'s), in fp32 as the torch form computes them; a parameter's kept for the step. None for
-        any other bias."""
-        if bias.dtype != torch.float32 or bias.shape[-1] not in (1, n) or bias.numel() != bias.shape[-1]:
-            return None
-        key = (bias.untyped_storage().data_ptr(), bias.storage_offset(), tuple(bias.shape), bias.stride(),
-               bias._version, n)
-        sums = self._bias_rows.get(key)
-        if sums is None:
-            row = bias.reshape(-1).expand(n)
-            sums = (float(row.sum(dtype=torch.float32)), float(torch.linalg.vector_norm(row, 1, dtype=torch.float32)))
-            if bias.untyped_storage().data_ptr() in self._weights:
-                self._bias_rows[key] = sums
-        return sums
 
     def _is_weight(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._weights

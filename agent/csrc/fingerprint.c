@@ -964,11 +964,12 @@ int sdc_dual_matvec(const float *a, int64_t batch, int64_t r, int64_t p, int64_t
  * row sums o, and per row i of each of the batch's matrices (C's rows at c + n * c_batch + i * c_row, n elements
  * each, with the row or the column stride 1):
  *
- *   difference[i] = |o_i - (alpha e_i + shift)|        bound[i] = |alpha| b_i + shift_abs
+ *   difference[i] = |o_i - (alpha e_i + beta S)|        bound[i] = |alpha| b_i + |beta| T
  *
- * in fp32, which is what the torch form computes one operation at a time (shift: beta times the bias's sum over
- * a row; shift_abs: |beta| times its absolute sum). work holds r floats (C by columns adds into it). A NaN or an
- * infinity carries into the difference or the bound. Returns 0, or -1 when A or C has neither stride 1. */
+ * in fp32, which is what the torch form computes one operation at a time, where S and T are the sums of a bias
+ * row and of its absolute values: n floats at bias, bias_stride apart (0: one value broadcast; bias NULL: no
+ * bias). work holds r floats (C by columns adds into it). A NaN or an infinity carries into the difference or
+ * the bound. Returns 0, or -1 when A or C has neither stride 1. */
 
 #define ROW_SUMS(NAME, ATTR)                                                                        \
     ATTR static float NAME(const float *restrict row, int64_t n)                                   \
@@ -1012,8 +1013,8 @@ COL_SUMS(col_sums_avx512, __attribute__((target("avx512f"))))
 
 int sdc_row_check(const float *a, int64_t batch, int64_t r, int64_t p, int64_t a_batch, int64_t a_row,
                   int64_t a_col, const float *s, const float *t, int64_t vec_stride, const float *c, int64_t n,
-                  int64_t c_batch, int64_t c_row, int64_t c_col, float alpha, float shift, float shift_abs, int isa,
-                  float *work, float *difference, float *bound)
+                  int64_t c_batch, int64_t c_row, int64_t c_col, float alpha, const float *bias,
+                  int64_t bias_stride, float beta, int isa, float *work, float *difference, float *bound)
 {
     int c_by_rows = c_col == 1;
     if (!c_by_rows && c_row != 1)
@@ -1033,7 +1034,16 @@ int sdc_row_check(const float *a, int64_t batch, int64_t r, int64_t p, int64_t a
         col_sums = col_sums_avx2;
     }
 #endif
-    float scale = fabsf(alpha);
+    float scale = fabsf(alpha), shift = 0.0f, shift_abs = 0.0f;
+    if (bias != NULL) {
+        float total = 0.0f, magnitude = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            total += bias[j * bias_stride];
+            magnitude += fabsf(bias[j * bias_stride]);
+        }
+        shift = beta * total;
+        shift_abs = fabsf(beta) * magnitude;
+    }
     for (int64_t m = 0; m < batch; m++) {
         const float *cm = c + m * c_batch;
         float *d = difference + m * r, *bd = bound + m * r;

@@ -112,15 +112,16 @@ def test_the_load_time_self_check_covers_the_pass(kernel: native.Kernel) -> None
 
 
 def _row_check(k: native.Kernel, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor, alpha: float,
-               shift: float, shift_abs: float) -> tuple[torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     batched = a.dim() == 3
     difference, bound = torch.empty(a.shape[:-1]), torch.empty(a.shape[:-1])
     work = torch.empty(a.shape[-2])
     k.row_check(a.data_ptr(), (a.shape[0] if batched else 1, a.shape[-2], a.shape[-1]),
                 (a.stride(0) if batched else 0, a.stride(-2), a.stride(-1)), s.data_ptr(), t.data_ptr(),
                 a.shape[-1] if s.dim() == 2 else 0, c.data_ptr(), c.shape[-1],
-                (c.stride(0) if batched else 0, c.stride(-2), c.stride(-1)), alpha, shift, shift_abs, work.data_ptr(),
-                difference.data_ptr(), bound.data_ptr())
+                (c.stride(0) if batched else 0, c.stride(-2), c.stride(-1)), alpha, bias.data_ptr(),
+                bias.stride(0) if bias.numel() > 1 else 0, beta, work.data_ptr(), difference.data_ptr(),
+                bound.data_ptr())
     return difference, bound
 
 
@@ -128,12 +129,14 @@ def _row_check(k: native.Kernel, a: torch.Tensor, s: torch.Tensor, t: torch.Tens
 @pytest.mark.parametrize(("r", "p", "n"), [(1, 1, 1), (7, 15, 33), (64, 200, 17), (5, 1031, 40)])
 def test_the_compiled_check_of_a_product_equals_its_definition_within_rounding(
         kernel: native.Kernel, layout: str, r: int, p: int, n: int) -> None:  # noqa: F811
-    # difference = |C 1 - (alpha A s + shift)|, bound = |alpha| |A| t + shift_abs, with C stored either way.
+    # difference = |C 1 - (alpha A s + beta Σ bias)|, bound = |alpha| |A| t + |beta| Σ |bias|, with C stored either
+    # way, the bias a row of n (strided) or one value broadcast.
     g = torch.Generator().manual_seed(r * 7 + p * 3 + n)
     batch = 2 if "batched" in layout else 1
     a = torch.randn(batch, r, p, generator=g)
     b = torch.randn(batch, p, n, generator=g)
-    c = (a @ b) * -1.5 + 0.25
+    bias = torch.randn(2 * n, generator=g)[::2] if n % 2 else torch.full((1,), 0.75).expand(n)
+    c = (a @ b) * -1.5 - 2.0 * bias
     c[..., 0, 0] += 100.0  # one row off, by far more than rounding
     if "columns" in layout:
         c = c.mT.contiguous().mT
@@ -141,13 +144,14 @@ def test_the_compiled_check_of_a_product_equals_its_definition_within_rounding(
         a, b, c = a[0], b[0], c[0]
     s, t = b.sum(-1), b.abs().sum(-1)
     exact_c = c.double().sum(-1)
-    exact_e = -1.5 * (a.double() @ s.double().unsqueeze(-1)).squeeze(-1) + 0.25 * n
-    exact_b = 1.5 * (a.double().abs() @ t.double().unsqueeze(-1)).squeeze(-1) + 0.75
+    bias_sum, bias_abs = bias.double().sum(), bias.double().abs().sum()
+    exact_e = -1.5 * (a.double() @ s.double().unsqueeze(-1)).squeeze(-1) - 2.0 * bias_sum
+    exact_b = 1.5 * (a.double().abs() @ t.double().unsqueeze(-1)).squeeze(-1) + 2.0 * bias_abs
     scale = (c.double().abs().sum(-1) + 1.5 * (a.double().abs() @ s.double().abs().unsqueeze(-1)).squeeze(-1) +
-             0.25 * n)
-    allowed = (p + n + 4) * 2.0 ** -24 / (1 - (p + n + 4) * 2.0 ** -24)
+             2.0 * bias_abs)
+    allowed = (p + 2 * n + 4) * 2.0 ** -24 / (1 - (p + 2 * n + 4) * 2.0 ** -24)
     for each in isas(kernel):
-        difference, bound = _row_check(each, a, s, t, c, -1.5, 0.25 * n, 0.75)
+        difference, bound = _row_check(each, a, s, t, c, -1.5, bias, -2.0)
         assert torch.all((difference.double() - (exact_c - exact_e).abs()).abs() <= allowed * scale), each.isa_name
         assert torch.all((bound.double() - exact_b).abs() <= allowed * exact_b), each.isa_name
         assert float(difference.reshape(-1)[0]) > 99.0
