@@ -508,7 +508,7 @@ def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     if form == "module.compile()":
         model[0].compile(backend=backend)
-        net: nn.Module = model
+        net: Any = model
     else:
         net = torch.compile(model, backend=backend)
     with caplog.at_level("WARNING", logger="sdcguard.agent.product_checks"):
