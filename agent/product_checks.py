@@ -288,6 +288,8 @@ class ProductChecks:
                         "model runs eagerly (every product is still checked)",
                         ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
         self._settings: tuple[str, tuple[bool, ...]] | None = None
+        self._fused: Any = None
+        """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
         self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
         """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
         self._refresh()
@@ -329,12 +331,15 @@ class ProductChecks:
             self._judge_pending()
 
     def _refresh(self) -> None:
-        """Read torch's rounding settings and the compiled kernel's availability, once per pass."""
+        """Read torch's rounding settings and which kernels take the pass over an operand, once per pass: the
+        fused Triton kernel where ``SDCGUARD_FINGERPRINT_KERNEL=triton`` sends the rank's device to it (a GPU;
+        the CPU under ``TRITON_INTERPRET=1``), else the compiled C kernel on the CPU, else torch."""
         settings = matmul_settings()
         if settings != self._settings:
             self._terms.clear()
         self._settings = settings
-        self._kernel = _native_kernel() if self.device.type == "cpu" else None
+        self._fused = _triton_products(self.device)
+        self._kernel = _native_kernel() if self.device.type == "cpu" and self._fused is None else None
 
     def _arithmetic(self, operand: torch.dtype, output: torch.dtype, device: torch.device, *,
                     conv: bool) -> Arithmetic | None:
@@ -622,9 +627,13 @@ class ProductChecks:
         return ones
 
     def _dual(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(a @ s, |a| @ t)`` for an fp32 CPU operand, in one read of ``a`` by the compiled kernel
-        (``sdcguard.agent.native``: torch takes four passes and an ``|a|`` copy); None where it does not apply
-        (another device or dtype, no unit stride, no kernel: ``SDCGUARD_FINGERPRINT_KERNEL=torch``)."""
+        """``(a @ s, |a| @ t)`` in one read of ``a``: by the fused Triton kernel where it is chosen (an fp16,
+        bf16 or fp32 operand with fp32 vectors, any strides: ``sdcguard.agent.kernels.triton_products``), else
+        for an fp32 CPU operand by the compiled kernel (``sdcguard.agent.native``). Torch takes up to five
+        passes and two copies of ``a`` (widened, absolute). None where neither applies (then torch runs)."""
+        fused = self._fused
+        if fused is not None and a.device.type == self.device.type and fused.readable(a, s):
+            return fused.dual_matvec(a, s, t)
         kernel = self._kernel
         if kernel is None or a.device.type != "cpu" or a.dtype != torch.float32 or a.dim() not in (2, 3) or (
                 s.dtype != a.dtype) or (a.stride(-1) != 1 and a.stride(-2) != 1):
@@ -840,6 +849,18 @@ def _plain(*tensors: Any) -> bool:
 def _compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs through torch.compile (``torch.compile(module)``'s wrapper, or ``module.compile()``)."""
     return type(module).__module__.startswith("torch._dynamo") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _triton_products(device: torch.device) -> Any:
+    """``sdcguard.agent.kernels.triton_products`` where the setting sends ``device``'s tensors to the Triton
+    kernels (``sdcguard.agent.fingerprint.triton_kernels_for``, the one place they are chosen), else None."""
+    from sdcguard.agent import fingerprint
+
+    if fingerprint.triton_kernels_for(device) is None:
+        return None
+    from sdcguard.agent.kernels import triton_products
+
+    return triton_products
 
 
 def _native_kernel() -> Any:

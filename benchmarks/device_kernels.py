@@ -38,6 +38,9 @@ CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, t
 CHECKED_SIZES = (0, 1, 1023, 1025, 4095, 4097, 5 * 4096 + 1037, (1 << 20) + 13)
 TARGET = 0.8
 """The kernels' target as a fraction of the copy bandwidth (a target, reported, not asserted)."""
+PRODUCT_OPERAND = (8192, 4096)
+"""The operand the product checks' pass is timed on: 8,192 tokens into a 4,096-wide layer, beside the product
+it checks (with a 4,096 x 4,096 weight)."""
 
 
 class Rows(Protocol):
@@ -191,6 +194,71 @@ def check_bucket_passes(device: torch.device, sizes: Sequence[int] = CHECKED_SIZ
     return problems
 
 
+def check_product_pass(device: torch.device, shapes: Sequence[tuple[int, int]] = ((33, 129), (300, 1031))
+                       ) -> list[str]:
+    """The product checks' fused pass (``sdcguard.agent.kernels.triton_products``): ``a @ s`` and ``|a| @ t``
+    within fp32 rounding of their fp64 definition, for every dtype it reads, by rows and by columns."""
+    from sdcguard.agent.kernels import triton_products
+
+    problems = []
+    for dtype in triton_products.READS:
+        for r, p in shapes:
+            for layout in ("rows", "columns"):
+                g = torch.Generator().manual_seed(r * 7 + p)
+                a = (torch.randn(r, p, generator=g) * torch.logspace(-2, 2, p)).to(dtype)
+                if layout == "columns":
+                    a = a.mT.contiguous().mT  # the same values stored by columns (kept by .to(device))
+                s, t = torch.randn(p, generator=g), torch.rand(p, generator=g)
+                e, b = triton_products.dual_matvec(a.to(device), s.to(device), t.to(device))
+                exact = a.double()
+                allowed = (p + 1) * 2.0 ** -24 / (1 - (p + 1) * 2.0 ** -24)  # gamma_p: any order of additions
+                off_e = (e.cpu().double() - exact @ s.double()).abs() > allowed * (exact.abs() @ s.double().abs())
+                exact_b = exact.abs() @ t.double()
+                off_b = (b.cpu().double() - exact_b).abs() > allowed * exact_b
+                if bool(off_e.any()) or bool(off_b.any()):
+                    problems.append(f"{dtype} {r}x{p} by {layout}: {int(off_e.sum())} + {int(off_b.sum())} rows "
+                                    "outside fp32 rounding of the definition")
+    return problems
+
+
+def time_product_pass(device: torch.device, repeats: int = 10,
+                      operand: tuple[int, int] = PRODUCT_OPERAND) -> str:
+    """The product checks' pass over an ``operand``-shaped operand on a GPU, fused (Triton) and in torch's
+    form (a widened copy, an ``|a|`` copy, two matrix-vector products), beside the product it checks; as ms,
+    GB/s of one read of the operand, and a fraction of the product's time. A table (CUDA only)."""
+    from sdcguard.agent.kernels import triton_products
+
+    r, p = operand
+    lines = [f"the product checks' pass over a {r} x {p} operand, beside the product with a {p} x {p} weight:",
+             f"{'row':<40} {'dtype':<9} {'ms':>8} {'GB/s':>8} {'x product':>9}"]
+    for dtype in TIMED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        a = torch.randn(r, p, device=device).to(dtype)
+        weight = torch.randn(p, p, device=device).to(dtype)
+        s = torch.randn(p, device=device)
+        t = s.abs()
+
+        def product(a: torch.Tensor = a, weight: torch.Tensor = weight) -> None:
+            torch.matmul(a, weight.t())
+
+        def fused(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
+            triton_products.dual_matvec(a, s, t)
+
+        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
+            wide = a.float()
+            torch.mv(wide, s)
+            torch.mv(wide.abs(), t)
+
+        product_ms = _cuda_ms(product, repeats)
+        for row, ms in (("the product (a @ W^T)", product_ms),
+                        ("triton product pass (a s, |a| t)", _cuda_ms(fused, repeats)),
+                        ("torch product pass", _cuda_ms(torch_form, repeats))):
+            gbps = a.numel() * a.element_size() / (ms * 1e-3) / 1e9
+            lines.append(f"{row:<40} {name:<9} {ms:8.3f} {gbps:8.1f} {ms / product_ms:9.3f}")
+        del a, weight
+    return "\n".join(lines)
+
+
 def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
     """Median milliseconds of ``fn`` on the current stream by CUDA events (after one untimed call)."""
     fn()
@@ -269,6 +337,7 @@ def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHEC
         return report
     report.checks.append(("triton, torch and cpu fingerprints equal bit for bit", check_fingerprints(device, sizes)))
     report.checks.append(("triton bucket passes have the cpu's bits", check_bucket_passes(device, sizes)))
+    report.checks.append(("triton product pass within fp32 rounding", check_product_pass(device)))
     if device.type == "cuda":
         report.timings = time_kernels(device, repeats)
     return report
@@ -288,4 +357,5 @@ def run(table: Rows, device: torch.device, repeats: int = 10) -> bool:
     if report.timings:
         print(f"GPU kernels against the copy bandwidth (target {TARGET}x, not asserted):")
         print(format_timings(report.timings))
+        print(time_product_pass(device, repeats))
     return report.failed

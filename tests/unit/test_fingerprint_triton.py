@@ -284,7 +284,8 @@ def test_the_device_benchmarks_checks_pass_and_catch_a_wrong_kernel(monkeypatch:
 
     report = dk.measure(torch.device("cpu"), sizes=(1025,))
     assert [name for name, _ in report.checks] == ["triton, torch and cpu fingerprints equal bit for bit",
-                                                   "triton bucket passes have the cpu's bits"]
+                                                   "triton bucket passes have the cpu's bits",
+                                                   "triton product pass within fp32 rounding"]
     assert not report.failed, report.checks
     assert report.timings == []  # timed on a GPU only
     real = tf.fingerprint
@@ -292,6 +293,33 @@ def test_the_device_benchmarks_checks_pass_and_catch_a_wrong_kernel(monkeypatch:
     report = dk.measure(torch.device("cpu"), sizes=(1025,))
     assert report.failed
     assert "torch.float32 n=1025 triton vs cpu" in report.checks[0][1][0]
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreted")
+def test_the_device_benchmarks_product_pass_table_runs_and_its_check_catches_a_wrong_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import device_kernels as dk
+    from sdcguard.agent.kernels import triton_products
+
+    calls: list[int] = []
+
+    def timed(fn: Callable[[], object], repeats: int) -> float:  # CUDA events are a GPU's: run it once here
+        fn()
+        calls.append(repeats)
+        return 2.0 if len(calls) % 3 == 1 else 0.5
+
+    monkeypatch.setattr(dk, "_cuda_ms", timed)
+    table = dk.time_product_pass(torch.device("cpu"), repeats=3, operand=(64, 128)).splitlines()
+    assert table[0].startswith("the product checks' pass over a 64 x 128 operand")
+    rows = [line.split() for line in table[2:]]
+    assert [row[-1] for row in rows] == ["1.000", "0.250", "0.250"] * 2  # each against its own product
+    assert calls == [3] * 6
+    real = triton_products.dual_matvec
+    monkeypatch.setattr(triton_products, "dual_matvec", lambda a, s, t: (real(a, s, t)[0] * 1.001, real(a, s, t)[1]))
+    problems = dk.check_product_pass(torch.device("cpu"), shapes=((40, 300),))
+    assert len(problems) == 6
+    assert "outside fp32 rounding" in problems[0]
 
 
 def test_the_device_benchmark_says_why_it_did_not_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,157 @@
+"""The product checks' fused Triton pass over an operand (``sdcguard.agent.kernels.triton_products``), run on the CPU
+by Triton's interpreter: ``a @ s`` and ``|a| @ t`` within fp32 rounding for every dtype and layout it reads, and the
+checks give the same verdicts through it as through torch's operators, naming the same sites."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from sdcguard.agent import native
+from sdcguard.agent.product_checks import ProductChecks
+from sdcguard.agent.testing.train import SyntheticData, loss_fn
+from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
+
+# Triton decides when it is imported whether kernels run in its interpreter (see test_fingerprint_triton.py).
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the dev extra has it)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_interpret_setting() -> Iterator[None]:
+    yield
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDCGUARD_FINGERPRINT_KERNEL=triton with Triton's interpreter on (for this test; restored after)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(native.KERNEL_ENV, "triton")
+
+
+def _exact(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    ad, sd, td = a.double(), s.double().unsqueeze(-1), t.double().unsqueeze(-1)
+    return (ad @ sd).squeeze(-1), (ad.abs() @ td).squeeze(-1), (ad.abs() @ sd.abs()).squeeze(-1)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["rows", "columns", "batched rows", "batched columns", "every other column"])
+def test_the_fused_pass_equals_its_definition_within_rounding(dtype: torch.dtype, layout: str) -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    for r, p in [(1, 1), (33, 129), (70, 300)]:  # either side of a program's 32 rows and a step's 128 columns
+        g = torch.Generator().manual_seed(r * 1000 + p)
+        batch = 3 if "batched" in layout else 1
+        a = (torch.randn(batch, r, 2 * p, generator=g) * torch.logspace(-2, 2, 2 * p)).to(dtype)
+        a = a[..., ::2] if layout == "every other column" else a[..., :p]
+        if "columns" in layout:
+            a = a.mT.contiguous().mT  # the same values stored by columns
+        if batch == 1:
+            a = a[0]
+        s = torch.randn(*([batch] if batch > 1 else []), p, generator=g)
+        t = torch.rand(*([batch] if batch > 1 else []), p, generator=g)
+        e, b = triton_products.dual_matvec(a, s, t)
+        assert e.shape == b.shape == a.shape[:-1]
+        assert e.dtype == b.dtype == torch.float32
+        exact_e, exact_b, scale = _exact(a, s, t)
+        # Any order of fp32 additions (the operand widened exactly): within gamma_p of the sum of magnitudes.
+        allowed = (p + 1) * 2.0 ** -24 / (1 - (p + 1) * 2.0 ** -24)
+        assert torch.all((e.double() - exact_e).abs() <= allowed * scale + 1e-30), (r, p)
+        assert torch.all((b.double() - exact_b).abs() <= allowed * exact_b + 1e-30), (r, p)
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_nan_carries_into_its_row_and_what_it_does_not_read_is_refused() -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    a = torch.ones(4, 40, dtype=torch.bfloat16)
+    a[2, 17] = math.nan
+    e, b = triton_products.dual_matvec(a, torch.ones(40), torch.ones(40))
+    assert torch.isnan(e[2])
+    assert torch.isnan(b[2])
+    assert not torch.isnan(e[[0, 1, 3]]).any()
+    with pytest.raises(ValueError, match=r"dual_matvec: reads .* got torch.float64"):
+        triton_products.dual_matvec(torch.ones(4, 4, dtype=torch.float64), torch.ones(4), torch.ones(4))
+    with pytest.raises(ValueError, match="dual_matvec: reads"):
+        triton_products.dual_matvec(torch.ones(4, 4), torch.ones(4, dtype=torch.float64), torch.ones(4))
+
+
+def test_where_triton_cannot_run_the_call_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    monkeypatch.setenv(native.KERNEL_ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(native.TritonKernelError, match="TRITON_INTERPRET"):
+        triton_products.dual_matvec(torch.ones(4, 4), torch.ones(4), torch.ones(4))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_the_checks_judge_alike_through_the_fused_pass_and_through_torch(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype | None) -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    calls = [0]
+    real = triton_products.dual_matvec
+
+    def counted(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += 1
+        return real(a, s, t)
+
+    monkeypatch.setattr(triton_products, "dual_matvec", counted)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flags = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv(native.KERNEL_ENV, mode)
+        model = _model()
+        checks = ProductChecks(model)
+        data = SyntheticData(SHAPE, torch.device("cpu"))
+        torch.manual_seed(0)
+        checks.begin_step()
+        with checks.watching(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss_fn(model, data(0, 0)).backward()
+        seen = [checks.flags.clone()]
+        # A flip well above the bound, through the same path.
+        layer = nn.Linear(48, 48, bias=False)
+        x = torch.randn(32, 48)
+        corrupted = nn.functional.linear(x, layer.weight.detach())
+        corrupted[3, 5] *= 2.0 ** 16
+        checks.begin_step()
+        checks._verify_product(x, layer.weight.detach().t(), corrupted, None, 1.0, 1.0, "probe")
+        seen.append(checks.flags.clone())
+        flags[mode] = seen
+        if mode == "triton":
+            # Every product's pass over its operand, and the row sums of every operand that is not a weight.
+            assert calls[0] >= 2 * (len(FORWARD) + len(BACKWARD))
+            calls[0] = 0
+    assert calls == [0]  # torch's form runs no fused kernel
+    for fused_flags, torch_flags in zip(flags["triton"], flags["torch"], strict=True):
+        assert torch.equal(fused_flags, torch_flags)
+    assert int(flags["triton"][0].sum()) == 0
+    assert int(flags["triton"][1].sum()) == 1
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_a_flip_inside_a_backward_product_is_named_through_the_fused_pass() -> None:
+    # blocks.1's attention dA: both of its operands are activations, so both passes run the fused kernel.
+    target = BACKWARD.index("blocks.1 #1 backward dA")
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    with _flip_product("bwd", target, bit=30) as fired, checks.watching():
+        loss_fn(model, data(0, 0)).backward()
+    assert fired == [1]
+    assert [s for _, s in checks.findings(checks.flags.reshape(1, -1))] == [BACKWARD[target]]
