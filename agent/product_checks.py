@@ -270,8 +270,8 @@ class ProductChecks:
         self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the
-        compiled check wrote straight into ``_rows`` (its span in ``_spans``)."""
-        self._rows = torch.empty(2, 0, dtype=torch.float32)
+        compiled or fused check wrote straight into ``_rows`` (its span in ``_spans``; on the rank's device)."""
+        self._rows = torch.empty(2, 0, dtype=torch.float32, device=self.device)
         self._rows_at = (0, 0)
         """The addresses of ``_rows``' two rows (differences, bounds)."""
         self._spans: list[tuple[int, int]] = []
@@ -519,7 +519,8 @@ class ProductChecks:
             return
         work = torch.float64 if a.dtype == torch.float64 else torch.float32
         sums_b, abs_sums_b = self._row_stats(b, work)
-        if self._kernel is not None and self._row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta):
+        if (self._fused is not None and self._fused_row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta)) or (
+                self._kernel is not None and self._row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta)):
             self._queued(arithmetic, coefficient, absolute, c.shape[:-1].numel(), site)
             return
         observed = c.sum(-1, dtype=work)
@@ -587,11 +588,30 @@ class ProductChecks:
         self._spans.append((start, start + rows))
         return True
 
+    def _fused_row_check(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor,
+                         bias: torch.Tensor | None, alpha: float, beta: float) -> bool:
+        """The whole check of a product by the fused Triton kernel (``triton_products.row_check``: one launch where
+        torch takes five to eleven operations, no copy of an operand), written straight into the pass's rows on
+        the device; False where it does not apply (then the torch form runs)."""
+        fused = self._fused
+        reads = fused.READS
+        if a.device.type != self.device.type or not fused.readable(a, s) or c.dtype not in reads or (
+                bias is not None and beta != 0 and (bias.dtype not in reads or bias.numel() != bias.shape[-1]
+                                                    or bias.shape[-1] not in (1, c.shape[-1]))):
+            return False
+        rows = c.shape[:-1].numel()
+        start = self._reserve(rows)
+        fused.row_check(a, s, t, c, bias if beta != 0 else None, alpha, beta, self._rows, start)
+        self._pending.append(None)
+        self._spans.append((start, start + rows))
+        return True
+
     def _reserve(self, count: int) -> int:
         """The start of ``count`` fresh slots of ``_rows`` after the pass's last (grown, kept, as needed)."""
         start = self._spans[-1][1] if self._spans else 0
         if start + count > self._rows.shape[1]:
-            grown = torch.empty(2, max(2 * self._rows.shape[1], start + count, 4096), dtype=torch.float32)
+            grown = torch.empty(2, max(2 * self._rows.shape[1], start + count, 4096), dtype=torch.float32,
+                                device=self._rows.device)
             grown[:, :start] = self._rows[:, :start]
             self._rows = grown
             self._rows_at = (grown[0].data_ptr(), grown[1].data_ptr())

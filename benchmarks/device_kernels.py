@@ -38,6 +38,8 @@ CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, t
 CHECKED_SIZES = (0, 1, 1023, 1025, 4095, 4097, 5 * 4096 + 1037, (1 << 20) + 13)
 TARGET = 0.8
 """The kernels' target as a fraction of the copy bandwidth (a target, reported, not asserted)."""
+PRODUCT_SHAPES = ((33, 129), (300, 1031))
+"""(rows, accumulation length) of the product checks' kernels' checks: either side of a program's tile, and larger."""
 PRODUCT_OPERAND = (8192, 4096)
 """The operand the product checks' pass is timed on: 8,192 tokens into a 4,096-wide layer, beside the product
 it checks (with a 4,096 x 4,096 weight)."""
@@ -194,11 +196,14 @@ def check_bucket_passes(device: torch.device, sizes: Sequence[int] = CHECKED_SIZ
     return problems
 
 
-def check_product_pass(device: torch.device, shapes: Sequence[tuple[int, int]] = ((33, 129), (300, 1031))
-                       ) -> list[str]:
-    """The product checks' fused pass (``sdcguard.agent.kernels.triton_products``): ``a @ s`` and ``|a| @ t``
-    within fp32 rounding of their fp64 definition, for every dtype it reads, by rows and by columns."""
+def check_product_pass(device: torch.device, shapes: Sequence[tuple[int, int]] = PRODUCT_SHAPES) -> list[str]:
+    """The product checks' fused kernels (``sdcguard.agent.kernels.triton_products``) on ``device``: the pass
+    over an operand (``a @ s``, ``|a| @ t``) within fp32 rounding of its fp64 definition for every dtype it
+    reads, by rows and by columns; and the whole check of a product the device itself computed (``Linear``
+    with a bias, through the device's own GEMM) within the checks' bound when clean and outside it with one
+    element corrupted: what a false alarm or a miss on this GPU would look like."""
     from sdcguard.agent.kernels import triton_products
+    from sdcguard.agent.product_checks import Arithmetic
 
     problems = []
     for dtype in triton_products.READS:
@@ -218,44 +223,71 @@ def check_product_pass(device: torch.device, shapes: Sequence[tuple[int, int]] =
                 if bool(off_e.any()) or bool(off_b.any()):
                     problems.append(f"{dtype} {r}x{p} by {layout}: {int(off_e.sum())} + {int(off_b.sum())} rows "
                                     "outside fp32 rounding of the definition")
+            g = torch.Generator().manual_seed(r + p)
+            x = torch.randn(r, p, generator=g).to(dtype).to(device)
+            weight = (torch.randn(p, p // 2 + 1, generator=g) / math.sqrt(p)).to(dtype).to(device)
+            bias = torch.randn(p // 2 + 1, generator=g).to(dtype).to(device)
+            y = torch.nn.functional.linear(x, weight.t(), bias)  # the device's GEMM (addmm), as a model runs it
+            arithmetic = Arithmetic.of(dtype, dtype, device, conv=False)
+            if arithmetic is None:
+                problems.append(f"{dtype}: the checks have no bound for it")
+                continue
+            coefficient = arithmetic.coefficient(p + 2, y.shape[-1])
+            absolute = arithmetic.absolute(p, y.shape[-1])
+            s, t = weight.float().sum(-1), weight.float().abs().sum(-1)
+            for corrupted in (False, True):
+                if corrupted:
+                    y[r // 2, 1] += 1e4  # far above any rounding of these sizes, and finite in every dtype
+                rows = torch.empty(2, r, device=device)
+                triton_products.row_check(x, s, t, y, bias, 1.0, 1.0, rows, 0)
+                over = (rows[0] > coefficient * rows[1] + absolute).cpu()
+                want = [r // 2] if corrupted else []
+                if over.nonzero().flatten().tolist() != want:
+                    problems.append(f"{dtype} {r}x{p} linear{' corrupted' if corrupted else ''}: rows over the bound "
+                                    f"{over.nonzero().flatten().tolist()[:5]}, expected {want}")
     return problems
 
 
 def time_product_pass(device: torch.device, repeats: int = 10,
                       operand: tuple[int, int] = PRODUCT_OPERAND) -> str:
-    """The product checks' pass over an ``operand``-shaped operand on a GPU, fused (Triton) and in torch's
-    form (a widened copy, an ``|a|`` copy, two matrix-vector products), beside the product it checks; as ms,
-    GB/s of one read of the operand, and a fraction of the product's time. A table (CUDA only)."""
+    """The product checks' whole check of one product on a GPU (an ``operand``-shaped input into a square weight),
+    fused (one Triton launch: ``row_check``) and in torch's form (a widened copy, an ``|a|`` copy, two
+    matrix-vector products, the row sums of the result and the difference), beside the product itself; as ms,
+    GB/s of one read of the input and the result, and a fraction of the product's time. A table (CUDA only)."""
     from sdcguard.agent.kernels import triton_products
 
     r, p = operand
-    lines = [f"the product checks' pass over a {r} x {p} operand, beside the product with a {p} x {p} weight:",
+    lines = [f"the product checks' check of one {r} x {p} by {p} x {p} product, beside the product:",
              f"{'row':<40} {'dtype':<9} {'ms':>8} {'GB/s':>8} {'x product':>9}"]
     for dtype in TIMED_DTYPES:
         name = str(dtype).removeprefix("torch.")
         a = torch.randn(r, p, device=device).to(dtype)
         weight = torch.randn(p, p, device=device).to(dtype)
-        s = torch.randn(p, device=device)
-        t = s.abs()
+        c = a @ weight.t()
+        s = weight.float().sum(-1)
+        t = weight.float().abs().sum(-1)
+        rows = torch.empty(2, r, device=device)
 
         def product(a: torch.Tensor = a, weight: torch.Tensor = weight) -> None:
             torch.matmul(a, weight.t())
 
-        def fused(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
-            triton_products.dual_matvec(a, s, t)
+        def fused(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c,
+                  rows: torch.Tensor = rows) -> None:
+            triton_products.row_check(a, s, t, c, None, 1.0, 1.0, rows, 0)
 
-        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
+        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c) -> None:
             wide = a.float()
-            torch.mv(wide, s)
+            expected = torch.mv(wide, s)
             torch.mv(wide.abs(), t)
+            torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
 
+        moved = (a.numel() + c.numel()) * a.element_size()
         product_ms = _cuda_ms(product, repeats)
         for row, ms in (("the product (a @ W^T)", product_ms),
-                        ("triton product pass (a s, |a| t)", _cuda_ms(fused, repeats)),
-                        ("torch product pass", _cuda_ms(torch_form, repeats))):
-            gbps = a.numel() * a.element_size() / (ms * 1e-3) / 1e9
-            lines.append(f"{row:<40} {name:<9} {ms:8.3f} {gbps:8.1f} {ms / product_ms:9.3f}")
-        del a, weight
+                        ("triton check (row_check, one launch)", _cuda_ms(fused, repeats)),
+                        ("torch form of the check", _cuda_ms(torch_form, repeats))):
+            lines.append(f"{row:<40} {name:<9} {ms:8.3f} {moved / (ms * 1e-3) / 1e9:8.1f} {ms / product_ms:9.3f}")
+        del a, weight, c
     return "\n".join(lines)
 
 
@@ -325,8 +357,10 @@ def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[in
     return timings
 
 
-def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHECKED_SIZES) -> Report:
-    """The checks (tensors of ``sizes`` elements), then on a GPU the timings, on ``device``. Without Triton,
+def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHECKED_SIZES,
+            product_shapes: Sequence[tuple[int, int]] = PRODUCT_SHAPES) -> Report:
+    """The checks (tensors of ``sizes`` elements, products of ``product_shapes``), then on a GPU the timings, on
+    ``device``. Without Triton,
     or off a GPU without Triton's interpreter, a single failed check saying why (nothing runs in its place)."""
     from sdcguard.agent.kernels import triton_fingerprint as tf
 
@@ -337,7 +371,8 @@ def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHEC
         return report
     report.checks.append(("triton, torch and cpu fingerprints equal bit for bit", check_fingerprints(device, sizes)))
     report.checks.append(("triton bucket passes have the cpu's bits", check_bucket_passes(device, sizes)))
-    report.checks.append(("triton product pass within fp32 rounding", check_product_pass(device)))
+    report.checks.append(("triton product checks: rounding, clean GEMM silent, corruption caught",
+                          check_product_pass(device, product_shapes)))
     if device.type == "cuda":
         report.timings = time_kernels(device, repeats)
     return report

@@ -309,3 +309,53 @@ def dual_matvec_kernel(a_ptr, r, p, row_blocks, stride_batch, stride_row, stride
     out = batch.to(tl.int64) * r + rows
     tl.store(out_ptr + out, dot, mask=row_ok)
     tl.store(out_ptr + total + out, dot_abs, mask=row_ok)
+
+
+@triton.jit
+def row_check_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+                     c_ptr, n, c_batch, c_row, c_col, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
+                     start, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The whole check of one product ``c = beta·bias + alpha·(a @ b)`` by its row sums, ``sdc_row_check``'s on a
+    GPU: ``a @ (b 1)`` and ``|a| @ (|b| 1)`` (``s``, ``t``) in one read of ``a``, the row sums of ``c`` in one
+    read of ``c``, the bias row's sums (``bias_stride`` 0: one value), then per row the difference
+    ``|c 1 - (alpha·a s + beta·Σ bias)|`` and its bound ``|alpha|·|a| t + |beta|·Σ|bias|``, written at
+    ``rows[0, start + row]`` and ``rows[1, start + row]`` (rows numbered across the batch). Operands fp16, bf16 or
+    fp32, any strides, widened in registers; fp32 arithmetic."""
+    pid = tl.program_id(0)
+    batch = pid // row_blocks
+    rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < r
+    a_base = a_ptr + batch.to(tl.int64) * a_batch
+    a_at = rows.to(tl.int64) * a_row
+    vectors = batch.to(tl.int64) * vector_stride
+    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
+    dot_abs = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k in range(0, p, BLOCK_P):
+        cols = k + tl.arange(0, BLOCK_P)
+        col_ok = cols < p
+        tile = tl.load(a_base + a_at[:, None] + cols.to(tl.int64)[None, :] * a_col,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + vectors + cols, mask=col_ok, other=0.0)
+        t = tl.load(t_ptr + vectors + cols, mask=col_ok, other=0.0)
+        dot += tl.sum(tile * s[None, :], axis=1)
+        dot_abs += tl.sum(tl.abs(tile) * t[None, :], axis=1)
+    c_base = c_ptr + batch.to(tl.int64) * c_batch
+    c_at = rows.to(tl.int64) * c_row
+    observed = tl.zeros([BLOCK_R], dtype=tl.float32)
+    total = tl.zeros([BLOCK_P], dtype=tl.float32)
+    magnitude = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for j in range(0, n, BLOCK_P):
+        cols = j + tl.arange(0, BLOCK_P)
+        col_ok = cols < n
+        tile = tl.load(c_base + c_at[:, None] + cols.to(tl.int64)[None, :] * c_col,
+                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        observed += tl.sum(tile, axis=1)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols.to(tl.int64) * bias_stride, mask=col_ok, other=0.0).to(tl.float32)
+            total += bias
+            magnitude += tl.abs(bias)
+    shift = beta * tl.sum(total, axis=0)
+    shift_abs = tl.abs(beta) * tl.sum(magnitude, axis=0)
+    out = start + batch.to(tl.int64) * r + rows
+    tl.store(rows_ptr + out, tl.abs(observed - (alpha * dot + shift)), mask=row_ok)
+    tl.store(rows_ptr + rows_stride + out, tl.abs(alpha) * dot_abs + shift_abs, mask=row_ok)

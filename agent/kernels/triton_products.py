@@ -1,12 +1,20 @@
-"""The product checks' pass over an operand as one fused Triton kernel: ``(a @ s, |a| @ t)`` in one read of ``a``.
+"""The product checks' kernels for a GPU, in Triton: a product checked whole in one launch, from one read of each
+operand.
 
-On a GPU the torch form of this pass (``sdcguard.agent.product_checks``) widens a
-bf16 or fp16 operand to an fp32 copy, makes a second copy for ``|a|`` and reads
-each in a matrix-vector product: five passes over an operand as large as the
-product's input, and two allocations of it, per product. This kernel reads
-``a`` once, in its own layout and dtype, widens it in registers and writes two
-fp32 vectors. It serves both of a product's passes: the row sums of an operand
-that is not a weight (``s = t = 1``) and the check of the other operand.
+On a GPU the torch form of a product's check (``sdcguard.agent.product_checks``)
+widens a bf16 or fp16 operand to an fp32 copy, makes a second copy for ``|a|``,
+reads each in a matrix-vector product, then sums the result and takes the
+difference: up to five passes over an operand as large as the product's input,
+two allocations of it and five to eleven operations per product. Here:
+
+- ``row_check``: the whole check (``sdc_row_check``'s on the device): ``a @ s``
+  and ``|a| @ t`` in one read of ``a``, the row sums of the result in one read
+  of it, the bias row, and each row's difference and bound written into the
+  pass's rows, where the checks judge them with the pass's others;
+- ``dual_matvec``: ``(a @ s, |a| @ t)`` alone, for the row sums of an operand
+  that is not a weight (``s = t = 1``).
+
+Both read fp16, bf16 or fp32 in any layout, widened in registers, in fp32.
 
 Chosen as the fingerprint's kernels are (``sdcguard.agent.fingerprint.triton_kernels_for``:
 ``SDCGUARD_FINGERPRINT_KERNEL=triton`` on a GPU, or the CPU under
@@ -57,3 +65,40 @@ def dual_matvec(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torc
         p if per_entry else 0, out, batch * r, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)
     shape = (batch, r) if batched else (r,)
     return out[0].view(shape), out[1].view(shape)
+
+
+def row_check(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+              alpha: float, beta: float, rows: torch.Tensor, start: int) -> None:
+    """The whole check of one product ``c = beta·bias + alpha·(a @ b)`` in one launch (``sdc_row_check``'s on a
+    GPU): given ``s = b 1`` and ``t = |b| 1`` (fp32 ``[p]``, or ``[batch, p]``), writes each row's difference
+    ``|c 1 - (alpha·a s + beta·Σ bias)|`` into ``rows[0, start:]`` and its bound ``|alpha|·|a| t +
+    |beta|·Σ|bias|`` into ``rows[1, start:]``, rows numbered across the batch. ``bias``: None, or one row of
+    ``c``'s width (an ``nn.Linear``'s), or one value. One read of ``a`` and of ``c``, no copy.
+
+    Raises ValueError for operands it does not take (see :func:`readable`; ``c`` as ``a``, of ``a``'s rows, on
+    its device; ``rows`` fp32 [2, at least start + the rows] with unit stride), TritonKernelError where Triton
+    cannot run."""
+    triton_fingerprint.require(a.device)
+    batched = a.dim() == 3
+    batch, r, p = (a.shape[0], a.shape[1], a.shape[2]) if batched else (1, a.shape[0], a.shape[1])
+    n = c.shape[-1]
+    if not readable(a, s) or t.shape != s.shape or t.dtype != s.dtype or c.dtype not in READS or (
+            c.dim() != a.dim() or c.shape[:-1] != a.shape[:-1] or c.device != a.device) or (
+            bias is not None and (bias.dtype not in READS or bias.numel() != bias.shape[-1]
+                                  or bias.shape[-1] not in (1, n))) or (
+            rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[0] != 2 or rows.stride(1) != 1
+            or rows.shape[1] < start + batch * r or rows.device != a.device):
+        raise ValueError(f"row_check: takes a and c of {', '.join(str(d) for d in READS)} with the same rows, "
+                         f"a bias row of c's width or one value, and fp32 rows [2, >= {start + batch * r}] on "
+                         f"a's device; got a {a.dtype} {tuple(a.shape)}, c {c.dtype} {tuple(c.shape)}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}, rows {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    per_entry = s.dim() == 2 and s.shape[0] > 1
+    s, t = s.contiguous(), t.contiguous()
+    row_blocks = -(-r // BLOCK_R)
+    bias_stride = 0 if bias is None or bias.shape[-1] == 1 else bias.stride(-1)
+    triton_fingerprint._jit().row_check_kernel[(batch * row_blocks,)](
+        a, r, p, row_blocks, a.stride(0) if batched else 0, a.stride(-2), a.stride(-1), s, t,
+        p if per_entry else 0, c, n, c.stride(0) if batched else 0, c.stride(-2), c.stride(-1), float(alpha),
+        a if bias is None else bias, bias_stride, float(beta), rows, rows.stride(0), start,
+        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)

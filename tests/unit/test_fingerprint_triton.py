@@ -10,6 +10,7 @@ import shutil
 import struct
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -282,15 +283,15 @@ def test_the_device_benchmarks_checks_pass_and_catch_a_wrong_kernel(monkeypatch:
     from benchmarks import device_kernels as dk
     from sdcguard.agent.kernels import triton_fingerprint as tf
 
-    report = dk.measure(torch.device("cpu"), sizes=(1025,))
+    report = dk.measure(torch.device("cpu"), sizes=(1025,), product_shapes=((33, 129),))
     assert [name for name, _ in report.checks] == ["triton, torch and cpu fingerprints equal bit for bit",
                                                    "triton bucket passes have the cpu's bits",
-                                                   "triton product pass within fp32 rounding"]
+                                                   "triton product checks: rounding, clean GEMM silent, corruption caught"]
     assert not report.failed, report.checks
     assert report.timings == []  # timed on a GPU only
     real = tf.fingerprint
     monkeypatch.setattr(tf, "fingerprint", lambda t: real(t) + (t.numel() > 1000))
-    report = dk.measure(torch.device("cpu"), sizes=(1025,))
+    report = dk.measure(torch.device("cpu"), sizes=(1025,), product_shapes=((33, 129),))
     assert report.failed
     assert "torch.float32 n=1025 triton vs cpu" in report.checks[0][1][0]
 
@@ -311,15 +312,26 @@ def test_the_device_benchmarks_product_pass_table_runs_and_its_check_catches_a_w
 
     monkeypatch.setattr(dk, "_cuda_ms", timed)
     table = dk.time_product_pass(torch.device("cpu"), repeats=3, operand=(64, 128)).splitlines()
-    assert table[0].startswith("the product checks' pass over a 64 x 128 operand")
+    assert table[0].startswith("the product checks' check of one 64 x 128 by 128 x 128 product")
     rows = [line.split() for line in table[2:]]
     assert [row[-1] for row in rows] == ["1.000", "0.250", "0.250"] * 2  # each against its own product
     assert calls == [3] * 6
+    assert dk.check_product_pass(torch.device("cpu"), shapes=((40, 300),)) == []
     real = triton_products.dual_matvec
     monkeypatch.setattr(triton_products, "dual_matvec", lambda a, s, t: (real(a, s, t)[0] * 1.001, real(a, s, t)[1]))
     problems = dk.check_product_pass(torch.device("cpu"), shapes=((40, 300),))
     assert len(problems) == 6
     assert "outside fp32 rounding" in problems[0]
+    monkeypatch.setattr(triton_products, "dual_matvec", real)
+    real_check = triton_products.row_check
+
+    def blind(*args: Any) -> None:  # a check that never sees a difference
+        real_check(*args)
+        args[7][0].zero_()
+
+    monkeypatch.setattr(triton_products, "row_check", blind)
+    problems = dk.check_product_pass(torch.device("cpu"), shapes=((40, 300),))
+    assert [line.split(":")[0] for line in problems] == [f"{d} 40x300 linear corrupted" for d in triton_products.READS]
 
 
 def test_the_device_benchmark_says_why_it_did_not_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -75,6 +76,53 @@ def test_the_fused_pass_equals_its_definition_within_rounding(dtype: torch.dtype
 
 
 @pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["rows, bias row", "columns, one bias value", "batched, no bias",
+                                  "batched columns, strided bias, alpha and beta"])
+def test_the_fused_check_of_a_product_equals_its_definition_within_rounding(dtype: torch.dtype, case: str) -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    g = torch.Generator().manual_seed(len(case))
+    batch = 2 if "batched" in case else 1
+    r, p, n = 45, 150, 140  # either side of a program's rows and a step's columns
+    a = torch.randn(batch, r, p, generator=g).to(dtype)
+    b = torch.randn(batch, p, n, generator=g).to(dtype)
+    alpha, beta = (0.5, -2.0) if "alpha" in case else (1.0, 1.0)
+    bias = None
+    if "bias row" in case:
+        bias = torch.randn(n, generator=g).to(dtype)
+    elif "one bias value" in case:
+        bias = torch.randn(1, generator=g).to(dtype)
+    elif "strided bias" in case:
+        bias = torch.randn(2 * n, generator=g).to(dtype)[::2]
+    c = alpha * (a.double() @ b.double()) + (0 if bias is None else beta * bias.double())
+    c = c.to(dtype)
+    if "columns" in case:
+        a, c = a.mT.contiguous().mT, c.mT.contiguous().mT
+    if batch == 1:
+        a, b, c = a[0], b[0], c[0]
+    s, t = b.float().sum(-1), b.float().abs().sum(-1)
+    rows = torch.full((2, 5 + batch * r + 3), -1.0)
+    triton_products.row_check(a, s, t, c, bias, alpha, beta, rows, start=5)
+    # Only its own span written.
+    assert torch.equal(rows[:, :5], torch.full((2, 5), -1.0))
+    assert torch.equal(rows[:, -3:], torch.full((2, 3), -1.0))
+    difference, bound = rows[0, 5:-3].double(), rows[1, 5:-3].double()
+    bias_sum = 0.0 if bias is None else float(bias.double().sum()) * (n if bias.numel() == 1 else 1)
+    bias_abs = 0.0 if bias is None else float(bias.double().abs().sum()) * (n if bias.numel() == 1 else 1)
+    exact_e = alpha * (a.double() @ s.double().unsqueeze(-1)).squeeze(-1) + beta * bias_sum
+    exact_b = abs(alpha) * (a.double().abs() @ t.double().unsqueeze(-1)).squeeze(-1) + abs(beta) * bias_abs
+    exact_d = (c.double().sum(-1) - exact_e).abs().reshape(-1)
+    # fp32 sums of p and n terms: within gamma of the magnitudes they add (the bound's own terms).
+    allowed = (p + n + 4) * 2.0 ** -24 / (1 - (p + n + 4) * 2.0 ** -24)
+    magnitude = exact_b.reshape(-1) + c.double().abs().sum(-1).reshape(-1)
+    assert torch.all((difference - exact_d).abs() <= allowed * magnitude + 1e-30)
+    assert torch.all((bound - exact_b.reshape(-1)).abs() <= allowed * exact_b.reshape(-1) + 1e-30)
+    with pytest.raises(ValueError, match=r"row_check: takes .* rows \[2, >= "):
+        triton_products.row_check(a, s, t, c, bias, alpha, beta, rows[:, :4], start=5)
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_a_nan_carries_into_its_row_and_what_it_does_not_read_is_refused() -> None:
     from sdcguard.agent.kernels import triton_products
 
@@ -104,14 +152,18 @@ def test_the_checks_judge_alike_through_the_fused_pass_and_through_torch(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype | None) -> None:
     from sdcguard.agent.kernels import triton_products
 
-    calls = [0]
-    real = triton_products.dual_matvec
+    calls = {"row_check": 0, "dual_matvec": 0}
 
-    def counted(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        calls[0] += 1
-        return real(a, s, t)
+    def counting(name: str) -> Any:
+        real = getattr(triton_products, name)
 
-    monkeypatch.setattr(triton_products, "dual_matvec", counted)
+        def counted(*args: object) -> object:
+            calls[name] += 1
+            return real(*args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(triton_products, name, counting(name))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flags = {}
     for mode in ("triton", "torch"):
@@ -134,10 +186,12 @@ def test_the_checks_judge_alike_through_the_fused_pass_and_through_torch(
         seen.append(checks.flags.clone())
         flags[mode] = seen
         if mode == "triton":
-            # Every product's pass over its operand, and the row sums of every operand that is not a weight.
-            assert calls[0] >= 2 * (len(FORWARD) + len(BACKWARD))
-            calls[0] = 0
-    assert calls == [0]  # torch's form runs no fused kernel
+            # Every product (and the probe) checked whole in one launch; the row sums of an operand that is not
+            # a weight (an activation, a gradient) in one read.
+            assert calls["row_check"] == len(FORWARD) + len(BACKWARD) + 1
+            assert calls["dual_matvec"] > 0
+            calls.update(row_check=0, dual_matvec=0)
+    assert calls == {"row_check": 0, "dual_matvec": 0}  # torch's form runs no fused kernel
     for fused_flags, torch_flags in zip(flags["triton"], flags["torch"], strict=True):
         assert torch.equal(fused_flags, torch_flags)
     assert int(flags["triton"][0].sum()) == 0
