@@ -334,6 +334,32 @@ def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
 
 
 STEP_ROWS = ("plain DDP", "guard, defaults", "guard, defaults + product checks")
+TRITON_ROW = "guard, defaults + products, triton"
+"""A fourth row on a GPU where Triton runs: the third with ``SDCGUARD_FINGERPRINT_KERNEL=triton`` (the guard's
+checks and the product checks by the fused kernels). Should it raise, it is dropped with the error printed, and
+the other rows stand."""
+
+
+def _fused_row(device: torch.device) -> bool:
+    """Whether ``time_steps`` adds ``TRITON_ROW``: on a GPU where Triton runs."""
+    return device.type == "cuda" and device_kernels.triton_unavailable(device) is None
+
+
+@contextlib.contextmanager
+def _kernel_setting(value: str | None) -> Iterator[None]:
+    """``SDCGUARD_FINGERPRINT_KERNEL`` set to ``value`` inside (None: as it is); restored after."""
+    from sdcguard.agent import native
+
+    before = os.environ.get(native.KERNEL_ENV)
+    if value is not None:
+        os.environ[native.KERNEL_ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(native.KERNEL_ENV, None)
+        else:
+            os.environ[native.KERNEL_ENV] = before
 
 
 def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
@@ -341,7 +367,8 @@ def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
     plain DDP, under the guard's defaults, and under the defaults with product checks on; a world of one.
 
     Each row has its own model, optimizer and guard; the rows take turns a step at a time, in an order rotated
-    every round (round 0 warms up and is dropped), each step timed to the device's completion. Returns the
+    every round (round 0 warms up and is dropped), each step timed to the device's completion. On a GPU where
+    Triton runs, a fourth row (``TRITON_ROW``) runs the product checks' row with the fused kernels. Returns the
     median seconds per step by row (``print_steps`` prints them). A world of one has no other node, so no ring audit or confirmation runs:
     this is the every-step checks' cost (and the weight check at its cadence), not the audit's."""
     from benchmarks.bench_products import _gpt_example
@@ -352,8 +379,9 @@ def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
     sampler = example.TokenSampler(cfg, micro_batch=8, accum=1, device=device)
     scratch = tempfile.mkdtemp(prefix="sdcguard-bench-")
     steps: dict[str, Callable[[int], object]] = {}
+    rows: tuple[str, ...] = (*STEP_ROWS, TRITON_ROW) if _fused_row(device) else STEP_ROWS
     try:
-        for row in STEP_ROWS:
+        for row in rows:
             torch.manual_seed(0)
             ddp = torch.nn.parallel.DistributedDataParallel(
                 example.GPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None)
@@ -366,20 +394,29 @@ def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
                 steps[row] = plain
                 continue
             where = os.path.join(scratch, str(len(steps)))
-            config = GuardConfig(on_alarm="continue", product_checks=row.endswith("product checks"),
+            config = GuardConfig(on_alarm="continue", product_checks=row != "guard, defaults",
                                  checkpoint_prefix=os.path.join(where, "checkpoints"),
                                  spool_dir=os.path.join(where, "spool"))
             guard = SDCGuard(ddp, optimizer, loss_fn=example.loss_fn, batch_for=lambda n, r: sampler(n, r)[0],
                              config=config, publisher=_Silent(), injection=None)  # type: ignore[arg-type]
             steps[row] = guard.step
-        times: dict[str, list[float]] = {row: [] for row in STEP_ROWS}
+        times: dict[str, list[float]] = {row: [] for row in rows}
         for round_ in range(rounds + 1):
-            shift = round_ % len(STEP_ROWS)
-            for row in STEP_ROWS[shift:] + STEP_ROWS[:shift]:
+            shift = round_ % len(rows)
+            for row in rows[shift:] + rows[:shift]:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 started = time.perf_counter()
-                steps[row](round_)
+                try:
+                    with _kernel_setting("triton" if row == TRITON_ROW else None):
+                        steps[row](round_)
+                except Exception as exc:
+                    if row != TRITON_ROW:
+                        raise
+                    print(f"bench device: the row {row!r} failed and was dropped: {type(exc).__name__}: {exc}")
+                    rows = STEP_ROWS
+                    del times[row]
+                    continue
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if round_:
@@ -393,7 +430,7 @@ def print_steps(medians: dict[str, float], device: torch.device, rounds: int) ->
     """``time_steps``' table: each row's median step and its ratio to plain DDP."""
     print(f"the GPT example's whole step on {device}, world 1, median of {rounds} interleaved rounds:")
     print(f"{'row':<34} {'ms':>9} {'x plain':>8}")
-    for row in STEP_ROWS:
+    for row in medians:
         print(f"{row:<34} {medians[row] * 1e3:9.2f} {medians[row] / medians['plain DDP']:8.3f}")
 
 

@@ -357,6 +357,13 @@ def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[in
     return timings
 
 
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on ``device``, or None when they can."""
+    from sdcguard.agent.kernels import triton_fingerprint as tf
+
+    return tf.unavailable_reason(device)
+
+
 def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHECKED_SIZES,
             product_shapes: Sequence[tuple[int, int]] = PRODUCT_SHAPES) -> Report:
     """The checks (tensors of ``sizes`` elements, products of ``product_shapes``), then on a GPU the timings, on

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,3 +89,21 @@ def test_an_unusable_device_is_refused_by_name(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         bench_device.main(["--device", "warp-drive"])
     assert "--device warp-drive" in capsys.readouterr().err
+
+
+def test_a_fused_kernel_row_that_fails_is_dropped_and_the_others_stand(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fourth row asks for the Triton kernels; here (no GPU, no interpreter) they cannot run.
+    monkeypatch.setattr(bench_device, "_fused_row", lambda _device: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = os.environ.get("SDCGUARD_FINGERPRINT_KERNEL")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        medians = bench_device.time_steps(torch.device("cpu"), rounds=1)
+    finally:
+        dist.destroy_process_group()
+    assert list(medians) == list(bench_device.STEP_ROWS)
+    assert all(seconds > 0 for seconds in medians.values())
+    out = capsys.readouterr().out
+    assert f"the row {bench_device.TRITON_ROW!r} failed and was dropped: TritonKernelError" in out
+    assert os.environ.get("SDCGUARD_FINGERPRINT_KERNEL") == before  # the setting restored
