@@ -280,32 +280,43 @@ def finish_kernel(sums_ptr, n_chunks, parts_ptr, n_parts, descriptor_ptr, out_pt
     tl.store(out_ptr + 5, root.to(tl.int64, bitcast=True))
 
 
+
 @triton.jit
-def dual_matvec_kernel(a_ptr, r, p, row_blocks, stride_batch, stride_row, stride_col, s_ptr, t_ptr, vector_stride,
-                       out_ptr, total, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``(a @ s, |a| @ t)`` of a product check (``sdcguard.agent.product_checks``) in one read of ``a``
-    ([batch, r, p], any strides, fp16, bf16 or fp32, widened to fp32 in registers: no copy, no ``|a|``
-    tensor). One program per block of ``BLOCK_R`` rows of one batch entry; ``s`` and ``t`` are fp32 [p]
-    (``vector_stride`` 0) or one row per batch entry. Writes fp32 ``out[0:total]`` (``a @ s``) and
-    ``out[total:2 total]`` (``|a| @ t``), rows in order."""
-    pid = tl.program_id(0)
-    batch = pid // row_blocks
-    rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < r
-    base = a_ptr + batch.to(tl.int64) * stride_batch
-    row_at = rows.to(tl.int64) * stride_row
+def _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+               BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """``(a @ s, |a| @ t)`` for ``rows`` of batch entry ``batch`` of ``a`` (any strides and float dtype, widened
+    to fp32 in registers), in one read of them: the pass over an operand of the product checks."""
+    base = a_ptr + batch.to(tl.int64) * a_batch
+    row_at = rows.to(tl.int64) * a_row
     vectors = batch.to(tl.int64) * vector_stride
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
     dot_abs = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, p, BLOCK_P):
-        cols = start + tl.arange(0, BLOCK_P)
+    for k in range(0, p, BLOCK_P):
+        cols = k + tl.arange(0, BLOCK_P)
         col_ok = cols < p
-        tile = tl.load(base + row_at[:, None] + cols.to(tl.int64)[None, :] * stride_col,
+        tile = tl.load(base + row_at[:, None] + cols.to(tl.int64)[None, :] * a_col,
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         s = tl.load(s_ptr + vectors + cols, mask=col_ok, other=0.0)
         t = tl.load(t_ptr + vectors + cols, mask=col_ok, other=0.0)
         dot += tl.sum(tile * s[None, :], axis=1)
         dot_abs += tl.sum(tl.abs(tile) * t[None, :], axis=1)
+    return dot, dot_abs
+
+
+@triton.jit
+def dual_matvec_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+                       out_ptr, total, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """``(a @ s, |a| @ t)`` of a product check (``sdcguard.agent.product_checks``) in one read of ``a``
+    ([batch, r, p], any strides, fp16, bf16 or fp32: no copy, no ``|a|`` tensor). One program per block of
+    ``BLOCK_R`` rows of one batch entry; ``s`` and ``t`` are fp32 [p] (``vector_stride`` 0) or one row per
+    batch entry. Writes fp32 ``out[0:total]`` (``a @ s``) and ``out[total:2 total]`` (``|a| @ t``), rows in
+    order."""
+    pid = tl.program_id(0)
+    batch = pid // row_blocks
+    rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < r
+    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+                              BLOCK_R, BLOCK_P)
     out = batch.to(tl.int64) * r + rows
     tl.store(out_ptr + out, dot, mask=row_ok)
     tl.store(out_ptr + total + out, dot_abs, mask=row_ok)
@@ -325,20 +336,8 @@ def row_check_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_pt
     batch = pid // row_blocks
     rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < r
-    a_base = a_ptr + batch.to(tl.int64) * a_batch
-    a_at = rows.to(tl.int64) * a_row
-    vectors = batch.to(tl.int64) * vector_stride
-    dot = tl.zeros([BLOCK_R], dtype=tl.float32)
-    dot_abs = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k in range(0, p, BLOCK_P):
-        cols = k + tl.arange(0, BLOCK_P)
-        col_ok = cols < p
-        tile = tl.load(a_base + a_at[:, None] + cols.to(tl.int64)[None, :] * a_col,
-                       mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + vectors + cols, mask=col_ok, other=0.0)
-        t = tl.load(t_ptr + vectors + cols, mask=col_ok, other=0.0)
-        dot += tl.sum(tile * s[None, :], axis=1)
-        dot_abs += tl.sum(tl.abs(tile) * t[None, :], axis=1)
+    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+                              BLOCK_R, BLOCK_P)
     c_base = c_ptr + batch.to(tl.int64) * c_batch
     c_at = rows.to(tl.int64) * c_row
     observed = tl.zeros([BLOCK_R], dtype=tl.float32)
