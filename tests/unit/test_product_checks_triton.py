@@ -19,9 +19,11 @@ from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.testing.train import SyntheticData, loss_fn
 from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
 
-# Triton decides when it is imported whether kernels run in its interpreter (see test_fingerprint_triton.py).
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+# Triton decides when it is imported whether kernels run in its interpreter (see test_fingerprint_triton.py), so the
+# setting precedes any import of it; it is taken away after this file's tests only if this file made it (another
+# file collected earlier may have, and restores it itself).
+_SET_HERE = "TRITON_INTERPRET" not in os.environ
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the dev extra has it)")
@@ -30,10 +32,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 @pytest.fixture(scope="module", autouse=True)
 def _restore_interpret_setting() -> Iterator[None]:
     yield
-    if _INTERPRET_BEFORE is None:
+    if _SET_HERE:
         os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
 
 
 @pytest.fixture
