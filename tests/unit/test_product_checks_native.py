@@ -61,6 +61,17 @@ def test_a_nan_carries_into_its_sums_and_bad_strides_are_refused(kernel: native.
         _dual(kernel, strided, torch.ones(4), torch.ones(4))
 
 
+def probe_flags(checks: ProductChecks) -> torch.Tensor:
+    """The flags of one step in which ``checks`` saw only a product with one element far above its bound."""
+    layer = nn.Linear(48, 48, bias=False)
+    x = torch.randn(32, 48)
+    corrupted = nn.functional.linear(x, layer.weight.detach())
+    corrupted[3, 5] *= 2.0 ** 16
+    checks.begin_step()
+    checks._verify_product(x, layer.weight.detach().t(), corrupted, None, 1.0, 1.0, "probe")
+    return checks.flags.clone()
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_the_checks_judge_alike_through_the_compiled_pass_and_through_torch(
         kernel: native.Kernel, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype | None) -> None:  # noqa: F811
@@ -79,14 +90,7 @@ def test_the_checks_judge_alike_through_the_compiled_pass_and_through_torch(
             with checks.watching(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss_fn(model, data(step, 0)).backward()
             seen.append(checks.flags.clone())
-        # A flip well above the bound, through the same path.
-        layer = nn.Linear(48, 48, bias=False)
-        x = torch.randn(32, 48)
-        corrupted = nn.functional.linear(x, layer.weight.detach())
-        corrupted[3, 5] *= 2.0 ** 16
-        checks.begin_step()
-        checks._verify_product(x, layer.weight.detach().t(), corrupted, None, 1.0, 1.0, "probe")
-        seen.append(checks.flags.clone())
+        seen.append(probe_flags(checks))
         flags[mode] = seen
     for native_flags, torch_flags in zip(flags["native"], flags["torch"], strict=True):
         assert torch.equal(native_flags, torch_flags)

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from sdcguard.agent import native
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.testing.train import SyntheticData, loss_fn
 from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
+from tests.unit.test_product_checks_native import probe_flags
 
 # Triton decides when it is imported whether kernels run in its interpreter (see test_fingerprint_triton.py), so the
 # setting precedes any import of it; it is taken away after this file's tests only if this file made it (another
@@ -175,16 +175,7 @@ def test_the_checks_judge_alike_through_the_fused_pass_and_through_torch(
         checks.begin_step()
         with checks.watching(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss_fn(model, data(0, 0)).backward()
-        seen = [checks.flags.clone()]
-        # A flip well above the bound, through the same path.
-        layer = nn.Linear(48, 48, bias=False)
-        x = torch.randn(32, 48)
-        corrupted = nn.functional.linear(x, layer.weight.detach())
-        corrupted[3, 5] *= 2.0 ** 16
-        checks.begin_step()
-        checks._verify_product(x, layer.weight.detach().t(), corrupted, None, 1.0, 1.0, "probe")
-        seen.append(checks.flags.clone())
-        flags[mode] = seen
+        flags[mode] = [checks.flags.clone(), probe_flags(checks)]  # a clean pass, then a corrupted product
         if mode == "triton":
             # Every product (and the probe) checked whole in one launch; the row sums of an operand that is not
             # a weight (an activation, a gradient) in one read.
