@@ -43,6 +43,11 @@ PRODUCT_SHAPES = ((33, 129), (300, 1031))
 PRODUCT_OPERAND = (8192, 4096)
 """The operand the product checks' pass is timed on: 8,192 tokens into a 4,096-wide layer, beside the product
 it checks (with a 4,096 x 4,096 weight)."""
+WEIGHT_GRADIENT = (16384, 4096)
+"""(tokens, width) of the weight gradient ``dW = dYᵀ X`` whose check is timed: few rows (the width), a long
+accumulation (the tokens), the shape that leaves a one-program-per-row-block check short of the device."""
+PRODUCT_SPLIT = 3
+"""The parts the device checks also split every product's check into (whatever the device would choose)."""
 
 
 class Rows(Protocol):
@@ -238,13 +243,15 @@ def check_product_pass(device: torch.device, shapes: Sequence[tuple[int, int]] =
             for corrupted in (False, True):
                 if corrupted:
                     y[r // 2, 1] += 1e4  # far above any rounding of these sizes, and finite in every dtype
-                rows = torch.empty(2, r, device=device)
-                triton_products.row_check(x, s, t, y, bias, 1.0, 1.0, rows, 0)
-                over = (rows[0] > coefficient * rows[1] + absolute).cpu()
-                want = [r // 2] if corrupted else []
-                if over.nonzero().flatten().tolist() != want:
-                    problems.append(f"{dtype} {r}x{p} linear{' corrupted' if corrupted else ''}: rows over the bound "
-                                    f"{over.nonzero().flatten().tolist()[:5]}, expected {want}")
+                for split in (1, PRODUCT_SPLIT):  # in one launch, and split along the length (two)
+                    rows = torch.empty(2, r, device=device)
+                    triton_products.row_check(x, s, t, y, bias, 1.0, 1.0, rows, 0, split=split)
+                    over = (rows[0] > coefficient * rows[1] + absolute).cpu()
+                    want = [r // 2] if corrupted else []
+                    if over.nonzero().flatten().tolist() != want:
+                        problems.append(f"{dtype} {r}x{p} linear{' corrupted' if corrupted else ''} in {split} "
+                                        f"part(s): rows over the bound {over.nonzero().flatten().tolist()[:5]}, "
+                                        f"expected {want}")
     return problems
 
 
@@ -283,11 +290,59 @@ def time_product_pass(device: torch.device, repeats: int = 10,
 
         moved = (a.numel() + c.numel()) * a.element_size()
         product_ms = _cuda_ms(product, repeats)
+        chosen = triton_products.split_for(-(-r // triton_products.BLOCK_R), p, triton_products.wanted_programs(device))
         for row, ms in (("the product (a @ W^T)", product_ms),
-                        ("triton check (row_check, one launch)", _cuda_ms(fused, repeats)),
+                        (f"triton check (row_check, {chosen} part(s))", _cuda_ms(fused, repeats)),
                         ("torch form of the check", _cuda_ms(torch_form, repeats))):
             lines.append(f"{row:<40} {name:<9} {ms:8.3f} {moved / (ms * 1e-3) / 1e9:8.1f} {ms / product_ms:9.3f}")
         del a, weight, c
+    return "\n".join(lines)
+
+
+def time_weight_gradient_check(device: torch.device, repeats: int = 10,
+                               shape: tuple[int, int] = WEIGHT_GRADIENT) -> str:
+    """The check of a weight gradient's product ``dW = dYᵀ X`` (``shape``: tokens, width; ``dYᵀ`` the transposed
+    view autograd hands over): split along the tokens as the device chooses (``triton_products.split_for``), in
+    one launch, and in torch's form, beside the product itself. Says whether the split pays on this device."""
+    from sdcguard.agent.kernels import triton_products
+
+    tokens, width = shape
+    lines = [f"the check of a weight gradient dW = dY^T X ({width} x {tokens} by {tokens} x {width}), beside it:",
+             f"{'row':<40} {'dtype':<9} {'ms':>8} {'GB/s':>8} {'x product':>9}"]
+    for dtype in TIMED_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        gradient = torch.randn(tokens, width, device=device).to(dtype)
+        x = torch.randn(tokens, width, device=device).to(dtype)
+        a = gradient.mT
+        c = a @ x
+        s = x.float().sum(-1)
+        t = x.float().abs().sum(-1)
+        rows = torch.empty(2, width, device=device)
+        chosen = triton_products.split_for(-(-width // triton_products.BLOCK_R), tokens,
+                                           triton_products.wanted_programs(device))
+
+        def product(a: torch.Tensor = a, x: torch.Tensor = x) -> None:
+            torch.matmul(a, x)
+
+        def fused(split: int, a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c,
+                  rows: torch.Tensor = rows) -> None:
+            triton_products.row_check(a, s, t, c, None, 1.0, 1.0, rows, 0, split=split)
+
+        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c) -> None:
+            wide = a.float()
+            expected = torch.mv(wide, s)
+            torch.mv(wide.abs(), t)
+            torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
+
+        moved = (a.numel() + c.numel()) * a.element_size()
+        product_ms = _cuda_ms(product, repeats)
+        for row, ms in (("the product (dY^T @ X)", product_ms),
+                        (f"triton check, {chosen} part(s) (chosen)", _cuda_ms(functools.partial(fused, chosen),
+                                                                            repeats)),
+                        ("triton check, one launch", _cuda_ms(functools.partial(fused, 1), repeats)),
+                        ("torch form of the check", _cuda_ms(torch_form, repeats))):
+            lines.append(f"{row:<40} {name:<9} {ms:8.3f} {moved / (ms * 1e-3) / 1e9:8.1f} {ms / product_ms:9.3f}")
+        del gradient, x, a, c
     return "\n".join(lines)
 
 
@@ -400,4 +455,5 @@ def run(table: Rows, device: torch.device, repeats: int = 10) -> bool:
         print(f"GPU kernels against the copy bandwidth (target {TARGET}x, not asserted):")
         print(format_timings(report.timings))
         print(time_product_pass(device, repeats))
+        print(time_weight_gradient_check(device, repeats))
     return report.failed

@@ -282,18 +282,19 @@ def finish_kernel(sums_ptr, n_chunks, parts_ptr, n_parts, descriptor_ptr, out_pt
 
 
 @triton.jit
-def _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+def _dual_rows(a_ptr, batch, rows, row_ok, begin, end, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
                BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """``(a @ s, |a| @ t)`` for ``rows`` of batch entry ``batch`` of ``a`` (any strides and float dtype, widened
-    to fp32 in registers), in one read of them: the pass over an operand of the product checks."""
+    """``(a @ s, |a| @ t)`` over columns ``[begin, end)`` for ``rows`` of batch entry ``batch`` of ``a`` (any
+    strides and float dtype, widened to fp32 in registers), in one read of them: the pass over an operand of the
+    product checks."""
     base = a_ptr + batch.to(tl.int64) * a_batch
     row_at = rows.to(tl.int64) * a_row
     vectors = batch.to(tl.int64) * vector_stride
     dot = tl.zeros([BLOCK_R], dtype=tl.float32)
     dot_abs = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for k in range(0, p, BLOCK_P):
+    for k in range(begin, end, BLOCK_P):
         cols = k + tl.arange(0, BLOCK_P)
-        col_ok = cols < p
+        col_ok = cols < end
         tile = tl.load(base + row_at[:, None] + cols.to(tl.int64)[None, :] * a_col,
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         s = tl.load(s_ptr + vectors + cols, mask=col_ok, other=0.0)
@@ -315,8 +316,8 @@ def dual_matvec_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_
     batch = pid // row_blocks
     rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < r
-    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
-                              BLOCK_R, BLOCK_P)
+    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, 0, p, a_batch, a_row, a_col, s_ptr, t_ptr,
+                              vector_stride, BLOCK_R, BLOCK_P)
     out = batch.to(tl.int64) * r + rows
     tl.store(out_ptr + out, dot, mask=row_ok)
     tl.store(out_ptr + total + out, dot_abs, mask=row_ok)
@@ -336,25 +337,95 @@ def row_check_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_pt
     batch = pid // row_blocks
     rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < r
-    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, p, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
-                              BLOCK_R, BLOCK_P)
+    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, 0, p, a_batch, a_row, a_col, s_ptr, t_ptr,
+                              vector_stride, BLOCK_R, BLOCK_P)
+    observed = _sum_rows(c_ptr, batch, rows, row_ok, 0, n, c_batch, c_row, c_col, BLOCK_R, BLOCK_P)
+    _store_rows(dot, dot_abs, observed, batch * r + rows, row_ok, n, alpha, bias_ptr, bias_stride, beta,
+                rows_ptr, rows_stride, start, HAS_BIAS, BLOCK_P)
+
+
+@triton.jit
+def _sum_rows(c_ptr, batch, rows, row_ok, begin, end, c_batch, c_row, c_col, BLOCK_R: tl.constexpr,
+              BLOCK_P: tl.constexpr):
+    """``c 1`` over columns ``[begin, end)`` for ``rows`` of batch entry ``batch`` of ``c`` (any strides and float
+    dtype), in fp32: the observed side of a product's check."""
     c_base = c_ptr + batch.to(tl.int64) * c_batch
     c_at = rows.to(tl.int64) * c_row
     observed = tl.zeros([BLOCK_R], dtype=tl.float32)
-    total = tl.zeros([BLOCK_P], dtype=tl.float32)
-    magnitude = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for j in range(0, n, BLOCK_P):
+    for j in range(begin, end, BLOCK_P):
         cols = j + tl.arange(0, BLOCK_P)
-        col_ok = cols < n
+        col_ok = cols < end
         tile = tl.load(c_base + c_at[:, None] + cols.to(tl.int64)[None, :] * c_col,
                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         observed += tl.sum(tile, axis=1)
-        if HAS_BIAS:
+    return observed
+
+
+@triton.jit
+def _store_rows(dot, dot_abs, observed, numbers, ok, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
+                start, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Each row's difference ``|observed - (alpha·dot + beta·Σ bias)|`` and bound ``|alpha|·dot_abs +
+    |beta|·Σ|bias|`` (the bias row of ``n`` values, ``bias_stride`` 0: one value) at ``rows[0, start + number]``
+    and ``rows[1, start + number]``."""
+    total = tl.zeros([BLOCK_P], dtype=tl.float32)
+    magnitude = tl.zeros([BLOCK_P], dtype=tl.float32)
+    if HAS_BIAS:
+        for j in range(0, n, BLOCK_P):
+            cols = j + tl.arange(0, BLOCK_P)
+            col_ok = cols < n
             bias = tl.load(bias_ptr + cols.to(tl.int64) * bias_stride, mask=col_ok, other=0.0).to(tl.float32)
             total += bias
             magnitude += tl.abs(bias)
     shift = beta * tl.sum(total, axis=0)
     shift_abs = tl.abs(beta) * tl.sum(magnitude, axis=0)
-    out = start + batch.to(tl.int64) * r + rows
-    tl.store(rows_ptr + out, tl.abs(observed - (alpha * dot + shift)), mask=row_ok)
-    tl.store(rows_ptr + rows_stride + out, tl.abs(alpha) * dot_abs + shift_abs, mask=row_ok)
+    out = start + numbers.to(tl.int64)
+    tl.store(rows_ptr + out, tl.abs(observed - (alpha * dot + shift)), mask=ok)
+    tl.store(rows_ptr + rows_stride + out, tl.abs(alpha) * dot_abs + shift_abs, mask=ok)
+
+
+@triton.jit
+def row_parts_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
+                     c_ptr, n, c_batch, c_row, c_col, parts_ptr, total, p_chunk, n_chunk,
+                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The first half of a product's check split along its length (few rows, a long accumulation: ``dW``'s
+    product in the backward): program ``(i, k)`` takes block ``i`` of ``BLOCK_R`` rows and part ``k`` of the
+    columns (``p_chunk`` of ``a``'s, ``n_chunk`` of ``c``'s), and writes its partial ``a @ s``, ``|a| @ t`` and
+    ``c 1`` at ``parts[0|1|2, k, row]`` (``total`` rows across the batch); ``row_finish_kernel`` adds them up."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    batch = pid // row_blocks
+    rows = (pid % row_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < r
+    p_begin = part * p_chunk
+    dot, dot_abs = _dual_rows(a_ptr, batch, rows, row_ok, p_begin, tl.minimum(p_begin + p_chunk, p), a_batch,
+                              a_row, a_col, s_ptr, t_ptr, vector_stride, BLOCK_R, BLOCK_P)
+    n_begin = part * n_chunk
+    observed = _sum_rows(c_ptr, batch, rows, row_ok, n_begin, tl.minimum(n_begin + n_chunk, n), c_batch, c_row,
+                         c_col, BLOCK_R, BLOCK_P)
+    out = part.to(tl.int64) * total + batch.to(tl.int64) * r + rows
+    plane = parts.to(tl.int64) * total
+    tl.store(parts_ptr + out, dot, mask=row_ok)
+    tl.store(parts_ptr + plane + out, dot_abs, mask=row_ok)
+    tl.store(parts_ptr + 2 * plane + out, observed, mask=row_ok)
+
+
+@triton.jit
+def row_finish_kernel(parts_ptr, split, total, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride, start,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The second half: each row's ``split`` partial sums added in order ``0, 1, ...`` (the same sum on every
+    run, whatever the schedule), then its difference and bound written as ``row_check_kernel`` writes them."""
+    numbers = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = numbers < total
+    at = numbers.to(tl.int64)
+    plane = split.to(tl.int64) * total
+    dot = tl.zeros([BLOCK], dtype=tl.float32)
+    dot_abs = tl.zeros([BLOCK], dtype=tl.float32)
+    observed = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, split):
+        row_at = k * total + at
+        dot += tl.load(parts_ptr + row_at, mask=ok, other=0.0)
+        dot_abs += tl.load(parts_ptr + plane + row_at, mask=ok, other=0.0)
+        observed += tl.load(parts_ptr + 2 * plane + row_at, mask=ok, other=0.0)
+    _store_rows(dot, dot_abs, observed, numbers, ok, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
+                start, HAS_BIAS, BLOCK_P)

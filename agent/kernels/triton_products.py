@@ -25,6 +25,8 @@ Nothing synchronises with the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sdcguard.agent.kernels import triton_fingerprint
@@ -34,6 +36,15 @@ READS = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_R = 32
 BLOCK_P = 128
 """Rows per program and columns per step of its loop: a 32 x 128 tile (4,096 elements) per load."""
+PROGRAMS_PER_SM = 4
+"""Programs a check should launch per streaming multiprocessor to keep the device's memory busy: fewer (a product
+with few rows and a long accumulation) and the check is split along its length (:func:`split_for`)."""
+MIN_PART = 4 * BLOCK_P
+"""The fewest columns of the accumulation a part of a split check takes (four steps of its loop)."""
+MAX_SPLIT = 64
+"""The most parts a check is split into (the partial sums are added in a second launch, in order)."""
+FINISH_BLOCK = 256
+"""Rows per program of the second launch."""
 
 
 def readable(a: torch.Tensor, s: torch.Tensor) -> bool:
@@ -67,17 +78,41 @@ def dual_matvec(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torc
     return out[0].view(shape), out[1].view(shape)
 
 
+def split_for(programs: int, length: int, wanted: int) -> int:
+    """How many parts to split a check of ``programs`` row blocks along its ``length`` (the longer of the
+    accumulation and the result's width) into, for ``wanted`` programs on the device: 1 where the row blocks
+    alone fill it or the length is too short to share; else enough parts to fill it, each at least ``MIN_PART``
+    long, at most ``MAX_SPLIT``."""
+    if programs >= wanted or length < 2 * MIN_PART:
+        return 1
+    return max(1, min(-(-wanted // programs), length // MIN_PART, MAX_SPLIT))
+
+
+@functools.cache
+def wanted_programs(device: torch.device) -> int:
+    """The programs a check should launch on ``device``: ``PROGRAMS_PER_SM`` per streaming multiprocessor of a
+    GPU; 1 off a GPU (Triton's interpreter runs one program at a time: no check is split unless asked)."""
+    if device.type != "cuda":
+        return 1
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def row_check(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
-              alpha: float, beta: float, rows: torch.Tensor, start: int) -> None:
+              alpha: float, beta: float, rows: torch.Tensor, start: int, *, split: int | None = None) -> None:
     """The whole check of one product ``c = beta·bias + alpha·(a @ b)`` in one launch (``sdc_row_check``'s on a
     GPU): given ``s = b 1`` and ``t = |b| 1`` (fp32 ``[p]``, or ``[batch, p]``), writes each row's difference
     ``|c 1 - (alpha·a s + beta·Σ bias)|`` into ``rows[0, start:]`` and its bound ``|alpha|·|a| t +
     |beta|·Σ|bias|`` into ``rows[1, start:]``, rows numbered across the batch. ``bias``: None, or one row of
     ``c``'s width (an ``nn.Linear``'s), or one value. One read of ``a`` and of ``c``, no copy.
 
+    A product with too few rows to fill the device (``dW = dYᵀ X`` in a backward: the layer's width in rows, the
+    tokens as its length) is split along its length into ``split`` parts (None: :func:`split_for`'s choice for
+    the device), each program reading its part of a row block; a second launch adds the parts in a fixed order,
+    so the rows are the same on every run.
+
     Raises ValueError for operands it does not take (see :func:`readable`; ``c`` as ``a``, of ``a``'s rows, on
-    its device; ``rows`` fp32 [2, at least start + the rows] with unit stride), TritonKernelError where Triton
-    cannot run."""
+    its device; ``rows`` fp32 [2, at least start + the rows] with unit stride; ``split`` from 1 to
+    ``MAX_SPLIT``), TritonKernelError where Triton cannot run."""
     triton_fingerprint.require(a.device)
     batched = a.dim() == 3
     batch, r, p = (a.shape[0], a.shape[1], a.shape[2]) if batched else (1, a.shape[0], a.shape[1])
@@ -93,12 +128,30 @@ def row_check(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor
                          f"a's device; got a {a.dtype} {tuple(a.shape)}, c {c.dtype} {tuple(c.shape)}, bias "
                          f"{None if bias is None else (bias.dtype, tuple(bias.shape))}, rows {rows.dtype} "
                          f"{tuple(rows.shape)}")
+    if split is not None and not 1 <= split <= MAX_SPLIT:
+        raise ValueError(f"row_check: split is 1 to {MAX_SPLIT} parts (or None: chosen for the device), got {split}")
     per_entry = s.dim() == 2 and s.shape[0] > 1
     s, t = s.contiguous(), t.contiguous()
     row_blocks = -(-r // BLOCK_R)
+    if split is None:
+        split = split_for(batch * row_blocks, max(p, n), wanted_programs(a.device))
     bias_stride = 0 if bias is None or bias.shape[-1] == 1 else bias.stride(-1)
-    triton_fingerprint._jit().row_check_kernel[(batch * row_blocks,)](
-        a, r, p, row_blocks, a.stride(0) if batched else 0, a.stride(-2), a.stride(-1), s, t,
-        p if per_entry else 0, c, n, c.stride(0) if batched else 0, c.stride(-2), c.stride(-1), float(alpha),
-        a if bias is None else bias, bias_stride, float(beta), rows, rows.stride(0), start,
-        HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)
+    bias_at = a if bias is None else bias
+    jit = triton_fingerprint._jit()
+    a_at = (a, r, p, row_blocks, a.stride(0) if batched else 0, a.stride(-2), a.stride(-1), s, t,
+            p if per_entry else 0)
+    c_at = (c, n, c.stride(0) if batched else 0, c.stride(-2), c.stride(-1))
+    if split == 1:
+        jit.row_check_kernel[(batch * row_blocks,)](
+            *a_at, *c_at, float(alpha), bias_at, bias_stride, float(beta), rows, rows.stride(0), start,
+            HAS_BIAS=bias is not None, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)
+        return
+    total = batch * r
+    parts = torch.empty(3, split, total, dtype=torch.float32, device=a.device)
+    p_chunk = -(-p // (split * BLOCK_P)) * BLOCK_P  # whole steps of the loop: only the last part is ragged
+    n_chunk = -(-n // (split * BLOCK_P)) * BLOCK_P
+    jit.row_parts_kernel[(batch * row_blocks, split)](
+        *a_at, *c_at, parts, total, p_chunk, n_chunk, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)
+    jit.row_finish_kernel[(-(-total // FINISH_BLOCK),)](
+        parts, split, total, n, float(alpha), bias_at, bias_stride, float(beta), rows, rows.stride(0), start,
+        HAS_BIAS=bias is not None, BLOCK=FINISH_BLOCK, BLOCK_P=BLOCK_P)

@@ -325,13 +325,36 @@ def test_the_device_benchmarks_product_pass_table_runs_and_its_check_catches_a_w
     monkeypatch.setattr(triton_products, "dual_matvec", real)
     real_check = triton_products.row_check
 
-    def blind(*args: Any) -> None:  # a check that never sees a difference
-        real_check(*args)
+    def blind(*args: Any, **kwargs: Any) -> None:  # a check that never sees a difference
+        real_check(*args, **kwargs)
         args[7][0].zero_()
 
     monkeypatch.setattr(triton_products, "row_check", blind)
     problems = dk.check_product_pass(torch.device("cpu"), shapes=((40, 300),))
-    assert [line.split(":")[0] for line in problems] == [f"{d} 40x300 linear corrupted" for d in triton_products.READS]
+    assert [line.split(":")[0] for line in problems] == [
+        f"{d} 40x300 linear corrupted in {split} part(s)" for d in triton_products.READS for split in (1, 3)]
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_the_device_benchmark_times_a_weight_gradients_check_split_and_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import device_kernels as dk
+
+    calls: list[int] = []
+
+    def timed(fn: Callable[[], object], repeats: int) -> float:  # CUDA events are a GPU's: run it once here
+        fn()
+        calls.append(repeats)
+        return 2.0 if len(calls) % 4 == 1 else 0.5
+
+    monkeypatch.setattr(dk, "_cuda_ms", timed)
+    table = dk.time_weight_gradient_check(torch.device("cpu"), repeats=3, shape=(1100, 40)).splitlines()
+    assert table[0].startswith("the check of a weight gradient dW = dY^T X (40 x 1100 by 1100 x 40)")
+    names = [line[:40].strip() for line in table[2:]]
+    # Off a GPU nothing is split unless asked (the interpreter runs one program at a time).
+    assert names == ["the product (dY^T @ X)", "triton check, 1 part(s) (chosen)", "triton check, one launch",
+                     "torch form of the check"] * 2
+    assert [line.split()[-1] for line in table[2:]] == ["1.000", "0.250", "0.250", "0.250"] * 2
+    assert calls == [3] * 8
 
 
 def test_the_device_benchmark_says_why_it_did_not_run(monkeypatch: pytest.MonkeyPatch) -> None:

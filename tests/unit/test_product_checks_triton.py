@@ -123,6 +123,63 @@ def test_the_fused_check_of_a_product_equals_its_definition_within_rounding(dtyp
 
 
 @pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["dW: few rows, a long accumulation by columns, bias row", "batched rows"])
+def test_a_check_split_along_its_length_has_the_same_rows_on_every_run(dtype: torch.dtype, case: str) -> None:
+    from sdcguard.agent.kernels import triton_products
+
+    g = torch.Generator().manual_seed(7)
+    batch = 2 if "batched" in case else 1
+    r, p, n = 45, 1100, 700  # two row blocks; parts of several loop steps, a ragged last one, an empty one at 7
+    a = torch.randn(batch, r, p, generator=g).to(dtype)
+    b = torch.randn(batch, p, n, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if "bias" in case else None
+    c = ((a.double() @ b.double()) + (0 if bias is None else bias.double())).to(dtype)
+    if "columns" in case:  # dW = dYᵀ X: the transposed view of the gradient, as autograd hands it over
+        a = a.mT.contiguous().mT
+    if batch == 1:
+        a, b, c = a[0], b[0], c[0]
+    s, t = b.float().sum(-1), b.float().abs().sum(-1)
+
+    def rows_of(split: int | None) -> torch.Tensor:
+        rows = torch.full((2, 3 + batch * r + 2), -1.0)
+        triton_products.row_check(a, s, t, c, bias, 1.0, 1.0, rows, 3, split=split)
+        assert torch.equal(rows[:, :3], torch.full((2, 3), -1.0))
+        assert torch.equal(rows[:, -2:], torch.full((2, 2), -1.0))
+        return rows[:, 3:-2]
+
+    whole = rows_of(1)
+    exact_e = (a.double() @ s.double().unsqueeze(-1)).squeeze(-1) + (0 if bias is None else float(bias.double().sum()))
+    exact_b = (a.double().abs() @ t.double().unsqueeze(-1)).squeeze(-1) + (
+        0 if bias is None else float(bias.double().abs().sum()))
+    exact_d = (c.double().sum(-1) - exact_e).abs().reshape(-1)
+    allowed = (p + n + 4) * 2.0 ** -24 / (1 - (p + n + 4) * 2.0 ** -24)
+    magnitude = exact_b.reshape(-1) + c.double().abs().sum(-1).reshape(-1)
+    for split in (2, 3, 7):
+        parts = rows_of(split)
+        assert torch.equal(parts, rows_of(split)), "the parts are added in a fixed order"
+        assert torch.all((parts[0].double() - exact_d).abs() <= allowed * magnitude + 1e-30)
+        assert torch.all((parts[1].double() - exact_b.reshape(-1)).abs() <= allowed * exact_b.reshape(-1) + 1e-30)
+        assert torch.allclose(parts[1], whole[1], rtol=1e-5)
+    with pytest.raises(ValueError, match=r"row_check: split is 1 to 64 parts .* got 0"):
+        triton_products.row_check(a, s, t, c, bias, 1.0, 1.0, torch.empty(2, batch * r), 0, split=0)
+
+
+def test_a_check_is_split_only_where_its_row_blocks_leave_the_device_idle() -> None:
+    from sdcguard.agent.kernels.triton_products import MAX_SPLIT, MIN_PART, split_for
+
+    h100 = 4 * 132
+    assert split_for(256, 4096, h100) == 3  # 8,192 tokens by rows: nearly full already, a little split
+    assert split_for(128, 16384, h100) == 5  # dW of a 4,096-wide layer over 16,384 tokens
+    assert split_for(32, 65536, h100) == 17
+    assert split_for(1, 1 << 20, h100) == MAX_SPLIT
+    assert split_for(4, 3 * MIN_PART, h100) == 3  # no part shorter than MIN_PART
+    assert split_for(4, 2 * MIN_PART - 1, h100) == 1  # too short to share
+    assert split_for(h100, 1 << 20, h100) == 1  # the row blocks fill the device
+    assert split_for(10, 1 << 20, 1) == 1  # Triton's interpreter: one program at a time
+
+
+@pytest.mark.usefixtures("interpreted")
 def test_a_nan_carries_into_its_row_and_what_it_does_not_read_is_refused() -> None:
     from sdcguard.agent.kernels import triton_products
 
