@@ -28,23 +28,30 @@ smallest error seen is measured per dtype in the tests and in
 docs/detectors.md) and any fault after the product (an activation corrupted
 in memory): that is the magnitude trigger's.
 
-Mechanism: a ``TorchDispatchMode`` entered around the rank's own forward and
-backward (:meth:`ProductChecks.watching`), so it sees the products as they
-run, below autograd and autocast: ``mm``, ``addmm``, ``bmm``, ``baddbmm``
-(``nn.Linear``, ``F.linear``, ``torch.matmul``, ``@``, ``torch.bmm``: every
-product they lower to) and ``convolution`` / ``convolution_backward``
-(``nn.Conv1d/2d/3d``, ``F.conv*``; not transposed convolutions), in the
-dtypes that actually ran. Nothing in the model changes: the products run as
-they would, and forward hooks installed on the modules only name the sites.
-A backward product is named after its forward product through the autograd
-node's sequence number. Under activation checkpointing
-(``torch.utils.checkpoint``, either implementation), a module's forward
-recomputed inside the backward gives forward products, named
-``"... forward (recomputed)"``, and the backward products keep their names.
-The mode must be entered inside any other dispatch mode around the step (the
-campaign's fault injector), so that it sees the results those modes hand on.
-A compiled module (``torch.compile``) runs eagerly under it: torch runs no
-compiled code inside a dispatch mode (a warning says so).
+Mechanism: the product operators' kernels at torch's ``ADInplaceOrView``
+dispatch key (``_Interception``, installed with the checks), which runs
+below autograd and autocast and above any dispatch mode and the device's
+kernel. So the checks see the products as they run, in the dtypes that
+actually ran: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (``nn.Linear``,
+``F.linear``, ``torch.matmul``, ``@``, ``torch.bmm``: every product they
+lower to) and ``convolution`` / ``convolution_backward`` (``nn.Conv1d/2d/3d``,
+``F.conv*``; not transposed convolutions), and only these operators enter
+Python: the pass's other operators run as they would without the checks.
+They are checked inside :meth:`ProductChecks.watching` (entered around the
+rank's own forward and backward) and pass unchecked outside it. Nothing in
+the model changes: the products run as they would, and forward hooks
+installed on the modules only name the sites. A backward product is named
+after its forward product through the autograd node's sequence number.
+Under activation checkpointing (``torch.utils.checkpoint``, either
+implementation), a module's forward recomputed inside the backward gives
+forward products, named ``"... forward (recomputed)"``, and the backward
+products keep their names. A dispatch mode around the step (the campaign's
+fault injectors) runs below the interception wherever it is entered, so the
+checks see the results it hands on, as they see a faulty kernel's. A
+compiled module (``torch.compile``) calls no operator the interception
+sees, so for a compiled model the checks use a ``TorchDispatchMode``
+instead, inside which torch runs the model eagerly (a warning says so); the
+mode must then be entered inside any other dispatch mode around the step.
 
 Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
@@ -71,6 +78,8 @@ import contextlib
 import functools
 import logging
 import math
+import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -280,13 +289,18 @@ class ProductChecks:
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._ones_cache: dict[int, torch.Tensor] = {}
-        self._mode = _ProductMode(self)
         compiled = [name or "<model>" for name, module in model.named_modules() if _compiled(module)]
+        self._mode: _ProductMode | None = _ProductMode(self) if compiled else None
+        """A compiled model's products are seen by a dispatch mode (compiled code calls no operator this class
+        intercepts; torch runs it eagerly inside a mode); every other model's by :data:`_INTERCEPTION`."""
         if compiled:
             log.warning("product checks: %s compiled (torch.compile); torch does not run compiled code inside a "
                         "dispatch mode, nor afterwards once a module has run in one, so with product checks on the "
                         "model runs eagerly (every product is still checked)",
                         ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
+        else:
+            _INTERCEPTION.install()
+        self._intercepting = not compiled
         self._settings: tuple[str, tuple[bool, ...]] | None = None
         self._fused: Any = None
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
@@ -323,7 +337,7 @@ class ProductChecks:
         self._refresh()
         self._watching = True
         try:
-            with self._mode:
+            with self._mode if self._mode is not None else _INTERCEPTION.watched_by(self):
                 yield self
         finally:
             self._watching = False
@@ -383,10 +397,14 @@ class ProductChecks:
         return self.sites[index] if 0 <= index < len(self.sites) else f"site {index}"
 
     def remove(self) -> None:
-        """Take the naming hooks off the model again."""
+        """Take the naming hooks off the model again (and torch's product operators back to their own kernels
+        once no checks are left installed)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._intercepting:
+            self._intercepting = False
+            _INTERCEPTION.uninstall()
 
     # -- naming ---------------------------------------------------------------------------------------------
 
@@ -845,8 +863,79 @@ class ProductChecks:
         self._judge(observed, expected, bound, coefficient, arithmetic.absolute(p, m), arithmetic, site)
 
 
+class _Interception:
+    """The product operators' kernels at torch's ``ADInplaceOrView`` dispatch key, below autograd and autocast and
+    above any dispatch mode and the device's kernel: each runs the operator as it is, then hands the product and
+    its result to the checks inside :meth:`ProductChecks.watching`.
+
+    Only these operators enter Python (a dispatch mode would take every operator of the pass there, which on the
+    GPT example cost more than the checks). Autograd has already made the product's node and, in the backward,
+    runs it as the current node, so the sites are named as under a mode; a dispatch mode around the step (the
+    campaign's fault injectors) runs below, and its results are what the checks see. The key's kernel for these
+    operators is otherwise a fallthrough (they are neither views nor in place); registered while checks are
+    installed, the operators run through it unchecked outside :meth:`ProductChecks.watching`.
+
+    Checked: products made on the thread that entered :meth:`ProductChecks.watching` and those of the autograd
+    engine's backward (on a GPU its own thread); another thread's products pass unchecked."""
+
+    OPERATORS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+                 _aten.convolution.default, _aten.convolution_backward.default)
+
+    def __init__(self) -> None:
+        self._library: Any = None
+        self._installed = 0
+        self._watchers: list[ProductChecks] = []
+        self._thread = 0
+
+    def install(self) -> None:
+        if self._installed == 0:
+            library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                # "Overriding a previously registered kernel": the key's fallthrough for these operators.
+                warnings.simplefilter("ignore", UserWarning)
+                for operator in self.OPERATORS:
+                    library.impl(operator._schema.name.removeprefix("aten::"), self._kernel(operator),
+                                 "ADInplaceOrView")
+            self._library = library
+        self._installed += 1
+
+    def uninstall(self) -> None:
+        self._installed -= 1
+        if self._installed == 0 and self._library is not None:
+            self._library._destroy()
+            self._library = None
+
+    @contextlib.contextmanager
+    def watched_by(self, checks: ProductChecks) -> Iterator[None]:
+        thread = self._thread
+        self._thread = threading.get_ident()
+        self._watchers.append(checks)
+        try:
+            yield
+        finally:
+            self._watchers.remove(checks)
+            self._thread = thread
+
+    def _kernel(self, operator: Any) -> Any:
+        watchers = self._watchers
+        below = torch._C._AutoDispatchBelowADInplaceOrView
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            with below():
+                out = operator(*args, **kwargs)
+            if watchers and (threading.get_ident() == self._thread or torch._C._current_autograd_node() is not None):
+                for checks in reversed(watchers):  # innermost first, as nested modes would see it
+                    checks.on_product(operator, args, kwargs, out)
+            return out
+        return kernel
+
+
+_INTERCEPTION = _Interception()
+
+
 class _ProductMode(TorchDispatchMode):
-    """Runs every operator as it is; hands each matrix product and its result to the checks."""
+    """Runs every operator as it is; hands each matrix product and its result to the checks (a compiled model's:
+    see :data:`_INTERCEPTION` for every other)."""
 
     def __init__(self, checks: ProductChecks) -> None:
         super().__init__()

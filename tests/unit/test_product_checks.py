@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,7 +101,8 @@ def _flip_product(direction: str, target: int, bit: int, element: int = 5) -> It
             fired[0] += 1
         count[0] += 1
 
-    # Entered before the checks' mode, so the checks see the corrupted result, as they see a faulty kernel's.
+    # A dispatch mode: below the checks' interception wherever it is entered, so the checks see the corrupted
+    # result, as they see a faulty kernel's.
     with ProductMode(corrupt):
         yield fired
 
@@ -122,6 +124,43 @@ def test_an_exponent_flip_inside_any_product_trips_and_names_its_site(direction:
         assert summary[COUNT] == 1
         assert checks.site_name(int(summary[FIRST])) == name
         assert checks.findings(torch.stack([torch.tensor([-1, 0]), summary])) == [(1, name)]
+
+
+def test_only_the_products_leave_torch_and_a_fault_below_is_seen_whatever_the_order_of_entry() -> None:
+    from sdcguard.agent import product_checks
+
+    interception = product_checks._INTERCEPTION
+    installed = interception._installed
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    other_thread: list[list[str]] = []
+    for target, name in ((3, FORWARD[3]), (0, BACKWARD[0])):
+        direction = "fwd" if name in FORWARD else "bwd"
+        checks.begin_step()
+        model.zero_grad(set_to_none=True)
+        # The fault's mode entered inside the checks this time: under a dispatch mode of the checks' own it would
+        # have run first and corrupted the result after the checks had passed it.
+        with checks.watching(), _flip_product(direction, target, bit=30) as fired:
+            # No dispatch mode of the checks' own: the pass's other operators never enter Python.
+            assert torch._C._len_torch_dispatch_stack() == 1  # the fault's alone
+            loss_fn(model, data(0, 0)).backward()
+            # Another thread's product meanwhile (a data loader's, a metric's) is not this rank's pass.
+            checked = checks.checked
+            worker = threading.Thread(target=lambda: torch.randn(8, 8) @ torch.randn(8, 8))
+            worker.start()
+            worker.join()
+            other_thread.append([str(checks.checked - checked)])
+        assert fired == [1]
+        assert [s for _, s in checks.findings(checks.flags.reshape(1, -1))] == [name]
+    assert other_thread == [["0"], ["0"]]
+    # Installed while checks are: taken off with the last of them, torch's own kernels back.
+    assert interception._installed == installed + 1
+    checks.remove()
+    assert interception._installed == installed
+    if installed == 0:
+        assert interception._library is None
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "ADInplaceOrView")
 
 
 def test_a_flip_in_the_bf16_products_under_autocast_trips() -> None:
