@@ -13,8 +13,9 @@ A micro-batch *pass* starts at each forward of the bare module (the DDP pass
 and each recomputation): a transient fault corrupts only pass 0 of its step,
 the others every pass of their steps, as hardware that is still faulty would.
 
-With the guard's product checks on, their own checksums are computed inside
-the checks' dispatch mode and so pass through the fault's (today as
+With the guard's product checks on, their own checksums are computed where
+the checks see a product (below autograd, above any dispatch mode) and so
+pass through the fault's (today as
 ``aten.matmul``, which the fault does not count; an ``mm`` would be). The
 fault skips everything the checks compute (``install(checks=...)``), so it
 corrupts the same product of training with the checks on as with them off,

@@ -8,7 +8,7 @@ in a forward product under pure FSDP (a 1-D mesh of 6), the same runs
 without the fault, and the HSDP forward fault with product checks off (no
 other check sees it at its step: the replicas all-reduce one gradient). The
 flip is tests/functional/product_scenarios.py's (``product_fault``): entered
-around the faulty rank's step, outside the checks' mode, as a faulty kernel
+around the faulty rank's step, below the checks' interception, as a faulty kernel
 would be; it hits the rank's own pass only, so the recomputations on other
 nodes come out right.
 

@@ -5,7 +5,7 @@ each with a fresh model and guard under ``GuardConfig``'s defaults (audit
 every 100 steps, so no audit sees these steps), and writes what it saw to
 ``rank-R.json``. Faults: a bit flip in one output element of one forward or
 backward matrix product of the faulty rank's own pass (the campaign's product
-fault, entered outside the checks' mode as a faulty kernel would be), or a
+fault: a dispatch mode, below the checks' interception, as a faulty kernel is), or a
 loss multiplied by a huge factor in the faulty rank's own pass only (a
 transient fault that no recomputation reproduces).
 """
