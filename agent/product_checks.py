@@ -47,11 +47,11 @@ implementation), a module's forward recomputed inside the backward gives
 forward products, named ``"... forward (recomputed)"``, and the backward
 products keep their names. A dispatch mode around the step (the campaign's
 fault injectors) runs below the interception wherever it is entered, so the
-checks see the results it hands on, as they see a faulty kernel's. A
-compiled module (``torch.compile``) calls no operator the interception
-sees, so for a compiled model the checks use a ``TorchDispatchMode``
-instead, inside which torch runs the model eagerly (a warning says so); the
-mode must then be entered inside any other dispatch mode around the step.
+checks see the results it hands on, as they see a faulty kernel's. Compiled
+code (``torch.compile``: a compiled model, or a compiled function the model
+calls) calls none of these operators, so inside :meth:`ProductChecks.watching`
+it runs eagerly (``torch.compiler.set_stance("force_eager")``), and compiled
+outside it; a model with compiled modules is warned of it.
 
 Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
@@ -85,7 +85,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 
@@ -290,17 +289,13 @@ class ProductChecks:
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._ones_cache: dict[int, torch.Tensor] = {}
         compiled = [name or "<model>" for name, module in model.named_modules() if _compiled(module)]
-        self._mode: _ProductMode | None = _ProductMode(self) if compiled else None
-        """A compiled model's products are seen by a dispatch mode (compiled code calls no operator this class
-        intercepts; torch runs it eagerly inside a mode); every other model's by :data:`_INTERCEPTION`."""
         if compiled:
-            log.warning("product checks: %s compiled (torch.compile); torch does not run compiled code inside a "
-                        "dispatch mode, nor afterwards once a module has run in one, so with product checks on the "
-                        "model runs eagerly (every product is still checked)",
+            log.warning("product checks: %s compiled (torch.compile); compiled code calls none of the operators the "
+                        "checks see, so inside the checks it runs eagerly (every product is still checked) and "
+                        "compiled outside them",
                         ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
-        else:
-            _INTERCEPTION.install()
-        self._intercepting = not compiled
+        _INTERCEPTION.install()
+        self._intercepting = True
         self._settings: tuple[str, tuple[bool, ...]] | None = None
         self._fused: Any = None
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
@@ -337,7 +332,9 @@ class ProductChecks:
         self._refresh()
         self._watching = True
         try:
-            with self._mode if self._mode is not None else _INTERCEPTION.watched_by(self):
+            # Compiled code (a compiled model, or a function the model calls) calls no operator the interception
+            # sees: inside the checks it runs eagerly, as torch.compile's "force_eager" stance makes it.
+            with _INTERCEPTION.watched_by(self), torch.compiler.set_stance("force_eager"):
                 yield self
         finally:
             self._watching = False
@@ -931,23 +928,6 @@ class _Interception:
 
 
 _INTERCEPTION = _Interception()
-
-
-class _ProductMode(TorchDispatchMode):
-    """Runs every operator as it is; hands each matrix product and its result to the checks (a compiled model's:
-    see :data:`_INTERCEPTION` for every other)."""
-
-    def __init__(self, checks: ProductChecks) -> None:
-        super().__init__()
-        self.checks = checks
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func.overloadpacket
-        if packet in _MATMULS or packet in _CONVS:
-            self.checks.on_product(func, args, kwargs, out)
-        return out
 
 
 def _plain(*tensors: Any) -> bool:

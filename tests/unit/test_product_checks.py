@@ -531,10 +531,10 @@ def test_under_activation_checkpointing_every_product_is_checked_and_named_as_it
 @pytest.mark.parametrize("form", ["torch.compile(model)", "module.compile()"])
 def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
         form: str, caplog: pytest.LogCaptureFixture) -> None:
-    # torch does not use compiled code inside a dispatch mode: the checks still see every product (the module
-    # runs eagerly), and the user is told why the step is slower. Before the checks' first pass, the compiled
-    # code runs with the naming hooks installed (they do nothing outside the checks; they once broke
-    # torch.compile's tracing of the module's call).
+    # Compiled code calls none of the operators the checks see: inside the checks it runs eagerly, so they still
+    # see every product, and the user is told why the step is slower; outside them it runs compiled. Before the
+    # checks' first pass, the compiled code runs with the naming hooks installed (they do nothing outside the
+    # checks; they once broke torch.compile's tracing of the module's call).
     torch._dynamo.reset()  # what an earlier test compiled (or chose not to) is in dynamo's process-wide caches
     runs = [0]
 
@@ -564,9 +564,54 @@ def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
     assert checks.checked == 5
     assert int(checks.flags.sum()) == 0
     net(x).sum().backward()
-    assert runs == [1]  # torch's own rule: nor afterwards, once a frame ran inside a dispatch mode
+    assert runs == [2]  # compiled again outside the checks
     torch._dynamo.reset()
     caplog.clear()
     with caplog.at_level("WARNING", logger="sdcguard.agent.product_checks"):
         ProductChecks(nn.Sequential(nn.Linear(4, 4)))
     assert not caplog.text
+
+
+def test_a_compiled_function_the_model_calls_runs_eagerly_inside_the_checks_and_its_products_are_seen() -> None:
+    # No module of the model is compiled (nothing to warn of at installation), yet a product inside a compiled
+    # function would pass unseen if the compiled code ran: its products are not the operators' calls.
+    torch._dynamo.reset()
+    runs = [0]
+
+    def backend(graph: Any, _inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            runs[0] += 1
+            return graph.forward(*args)
+        return run
+
+    @torch.compile(backend=backend)
+    def projected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return projected(self.lin(x), self.w).sum()
+
+    model = Model()
+    checks = ProductChecks(model)
+    x = torch.randn(8, 16)
+    model(x).backward()
+    assert runs == [1]
+    for target in (None, 0):
+        checks.begin_step()
+        with checks.watching(), (_flip_product("bwd", target, 30) if target is not None
+                                 else contextlib.nullcontext([1])) as fired:
+            model(x).backward()
+        assert runs == [1]  # not the compiled code
+        assert fired == [1]
+        assert checks.sites == ["lin forward", "<model> forward", "<model> backward dA", "<model> backward dB",
+                                "lin backward dW"]
+        assert checks.checked == 5
+        flagged = [name for _, name in checks.findings(checks.flags.reshape(1, -1))]
+        assert flagged == ([] if target is None else ["<model> backward dA"])
+    torch._dynamo.reset()
