@@ -282,18 +282,12 @@ def time_product_pass(device: torch.device, repeats: int = 10,
                   rows: torch.Tensor = rows) -> None:
             triton_products.row_check(a, s, t, c, None, 1.0, 1.0, rows, 0)
 
-        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c) -> None:
-            wide = a.float()
-            expected = torch.mv(wide, s)
-            torch.mv(wide.abs(), t)
-            torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
-
         moved = (a.numel() + c.numel()) * a.element_size()
         product_ms = _cuda_ms(product, repeats)
         chosen = triton_products.split_for(-(-r // triton_products.BLOCK_R), p, triton_products.wanted_programs(device))
         for row, ms in (("the product (a @ W^T)", product_ms),
                         (f"triton check (row_check, {chosen} part(s))", _cuda_ms(fused, repeats)),
-                        ("torch form of the check", _cuda_ms(torch_form, repeats))):
+                        ("torch form of the check", _cuda_ms(functools.partial(_torch_form, a, s, t, c), repeats))):
             lines.append(f"{row:<40} {name:<9} {ms:8.3f} {moved / (ms * 1e-3) / 1e9:8.1f} {ms / product_ms:9.3f}")
         del a, weight, c
     return "\n".join(lines)
@@ -328,22 +322,25 @@ def time_weight_gradient_check(device: torch.device, repeats: int = 10,
                   rows: torch.Tensor = rows) -> None:
             triton_products.row_check(a, s, t, c, None, 1.0, 1.0, rows, 0, split=split)
 
-        def torch_form(a: torch.Tensor = a, s: torch.Tensor = s, t: torch.Tensor = t, c: torch.Tensor = c) -> None:
-            wide = a.float()
-            expected = torch.mv(wide, s)
-            torch.mv(wide.abs(), t)
-            torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
-
         moved = (a.numel() + c.numel()) * a.element_size()
         product_ms = _cuda_ms(product, repeats)
         for row, ms in (("the product (dY^T @ X)", product_ms),
                         (f"triton check, {chosen} part(s) (chosen)", _cuda_ms(functools.partial(fused, chosen),
                                                                             repeats)),
                         ("triton check, one launch", _cuda_ms(functools.partial(fused, 1), repeats)),
-                        ("torch form of the check", _cuda_ms(torch_form, repeats))):
+                        ("torch form of the check", _cuda_ms(functools.partial(_torch_form, a, s, t, c), repeats))):
             lines.append(f"{row:<40} {name:<9} {ms:8.3f} {moved / (ms * 1e-3) / 1e9:8.1f} {ms / product_ms:9.3f}")
         del gradient, x, a, c
     return "\n".join(lines)
+
+
+def _torch_form(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> None:
+    """A product's check as torch runs it on a GPU: a widened copy, an ``|a|`` copy, two matrix-vector products,
+    the row sums of the result and the difference."""
+    wide = a.float()
+    expected = torch.mv(wide, s)
+    torch.mv(wide.abs(), t)
+    torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
 
 
 def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:

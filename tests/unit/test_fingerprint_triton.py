@@ -297,20 +297,27 @@ def test_the_device_benchmarks_checks_pass_and_catch_a_wrong_kernel(monkeypatch:
 
 
 @needs_triton
+def _timed_once(monkeypatch: pytest.MonkeyPatch, dk: Any, rows_per_product: int) -> list[int]:
+    """CUDA events are a GPU's: each timed call runs once here, the product 2 ms and every check after it 0.5 ms
+    (``rows_per_product`` rows per product); the repeats asked for, returned."""
+    calls: list[int] = []
+
+    def timed(fn: Callable[[], object], repeats: int) -> float:
+        fn()
+        calls.append(repeats)
+        return 2.0 if len(calls) % rows_per_product == 1 else 0.5
+
+    monkeypatch.setattr(dk, "_cuda_ms", timed)
+    return calls
+
+
 @pytest.mark.usefixtures("interpreted")
 def test_the_device_benchmarks_product_pass_table_runs_and_its_check_catches_a_wrong_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import device_kernels as dk
     from sdcguard.agent.kernels import triton_products
 
-    calls: list[int] = []
-
-    def timed(fn: Callable[[], object], repeats: int) -> float:  # CUDA events are a GPU's: run it once here
-        fn()
-        calls.append(repeats)
-        return 2.0 if len(calls) % 3 == 1 else 0.5
-
-    monkeypatch.setattr(dk, "_cuda_ms", timed)
+    calls = _timed_once(monkeypatch, dk, rows_per_product=3)
     table = dk.time_product_pass(torch.device("cpu"), repeats=3, operand=(64, 128)).splitlines()
     assert table[0].startswith("the product checks' check of one 64 x 128 by 128 x 128 product")
     rows = [line.split() for line in table[2:]]
@@ -339,14 +346,7 @@ def test_the_device_benchmarks_product_pass_table_runs_and_its_check_catches_a_w
 def test_the_device_benchmark_times_a_weight_gradients_check_split_and_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import device_kernels as dk
 
-    calls: list[int] = []
-
-    def timed(fn: Callable[[], object], repeats: int) -> float:  # CUDA events are a GPU's: run it once here
-        fn()
-        calls.append(repeats)
-        return 2.0 if len(calls) % 4 == 1 else 0.5
-
-    monkeypatch.setattr(dk, "_cuda_ms", timed)
+    calls = _timed_once(monkeypatch, dk, rows_per_product=4)
     table = dk.time_weight_gradient_check(torch.device("cpu"), repeats=3, shape=(1100, 40)).splitlines()
     assert table[0].startswith("the check of a weight gradient dW = dY^T X (40 x 1100 by 1100 x 40)")
     names = [line[:40].strip() for line in table[2:]]

@@ -528,6 +528,18 @@ def test_under_activation_checkpointing_every_product_is_checked_and_named_as_it
         assert checks.findings(checks.flags.unsqueeze(0)) == [(0, name)], name
 
 
+def _counting_backend() -> tuple[list[int], Callable[[Any, Any], Any]]:
+    """A torch.compile backend that runs the graph as it is and counts its runs: whether compiled code ran."""
+    runs = [0]
+
+    def backend(graph: Any, _inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            runs[0] += 1
+            return graph.forward(*args)
+        return run
+    return runs, backend
+
+
 @pytest.mark.parametrize("form", ["torch.compile(model)", "module.compile()"])
 def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
         form: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -536,13 +548,7 @@ def test_a_compiled_model_is_warned_of_it_runs_eagerly_inside_the_checks(
     # checks' first pass, the compiled code runs with the naming hooks installed (they do nothing outside the
     # checks; they once broke torch.compile's tracing of the module's call).
     torch._dynamo.reset()  # what an earlier test compiled (or chose not to) is in dynamo's process-wide caches
-    runs = [0]
-
-    def backend(graph: Any, _inputs: Any) -> Any:
-        def run(*args: Any) -> Any:
-            runs[0] += 1
-            return graph.forward(*args)
-        return run
+    runs, backend = _counting_backend()
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     if form == "module.compile()":
@@ -576,13 +582,7 @@ def test_a_compiled_function_the_model_calls_runs_eagerly_inside_the_checks_and_
     # No module of the model is compiled (nothing to warn of at installation), yet a product inside a compiled
     # function would pass unseen if the compiled code ran: its products are not the operators' calls.
     torch._dynamo.reset()
-    runs = [0]
-
-    def backend(graph: Any, _inputs: Any) -> Any:
-        def run(*args: Any) -> Any:
-            runs[0] += 1
-            return graph.forward(*args)
-        return run
+    runs, backend = _counting_backend()
 
     @torch.compile(backend=backend)
     def projected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
