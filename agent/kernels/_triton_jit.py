@@ -411,21 +411,22 @@ def row_parts_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_pt
 
 
 @triton.jit
-def row_finish_kernel(parts_ptr, split, total, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride, start,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+def row_finish_kernel(parts_ptr, split, total, plane, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
+                      start, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     """The second half: each row's ``split`` partial sums added in order ``0, 1, ...`` (the same sum on every
-    run, whatever the schedule), then its difference and bound written as ``row_check_kernel`` writes them."""
+    run, whatever the schedule), then its difference and bound written as ``row_check_kernel`` writes them.
+    ``plane``: ``split · total``, from the host (64-bit where it must be; an integer argument of 1, as ``total``
+    may be, is a compile-time constant, not a tensor)."""
     numbers = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = numbers < total
-    at = numbers.to(tl.int64)
-    plane = split.to(tl.int64) * total
+    row_at = numbers.to(tl.int64)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
     dot_abs = tl.zeros([BLOCK], dtype=tl.float32)
     observed = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in range(0, split):
-        row_at = k * total + at
+    for _ in range(0, split):
         dot += tl.load(parts_ptr + row_at, mask=ok, other=0.0)
         dot_abs += tl.load(parts_ptr + plane + row_at, mask=ok, other=0.0)
         observed += tl.load(parts_ptr + 2 * plane + row_at, mask=ok, other=0.0)
+        row_at += total
     _store_rows(dot, dot_abs, observed, numbers, ok, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
                 start, HAS_BIAS, BLOCK_P)

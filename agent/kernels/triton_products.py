@@ -153,5 +153,5 @@ def row_check(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor
     jit.row_parts_kernel[(batch * row_blocks, split)](
         *a_at, *c_at, parts, total, p_chunk, n_chunk, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P)
     jit.row_finish_kernel[(-(-total // FINISH_BLOCK),)](
-        parts, split, total, n, float(alpha), bias_at, bias_stride, float(beta), rows, rows.stride(0), start,
-        HAS_BIAS=bias is not None, BLOCK=FINISH_BLOCK, BLOCK_P=BLOCK_P)
+        parts, split, total, split * total, n, float(alpha), bias_at, bias_stride, float(beta), rows, rows.stride(0),
+        start, HAS_BIAS=bias is not None, BLOCK=FINISH_BLOCK, BLOCK_P=BLOCK_P)

@@ -161,6 +161,12 @@ def test_a_check_split_along_its_length_has_the_same_rows_on_every_run(dtype: to
         assert torch.all((parts[0].double() - exact_d).abs() <= allowed * magnitude + 1e-30)
         assert torch.all((parts[1].double() - exact_b.reshape(-1)).abs() <= allowed * exact_b.reshape(-1) + 1e-30)
         assert torch.allclose(parts[1], whole[1], rtol=1e-5)
+    # One row (an integer argument of 1 is a compile-time constant on a GPU): split as any other.
+    one = torch.empty(2, 1)
+    triton_products.row_check(a.reshape(-1, p)[:1], s.reshape(-1, p)[0], t.reshape(-1, p)[0], c.reshape(-1, n)[:1],
+                              bias, 1.0, 1.0, one, 0, split=3)
+    assert abs(float(one[0, 0]) - float(exact_d[0])) <= allowed * float(magnitude[0]) + 1e-30
+    assert torch.allclose(one[1, 0], whole[1, 0], rtol=1e-5)
     with pytest.raises(ValueError, match=r"row_check: split is 1 to 64 parts .* got 0"):
         triton_products.row_check(a, s, t, c, bias, 1.0, 1.0, torch.empty(2, batch * r), 0, split=0)
 
