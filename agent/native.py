@@ -74,7 +74,7 @@ CACHE_ENV = "SDCGUARD_CACHE_DIR"
 MODES = ("auto", "native", "torch", "triton")
 ISAS = ("scalar", "avx2", "avx512")
 """Instruction sets by the kernel's number for them."""
-ABI = 8
+ABI = 9
 """The version of the C interface this loader speaks (``sdc_fp_abi()``)."""
 CFLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 
@@ -244,6 +244,23 @@ class Kernel:
         if self.lib.sdc_row_check(a, batch, r, p, *strides, s, t, vec_stride, c, n, *c_strides, alpha, bias,
                                   bias_stride, beta, self.isa, work, difference, bound) != 0:
             raise NativeKernelError(f"row check: strides {strides} or {c_strides} have no unit row or column stride")
+
+    def row_verdict(self, a: int, shape: tuple[int, int, int], strides: tuple[int, int, int],
+                    b: tuple[int, tuple[int, int, int], int] | None, s: int, t: int, vec_stride: int, c: int, n: int,
+                    c_strides: tuple[int, int, int], alpha: float, bias: int | None, bias_stride: int, beta: float,
+                    work: int, judge: tuple[float, float, float], failed: int) -> None:
+        """:meth:`row_check` judged in the same call: a row fails where ``difference <= coefficient bound +
+        absolute`` does not hold (NaN included) and ``bound < limit`` (``judge`` = (coefficient, absolute,
+        limit)); the int64 at ``failed`` gains one when a row fails. ``b``: ``None`` (``s`` and ``t`` given), or
+        ``(address, (batch stride, row stride, column stride), ones)`` to compute them from ``B`` (``p x n``
+        matrices; ``ones``: ``n`` floats of 1). ``work``: ``r + 2 batch r`` floats, and ``2 batch p`` more with
+        ``b``."""
+        batch, r, p = shape
+        b_at, b_strides, ones = b if b is not None else (None, (0, 0, 0), None)
+        if self.lib.sdc_row_verdict(a, batch, r, p, *strides, b_at, *b_strides, ones, s, t, vec_stride, c, n,
+                                    *c_strides, alpha, bias, bias_stride, beta, self.isa, work, *judge, failed) != 0:
+            raise NativeKernelError(f"row verdict: strides {strides}, {b_strides} or {c_strides} have no unit row or "
+                                    "column stride")
 
     def with_isa(self, isa: int) -> Kernel:
         """This kernel limited to instruction set ``isa`` (at most the machine's best)."""
@@ -431,6 +448,14 @@ def load(path: Path, isa: int | None = None) -> Kernel:
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]
+    lib.sdc_row_verdict.restype = ctypes.c_int
+    lib.sdc_row_verdict.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_void_p,
+    ]
     best = lib.sdc_fp_best_isa()
     return Kernel(lib, best if isa is None else min(isa, best), path, kinds)
 
@@ -564,7 +589,8 @@ def self_check(kernel: Kernel) -> str | None:
             if name in SUM_FORMATS and math.isfinite(
                     kernel.sum_of_squares(ctypes.addressof(buffer), len(probe), code)) == expected:
                 return f"the sum of squares of {name} with {bad} at one element was not {'in' * expected}finite"
-    return _check_sums(kernel, rng) or _check_dual(kernel, rng) or _check_row_check(kernel, rng)
+    return (_check_sums(kernel, rng) or _check_dual(kernel, rng) or _check_row_check(kernel, rng)
+            or _check_row_verdict(kernel, rng))
 
 
 def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
@@ -624,6 +650,35 @@ def _check_row_check(kernel: Kernel, rng: random.Random) -> str | None:
                          ctypes.addressof(b))
         if list(d) != want_d or list(b) != want_b:
             return f"the product check with C by {layout}: {list(d)}, {list(b)} instead of {want_d}, {want_b}"
+    return None
+
+
+def _check_row_verdict(kernel: Kernel, rng: random.Random) -> str | None:
+    """The judged check against exact answers: a batch of two ``C = A B`` in small integers, ``B``'s row sums
+    computed by the kernel, clean (no row fails, whatever the bound) and with one element off by 1 (exactly the
+    one failing row with a zero allowance; none with the bound's own allowance of 1, nor past the limit)."""
+    batch, r, p, n = 2, 3, 19, 21
+    a = [float(rng.randint(-4, 4)) for _ in range(batch * r * p)]
+    b = [float(rng.randint(-3, 3)) for _ in range(batch * p * n)]
+    c = [sum(a[(m * r + i) * p + k] * b[(m * p + k) * n + j] for k in range(p))
+         for m in range(batch) for i in range(r) for j in range(n)]
+    a_buf, b_buf = (ctypes.c_float * len(a))(*a), (ctypes.c_float * len(b))(*b)
+    ones = (ctypes.c_float * n)(*([1.0] * n))
+    work = (ctypes.c_float * (r + 2 * batch * r + 2 * batch * p))()
+    cases = (("clean", 0.0, (0.0, 0.0, math.inf), 0), ("one element off by 1", 1.0, (0.0, 0.0, math.inf), 1),
+             ("off by 1 within an allowance of 1", 1.0, (0.0, 1.0, math.inf), 0),
+             ("off by 1 past the limit", 1.0, (0.0, 0.0, 0.0), 0))
+    for name, error, judge, want in cases:
+        faulty = list(c)
+        faulty[(1 * r + 2) * n + 5] += error
+        c_buf = (ctypes.c_float * len(faulty))(*faulty)
+        failed = ctypes.c_int64(0)
+        kernel.row_verdict(ctypes.addressof(a_buf), (batch, r, p), (r * p, p, 1),
+                           (ctypes.addressof(b_buf), (p * n, n, 1), ctypes.addressof(ones)), 0, 0, 0,
+                           ctypes.addressof(c_buf), n, (r * n, n, 1), 1.0, None, 0, 1.0, ctypes.addressof(work),
+                           judge, ctypes.addressof(failed))
+        if failed.value != want:
+            return f"the judged product check, {name}: {failed.value} failing instead of {want}"
     return None
 
 

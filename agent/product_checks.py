@@ -277,13 +277,13 @@ class ProductChecks:
         self._weights: set[int] = set()
         self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the
-        compiled or fused check wrote straight into ``_rows`` (its span in ``_spans``; on the rank's device)."""
+        """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the fused
+        Triton check wrote straight into ``_rows`` (its span in ``_spans``; on the rank's device). The compiled
+        CPU check judges its product itself (``_verdict``) and queues nothing."""
         self._rows = torch.empty(2, 0, dtype=torch.float32, device=self.device)
-        self._rows_at = (0, 0)
-        """The addresses of ``_rows``' two rows (differences, bounds)."""
         self._spans: list[tuple[int, int]] = []
         self._work = torch.empty(0, dtype=torch.float32)
+        """The compiled verdict's scratch (CPU floats, grown as needed)."""
         self._layout: list[tuple[int, int, float, float, float]] = []
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -299,7 +299,7 @@ class ProductChecks:
         self._settings: tuple[str, tuple[bool, ...]] | None = None
         self._fused: Any = None
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
-        self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float]] = {}
+        self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float, tuple[float, float, float]]] = {}
         """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
         self._refresh()
         for name, module in model.named_modules():
@@ -460,7 +460,8 @@ class ProductChecks:
             base, kind = self._forward_site(conv)
             if not self.enabled[kind]:
                 return
-            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:3]):
+            if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad or (
+                    len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].requires_grad)):
                 # Its autograd node was made just before it ran: its sequence number is the last.
                 self._forward_sites[torch._C._autograd._get_sequence_nr() - 1] = (base, kind)
             self._check(packet, args, kwargs, out, f"{base} forward (recomputed)" if recomputed else f"{base} forward")
@@ -516,26 +517,31 @@ class ProductChecks:
         operand is a parameter, so that those two vectors are computed once per step and serve the products of
         every micro-batch; the other operand (``a``) then costs two matrix-vector products per product, with
         ``b 1`` and with ``|b| 1`` (the bound ``Σ_k |a_ik| Σ_j |b_kj|``), and the result one sum."""
+        weights = self._weights
+        weight_b = b.untyped_storage().data_ptr() in weights
         row_bias = bias  # broadcast along the rows (an nn.Linear's), unless swapped below
-        if self._is_weight(a) and not self._is_weight(b):
+        swapped = not weight_b and a.untyped_storage().data_ptr() in weights
+        if swapped:
             a, b, c = b.mT, a.mT, c.mT
+            weight_b = True
             bias = None if bias is None else bias.expand(c.mT.shape).mT
             row_bias = None if bias is None else bias  # a full matrix now: only the torch form takes it
-        elif bias is not None:
-            bias = bias.expand(c.shape)
         p, n = a.shape[-1], c.shape[-1]
         key = (a.dtype, c.dtype, c.device.type, p, n, bias is not None)
         terms = self._terms.get(key)
         if terms is None:
             terms = self._terms[key] = self._terms_of(a.dtype, c.dtype, c.device, p, n, bias is not None)
-        arithmetic, coefficient, absolute = terms
+        arithmetic, coefficient, absolute, judge = terms
         if arithmetic is None:
             self.unchecked += 1
             return
+        if self._kernel is not None and self._verdict(a, b, weight_b, c, row_bias, alpha, beta, judge, site):
+            return
+        if bias is not None and not swapped:
+            bias = bias.expand(c.shape)
         work = torch.float64 if a.dtype == torch.float64 else torch.float32
         sums_b, abs_sums_b = self._row_stats(b, work)
-        if (self._fused is not None and self._fused_row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta)) or (
-                self._kernel is not None and self._row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta)):
+        if self._fused is not None and self._fused_row_check(a, sums_b, abs_sums_b, c, row_bias, alpha, beta):
             self._queued(arithmetic, coefficient, absolute, c.shape[:-1].numel(), site)
             return
         observed = c.sum(-1, dtype=work)
@@ -554,26 +560,30 @@ class ProductChecks:
         self._judge(observed, expected, bound, coefficient, absolute, arithmetic, site)
 
     def _terms_of(self, operand: torch.dtype, output: torch.dtype, device: torch.device, p: int, n: int,
-                  bias: bool) -> tuple[Arithmetic | None, float, float]:
-        """(arithmetic, coefficient, underflow term) of a product of ``p``-long accumulations into ``n`` columns;
-        arithmetic None where no bound applies (a dtype not checked, or no finite coefficient)."""
+                  bias: bool) -> tuple[Arithmetic | None, float, float, tuple[float, float, float]]:
+        """(arithmetic, coefficient, underflow term, and the three as the compiled verdict takes them: the
+        coefficient times ``margin``, the underflow term, the limit below which a bound is judged) of a product of
+        ``p``-long accumulations into ``n`` columns; arithmetic None where no bound applies (a dtype not checked,
+        or no finite coefficient)."""
         arithmetic = self._arithmetic(operand, output, device, conv=False)
-        if arithmetic is None:
-            return None, math.inf, math.inf
-        coefficient = arithmetic.coefficient(p + (2 if bias else 0), n)
-        if not coefficient < math.inf:
-            return None, math.inf, math.inf
-        return arithmetic, coefficient, arithmetic.absolute(p, n)
+        coefficient = math.inf if arithmetic is None else arithmetic.coefficient(p + (2 if bias else 0), n)
+        if arithmetic is None or not coefficient < math.inf:
+            return None, math.inf, math.inf, (math.inf, math.inf, 0.0)
+        absolute = arithmetic.absolute(p, n)
+        return arithmetic, coefficient, absolute, (coefficient * self.margin, absolute,
+                                                   arithmetic.largest / (1 + coefficient))
 
-    def _row_check(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor,
-                   bias: torch.Tensor | None, alpha: float, beta: float) -> bool:
-        """The whole check of an fp32 CPU product by the compiled kernel (``sdcguard.agent.native``: one call
-        where torch takes a dozen operations), its differences and bounds written straight into the pass's rows;
-        False where it does not apply (then the torch form runs)."""
-        a_strides, c_strides = a.stride(), c.stride()
+    def _verdict(self, a: torch.Tensor, b: torch.Tensor, weight_b: bool, c: torch.Tensor, bias: torch.Tensor | None,
+                 alpha: float, beta: float, judge: tuple[float, float, float], site: str) -> bool:
+        """The whole check of an fp32 CPU product, judged, by the compiled kernel in one call
+        (``sdcguard.agent.native``'s ``sdc_row_verdict``, where torch takes a dozen operations): a failing product
+        counted straight into ``flags``, with the row sums of ``b`` computed in the same call unless ``b`` is a
+        weight (then they are the step's, computed once). False where it does not apply (then the torch form
+        runs)."""
+        a_strides, b_strides, c_strides = a.stride(), b.stride(), c.stride()
         dims = len(a_strides)
-        if a.dtype != torch.float32 or c.dtype != torch.float32 or s.dtype != torch.float32 or (
-                dims not in (2, 3) or len(c_strides) != dims or a.device.type != "cpu") or (
+        if a.dtype != torch.float32 or b.dtype != torch.float32 or c.dtype != torch.float32 or (
+                dims not in (2, 3) or len(b_strides) != dims or len(c_strides) != dims) or a.device.type != "cpu" or (
                 a_strides[-1] != 1 and a_strides[-2] != 1) or (c_strides[-1] != 1 and c_strides[-2] != 1):
             return False
         bias_at, bias_stride = None, 0
@@ -584,23 +594,31 @@ class ProductChecks:
             bias_at, bias_stride = bias.data_ptr(), bias.stride(-1) if bias.shape[-1] > 1 else 0
         shape = a.shape
         batch, r, p = (shape[0], shape[1], shape[2]) if dims == 3 else (1, shape[0], shape[1])
-        rows = batch * r
-        start = self._reserve(rows)
-        if self._work.numel() < r:
-            self._work = torch.empty(r, dtype=torch.float32)
-        vectors = s.dim() == 2 and s.shape[0] > 1
-        if not (s.is_contiguous() and t.is_contiguous()):
-            s, t = s.contiguous(), t.contiguous()
-        rows_at = self._rows_at
-        kernel = self._kernel
-        if kernel is None or kernel.lib.sdc_row_check(
-                a.data_ptr(), batch, r, p, a_strides[0] if dims == 3 else 0, a_strides[-2], a_strides[-1],
-                s.data_ptr(), t.data_ptr(), p if vectors else 0, c.data_ptr(), c.shape[-1],
-                c_strides[0] if dims == 3 else 0, c_strides[-2], c_strides[-1], alpha, bias_at, bias_stride, beta,
-                kernel.isa, self._work.data_ptr(), rows_at[0] + 4 * start, rows_at[1] + 4 * start) != 0:
+        n = c.shape[-1]
+        if weight_b:
+            s, t = self._row_stats(b, torch.float32)
+            if not (s.is_contiguous() and t.is_contiguous()):
+                s, t = s.contiguous(), t.contiguous()
+            b_at, b_batch, b_row, b_col, ones = None, 0, 0, 0, None
+            s_at, t_at, vectors = s.data_ptr(), t.data_ptr(), p if s.dim() == 2 and s.shape[0] > 1 else 0
+        elif b_strides[-1] == 1 or b_strides[-2] == 1:
+            b_at, b_batch, b_row, b_col = b.data_ptr(), b_strides[0] if dims == 3 else 0, b_strides[-2], b_strides[-1]
+            ones, s_at, t_at, vectors = self._ones(n, b.device).data_ptr(), None, None, 0
+        else:
             return False
-        self._pending.append(None)
-        self._spans.append((start, start + rows))
+        needed = r + 2 * batch * (r + p)
+        if self._work.numel() < needed:
+            self._work = torch.empty(needed, dtype=torch.float32)
+        index = self._site(site)
+        kernel = self._kernel
+        if kernel is None or kernel.lib.sdc_row_verdict(
+                a.data_ptr(), batch, r, p, a_strides[0] if dims == 3 else 0, a_strides[-2], a_strides[-1],
+                b_at, b_batch, b_row, b_col, ones, s_at, t_at, vectors, c.data_ptr(), n,
+                c_strides[0] if dims == 3 else 0, c_strides[-2], c_strides[-1], alpha, bias_at, bias_stride, beta,
+                kernel.isa, self._work.data_ptr(), judge[0], judge[1], judge[2],
+                self._flags.data_ptr() + 8 * index) != 0:
+            return False
+        self.checked += 1
         return True
 
     def _fused_row_check(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tensor,
@@ -629,11 +647,7 @@ class ProductChecks:
                                 device=self._rows.device)
             grown[:, :start] = self._rows[:, :start]
             self._rows = grown
-            self._rows_at = (grown[0].data_ptr(), grown[1].data_ptr())
         return start
-
-    def _is_weight(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self._weights
 
     def _row_stats(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(b 1, |b| 1)``: the row sums of ``b`` and of its absolute values, in ``work``. A parameter's are kept
@@ -642,10 +656,38 @@ class ProductChecks:
         storage = b.untyped_storage().data_ptr()
         if storage not in self._weights:
             return self._row_sums_of(b, work)
-        key = (storage, b.storage_offset(), tuple(b.shape), b.stride(), b.dtype, b._version, work)
+        shape, strides = tuple(b.shape), b.stride()
+        key = (storage, b.storage_offset(), shape, strides, b.dtype, b._version, work)
         stats = self._weight_rows.get(key)
         if stats is None:
+            if self._kernel is not None and len(shape) == 2 and b.dtype == work == torch.float32 and (
+                    b.device.type == "cpu") and 1 in strides:
+                return self._weight_sums(b, key)
             stats = self._weight_rows[key] = self._row_sums_of(b, work)
+        return stats
+
+    def _weight_sums(self, w: torch.Tensor, key: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A 2-D fp32 CPU weight's row sums and absolute row sums, and those of its transpose, by two compiled
+        passes in a row: the forward takes one layout of a weight and the input's gradient the other. Both are
+        kept for the step; the first is returned."""
+        rows, cols = w.shape
+        row_stride, col_stride = w.stride()
+        by_rows, by_columns = torch.empty(2, rows, dtype=torch.float32), torch.empty(2, cols, dtype=torch.float32)
+        at, across = by_rows.data_ptr(), by_columns.data_ptr()
+        ones = self._ones(max(rows, cols), w.device).data_ptr()
+        kernel = self._kernel
+        assert kernel is not None  # _row_stats sends a weight here only with the compiled kernel loaded
+        dual, isa = kernel.lib.sdc_dual_matvec, kernel.isa
+        if dual(w.data_ptr(), 1, rows, cols, 0, row_stride, col_stride, ones, ones, 0, isa, at, at + 4 * rows) != 0 or (
+                dual(w.data_ptr(), 1, cols, rows, 0, col_stride, row_stride, ones, ones, 0, isa, across,
+                     across + 4 * cols) != 0):
+            raise RuntimeError(f"the compiled pass refused a weight of strides {(row_stride, col_stride)}")
+        storage, offset, _, _, dtype, version, work = key
+        transposed = (storage, offset, (cols, rows), (col_stride, row_stride), dtype, version, work)
+        sums, magnitudes = by_rows.unbind(0)
+        stats = self._weight_rows[key] = (sums, magnitudes)
+        sums, magnitudes = by_columns.unbind(0)
+        self._weight_rows[transposed] = (sums, magnitudes)
         return stats
 
     def _row_sums_of(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

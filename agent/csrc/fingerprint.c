@@ -24,8 +24,9 @@
  * this file): the non-finite scan, and the sum of squares fused with the
  * division by the world size before the all-reduce or with the fingerprint
  * after it, so that each side of the all-reduce reads a bucket once; and the
- * product checks' pass over an operand (sdc_dual_matvec) and their whole check
- * of one product by its row sums (sdc_row_check, the last function).
+ * product checks' pass over an operand (sdc_dual_matvec), their whole check
+ * of one product by its row sums (sdc_row_check) and that check judged
+ * against its bound (sdc_row_verdict, the last function).
  *
  * Pure C11 (plus x86 intrinsics), no Python or torch headers: the loader (agent/native.py) builds
  * it with the system C compiler and calls it through ctypes, which releases
@@ -38,7 +39,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SDC_FP_ABI 8
+#define SDC_FP_ABI 9
 #define BLOCK 1024
 
 enum { KIND_I8 = 1, KIND_U8 = 2, KIND_I16 = 3, KIND_I32 = 4, KIND_I64 = 5 };
@@ -1053,6 +1054,41 @@ int sdc_row_check(const float *a, int64_t batch, int64_t r, int64_t p, int64_t a
             float observed = c_by_rows ? row_sum(cm + i * c_row, n) : work[i];
             d[i] = fabsf(observed - (alpha * d[i] + shift));
             bd[i] = scale * bd[i] + shift_abs;
+        }
+    }
+    return 0;
+}
+
+/* sdc_row_check judged: each row's difference against its bound, |observed - expected| <= coefficient bound +
+ * absolute (false for a NaN), where the bound is below limit (a bound past it allows a legitimate overflow);
+ * *failed gains one when a row fails, and 0 is returned (-1 for strides with no unit row or column stride). The
+ * test is the torch form's, in double (ProductChecks._judge_pending). s and t are B 1 and |B| 1, given, or, where
+ * b is not NULL, computed here from B ((batch x) p x n at b, batch stride b_batch, 0 for one B shared; ones: n
+ * floats of 1). work: r + 2 batch r floats, and 2 batch p more where b is given. */
+int sdc_row_verdict(const float *a, int64_t batch, int64_t r, int64_t p, int64_t a_batch, int64_t a_row,
+                    int64_t a_col, const float *b, int64_t b_batch, int64_t b_row, int64_t b_col, const float *ones,
+                    const float *s, const float *t, int64_t vec_stride, const float *c, int64_t n, int64_t c_batch,
+                    int64_t c_row, int64_t c_col, float alpha, const float *bias, int64_t bias_stride, float beta,
+                    int isa, float *work, double coefficient, double absolute, double limit, int64_t *failed)
+{
+    float *difference = work + r, *bound = difference + batch * r;
+    if (b != NULL) {
+        int64_t matrices = b_batch != 0 ? batch : 1;
+        float *sums = bound + batch * r, *magnitudes = sums + matrices * p;
+        if (sdc_dual_matvec(b, matrices, p, n, b_batch, b_row, b_col, ones, ones, 0, isa, sums, magnitudes) != 0)
+            return -1;
+        s = sums;
+        t = magnitudes;
+        vec_stride = b_batch != 0 ? p : 0;
+    }
+    if (sdc_row_check(a, batch, r, p, a_batch, a_row, a_col, s, t, vec_stride, c, n, c_batch, c_row, c_col, alpha,
+                      bias, bias_stride, beta, isa, work, difference, bound) != 0)
+        return -1;
+    for (int64_t i = 0; i < batch * r; i++) {
+        double allowed = absolute + (double)bound[i] * coefficient;
+        if ((double)bound[i] < limit && !((double)difference[i] <= allowed)) {
+            *failed += 1;
+            break;
         }
     }
     return 0;

@@ -1,6 +1,7 @@
 """The product checks' compiled pass over an operand (``sdc_dual_matvec``): ``a @ s`` and ``|a| @ t`` in one read,
-equal to torch's within fp32 rounding at every instruction set, by rows and by columns, batched; and the checks
-give the same verdicts through it as through torch's operators."""
+equal to torch's within fp32 rounding at every instruction set, by rows and by columns, batched; the whole check
+(``sdc_row_check``) and the check judged in the same call (``sdc_row_verdict``); and the checks give the same
+verdicts through them as through torch's operators."""
 
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ def test_the_compiled_check_of_a_product_equals_its_definition_within_rounding(
 
 def test_a_pass_mixing_compiled_and_torch_checks_charges_each_product_to_its_own_site(
         kernel: native.Kernel) -> None:  # noqa: F811
-    # Compiled checks write their rows in place; a product only torch checks (fp64 here) is queued between them:
-    # the pass is judged in its order, past a growth of the rows, and a fault is charged to its own site only.
+    # Compiled checks judge their products in the call; a product only torch checks (fp64 here) is queued between
+    # them and judged at the pass's end, past a growth of the scratch: a fault is charged to its own site only.
     model = nn.Linear(8, 8)
     checks = ProductChecks(model)
     checks.begin_step()
@@ -181,7 +182,8 @@ def test_a_pass_mixing_compiled_and_torch_checks_charges_each_product_to_its_own
     for name, rows, dtype, fault in (("first", 100, torch.float32, False), ("wide", 50, torch.float64, True),
                                      ("large", 6000, torch.float32, False), ("last", 30, torch.float32, True)):
         checks._verify_product(*product(rows, dtype, fault), None, 1.0, 1.0, name)
-    assert checks._spans, "the fp32 products did not go through the compiled check"
+    assert len(checks._pending) == 1, "the fp32 products did not go through the compiled verdict"
+    assert checks.checked == 4
     failing = {checks.sites[i] for i in torch.nonzero(checks.flags).flatten().tolist()}
     assert failing == {"wide", "last"}
     checks.begin_step()
@@ -199,3 +201,83 @@ def test_the_load_time_self_check_covers_the_whole_check(kernel: native.Kernel) 
     problem = native._check_row_check(Broken(), random.Random(0))  # type: ignore[arg-type]
     assert problem is not None
     assert "the product check with C by rows" in problem
+
+
+def _verdict(k: native.Kernel, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, judge: tuple[float, float, float],
+             *, given: bool) -> int:
+    """Failing products (0 or 1) of ``c = a @ b`` by ``sdc_row_verdict``: ``b``'s row sums given, or computed in
+    the call."""
+    batched = a.dim() == 3
+    batch, r, p, n = (a.shape[0] if batched else 1), a.shape[-2], a.shape[-1], c.shape[-1]
+    work = torch.empty(r + 2 * batch * (r + p))
+    failed = torch.zeros(1, dtype=torch.int64)
+    s, t, ones = b.sum(-1).contiguous(), b.abs().sum(-1).contiguous(), torch.ones(n)
+    operand = None if given else (b.data_ptr(), (b.stride(0) if batched else 0, b.stride(-2), b.stride(-1)),
+                                  ones.data_ptr())
+    k.row_verdict(a.data_ptr(), (batch, r, p), (a.stride(0) if batched else 0, a.stride(-2), a.stride(-1)), operand,
+                  s.data_ptr(), t.data_ptr(), p if given and batched else 0, c.data_ptr(), n,
+                  (c.stride(0) if batched else 0, c.stride(-2), c.stride(-1)), 1.0, None, 0, 1.0, work.data_ptr(),
+                  judge, failed.data_ptr())
+    return int(failed)
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "batched rows", "batched columns"])
+@pytest.mark.parametrize("given", [True, False], ids=["sums-given", "sums-computed"])
+def test_the_judged_check_fails_a_product_exactly_where_the_torch_form_would(
+        kernel: native.Kernel, layout: str, given: bool) -> None:  # noqa: F811
+    # The same test as the pass's end judges in torch (|difference| <= coefficient bound + absolute, where the bound
+    # is below the limit), at every instruction set: a clean product passes under the rigorous coefficient, one
+    # element off by 1e-2 of its row's magnitude fails, a NaN fails, and a bound past the limit passes.
+    g = torch.Generator().manual_seed(len(layout) * 2 + given)
+    batch = 3 if "batched" in layout else 1
+    a, b = torch.randn(batch, 37, 70, generator=g), torch.randn(batch, 70, 29, generator=g)
+    clean = a @ b
+    if "columns" in layout:
+        clean, b = clean.mT.contiguous().mT, b.mT.contiguous().mT
+    if batch == 1:
+        a, b, clean = a[0], b[0], clean[0]
+    coefficient = 2 * (70 + 29) * 2.0 ** -24
+    rigorous = (coefficient, 1e-30, math.inf)
+    off, nan = clean.clone(), clean.clone()
+    at = (1, 5, 3) if batch > 1 else (5, 3)
+    off[at] += 1e-2 * float(a.abs().sum(-1).max())
+    nan[at] = math.nan
+    for each in isas(kernel):
+        assert _verdict(each, a, b, clean, rigorous, given=given) == 0, each.isa_name
+        assert _verdict(each, a, b, off, rigorous, given=given) == 1, each.isa_name
+        assert _verdict(each, a, b, nan, rigorous, given=given) == 1, each.isa_name
+        assert _verdict(each, a, b, off, (coefficient, 1e-30, 0.0), given=given) == 0, each.isa_name
+
+
+def test_the_judged_check_counts_into_the_site_s_flag_and_refuses_bad_strides(
+        kernel: native.Kernel) -> None:  # noqa: F811
+    # Through the checks: the failing product is counted into its own site's slot, once per product, whatever the
+    # number of failing rows; and an operand with no unit stride raises by name.
+    model = nn.Linear(16, 8)
+    checks = ProductChecks(model)
+    checks.begin_step()
+    x, y = torch.randn(10, 16), torch.randn(16, 12)
+    z = x @ y
+    z[:, 0] += 100.0  # every row off
+    checks._verify_product(x, y, x @ y, None, 1.0, 1.0, "clean")
+    checks._verify_product(x, y, z, None, 1.0, 1.0, "every row off")
+    checks._verify_product(x, y, z, None, 1.0, 1.0, "every row off")
+    assert not checks._pending
+    assert checks.flags[checks.sites.index("every row off")] == 2
+    assert checks.flags[checks.sites.index("clean")] == 0
+    strided = torch.ones(8, 8)[::2, ::2]
+    with pytest.raises(native.NativeKernelError, match="unit row or column stride"):
+        _verdict(kernel, strided, torch.ones(4, 4), torch.ones(4, 4), (1.0, 0.0, math.inf), given=True)
+
+
+def test_the_load_time_self_check_covers_the_judged_check(kernel: native.Kernel) -> None:  # noqa: F811
+    import random
+
+    class Broken:
+        def row_verdict(self, *args: object) -> None:
+            pass
+
+    assert native._check_row_verdict(kernel, random.Random(0)) is None
+    problem = native._check_row_verdict(Broken(), random.Random(0))  # type: ignore[arg-type]
+    assert problem is not None
+    assert "one element off by 1" in problem
