@@ -57,12 +57,14 @@ Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
 computed once per step and serve every micro-batch, so a product costs the
 sum of ``C`` and two matrix-vector products on ``A`` (with ``B 1`` and with
-``|B| 1``). On the CPU an fp32 product is checked whole in one call of the
-compiled kernel (``sdcguard.agent.native``: one read of ``A``, one of ``C``,
-the differences and bounds written straight into the pass's rows). The
-differences and bounds of a whole pass are judged together when it ends,
-into one int64 per site on the device: a few device operations per pass
-instead of several per product, and no host synchronisation.
+``|B| 1``). On the CPU an fp32 product is checked and judged whole in one
+call of the compiled kernel (``sdcguard.agent.native``'s ``sdc_row_verdict``:
+one read of ``A``, one of ``C``, one of ``B`` where it is not a weight; a
+failing product counted straight into its site's int64). Other products
+(the fused Triton kernel on a GPU, the torch form) leave their differences
+and bounds in the pass's rows, judged together when the pass ends, into the
+same int64 per site on the device: a few device operations per pass instead
+of several per product, and no host synchronisation.
 
 Not seen: products inside fused kernels that do not lower to these
 operators (``F.scaled_dot_product_attention``'s fused kernels; ``einsum``
