@@ -284,7 +284,7 @@ class ProductChecks:
         CPU check judges its product itself (``_verdict``) and queues nothing."""
         self._rows = torch.empty(2, 0, dtype=torch.float32, device=self.device)
         self._spans: list[tuple[int, int]] = []
-        self._work = torch.empty(0, dtype=torch.float32)
+        self._work = torch.empty(0, dtype=torch.float32, device="cpu")
         """The compiled verdict's scratch (CPU floats, grown as needed)."""
         self._layout: list[tuple[int, int, float, float, float]] = []
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
@@ -610,7 +610,7 @@ class ProductChecks:
             return False
         needed = r + 2 * batch * (r + p)
         if self._work.numel() < needed:
-            self._work = torch.empty(needed, dtype=torch.float32)
+            self._work = torch.empty(needed, dtype=torch.float32, device="cpu")
         index = self._site(site)
         kernel = self._kernel
         if kernel is None or kernel.lib.sdc_row_verdict(
@@ -674,7 +674,8 @@ class ProductChecks:
         kept for the step; the first is returned."""
         rows, cols = w.shape
         row_stride, col_stride = w.stride()
-        by_rows, by_columns = torch.empty(2, rows, dtype=torch.float32), torch.empty(2, cols, dtype=torch.float32)
+        by_rows = torch.empty(2, rows, dtype=torch.float32, device="cpu")
+        by_columns = torch.empty(2, cols, dtype=torch.float32, device="cpu")
         at, across = by_rows.data_ptr(), by_columns.data_ptr()
         ones = self._ones(max(rows, cols), w.device).data_ptr()
         kernel = self._kernel
@@ -720,7 +721,7 @@ class ProductChecks:
         *batch, r, p = a.shape
         vectors = s.dim() == 2 and s.shape[0] > 1
         s, t = s.contiguous(), t.contiguous()
-        out = torch.empty(2, *batch, r, dtype=torch.float32)
+        out = torch.empty(2, *batch, r, dtype=torch.float32, device="cpu")
         kernel.dual_matvec(a.data_ptr(), (batch[0] if batch else 1, r, p),
                            (a.stride(0) if batch else 0, a.stride(-2), a.stride(-1)),
                            s.data_ptr(), t.data_ptr(), p if vectors else 0, out[0].data_ptr(), out[1].data_ptr())
@@ -731,7 +732,7 @@ class ProductChecks:
         allocation of this size costs its page faults on every call, more than the pass that fills it."""
         scratch = self._scratch.get((dtype, slot))
         if scratch is None or scratch.numel() < t.numel():
-            scratch = self._scratch[(dtype, slot)] = torch.empty(t.numel(), dtype=dtype)
+            scratch = self._scratch[(dtype, slot)] = torch.empty(t.numel(), dtype=dtype, device="cpu")
         return scratch[:t.numel()].view(t.shape)
 
     def _widened(self, t: torch.Tensor, work: torch.dtype, slot: int) -> torch.Tensor:
@@ -809,9 +810,10 @@ class ProductChecks:
         without blocking on a GPU). The host tensors are kept with them for that copy's sake."""
         sites = [site for site, *_ in layout]
         lengths = [length for _, length, *_ in layout]
-        per_product = torch.tensor([entry[2:] for entry in layout], dtype=torch.float64).T.contiguous()
-        host: tuple[torch.Tensor, ...] = (per_product, torch.tensor(sites, dtype=torch.int64),
-                                          torch.tensor(lengths, dtype=torch.int64), torch.arange(len(layout)))
+        per_product = torch.tensor([entry[2:] for entry in layout], dtype=torch.float64, device="cpu").T.contiguous()
+        host: tuple[torch.Tensor, ...] = (per_product, torch.tensor(sites, dtype=torch.int64, device="cpu"),
+                                          torch.tensor(lengths, dtype=torch.int64, device="cpu"),
+                                          torch.arange(len(layout), device="cpu"))
         device = self._flags.device
         if device.type == "cuda" and torch.cuda.is_available():
             host = tuple(t.pin_memory() for t in host)

@@ -106,20 +106,14 @@ class _PassesSkipped(ProductChecks):
 
 
 class _SkippedKernel:
-    """The compiled kernel with ``sdc_row_verdict`` and ``sdc_dual_matvec`` answering 0 (done) at once."""
-
-    SKIPPED = ("sdc_row_verdict", "sdc_dual_matvec")
+    """The compiled kernel (its ``lib`` too) with ``sdc_row_verdict`` and ``sdc_dual_matvec`` answering 0 (done) at
+    once; every other function is the real library's."""
 
     def __init__(self, kernel: Any) -> None:
         self.isa = kernel.isa
-        self.lib = _SkippedLibrary(kernel.lib, self.SKIPPED)
-
-
-class _SkippedLibrary:
-    def __init__(self, lib: Any, skipped: tuple[str, ...]) -> None:
-        self._lib = lib
-        for name in skipped:
-            setattr(self, name, _done)
+        self.lib = self
+        self._lib = kernel.lib
+        self.sdc_row_verdict = self.sdc_dual_matvec = _done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lib, name)

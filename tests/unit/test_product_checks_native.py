@@ -281,3 +281,25 @@ def test_the_load_time_self_check_covers_the_judged_check(kernel: native.Kernel)
     problem = native._check_row_verdict(Broken(), random.Random(0))  # type: ignore[arg-type]
     assert problem is not None
     assert "one element off by 1" in problem
+
+
+def test_the_compiled_check_keeps_its_buffers_on_the_cpu_under_another_default_device(
+        kernel: native.Kernel) -> None:  # noqa: F811
+    # A training script may set torch's default device (torch.set_default_device("cuda")); the compiled check's
+    # scratch and a weight's sums are CPU memory the kernel writes, whatever that default ("meta" here: a buffer
+    # made there has no memory, and the kernel would write through a null address).
+    model = nn.Linear(16, 8)
+    checks = ProductChecks(model)
+    checks.begin_step()
+    x, w = torch.randn(10, 16), model.weight.detach()
+    faulty = x @ w.t()
+    faulty[4, 2] += 100.0
+    with torch.device("meta"):
+        checks._verify_product(x, w.t(), x @ w.t(), None, 1.0, 1.0, "clean")
+        checks._verify_product(x, w.t(), faulty, None, 1.0, 1.0, "faulty")
+        checks._verify_product(x, torch.randn(16, 12, device="cpu"), x @ torch.zeros(16, 12, device="cpu"), None,
+                               1.0, 1.0, "zeros")
+    assert checks._work.device.type == "cpu"
+    assert all(t.device.type == "cpu" for stats in checks._weight_rows.values() for t in stats)
+    failing = {checks.sites[i] for i in torch.nonzero(checks.flags).flatten().tolist()}
+    assert failing == {"faulty", "zeros"}
