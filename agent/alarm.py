@@ -60,8 +60,8 @@ def gather_identities(topology: Topology, device: torch.device,
     mine = json.dumps(asdict(RankIdentity.of(topology))).encode()
     if len(mine) > IDENTITY_BYTES:
         raise ValueError(f"NODE_NAME/POD_NAME/HOSTNAME: identity of rank {topology.rank} exceeds {IDENTITY_BYTES} bytes")
-    local = torch.zeros(IDENTITY_BYTES, dtype=torch.int64)
-    local[: len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
+    local = torch.zeros(IDENTITY_BYTES, dtype=torch.int64, device="cpu")
+    local[: len(mine)] = torch.tensor(list(mine), dtype=torch.int64, device="cpu")
     if not dist.is_initialized() or topology.world_size == 1:
         return [RankIdentity.of(topology)]
     local = local.to(device)

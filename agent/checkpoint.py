@@ -180,11 +180,11 @@ def _status_all(failed: bool, group: Group = None, device: torch.device | None =
 def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None,
                     device: torch.device | None = None) -> list[ObjectDigest | None]:
     """Every rank's RNG object digest (None where that rank failed), via one all-gather of int64s."""
-    row = torch.zeros(34, dtype=torch.int64)
+    row = torch.zeros(34, dtype=torch.int64, device="cpu")
     if digest is not None:
         row[0] = 1
         row[1] = digest.size
-        row[2:] = torch.tensor(list(bytes.fromhex(digest.sha256)), dtype=torch.int64)
+        row[2:] = torch.tensor(list(bytes.fromhex(digest.sha256)), dtype=torch.int64, device="cpu")
     if world == 1:
         rows = [row]
     else:

@@ -116,7 +116,7 @@ def claim_from_recomputation(recomputation: Recomputation, layout: dict[int, lis
     norm_values = []
     for index in sorted(layout):
         grads = [recomputation.grads[n].reshape(-1) for n in layout[index]]
-        flat = torch.cat(grads) if grads else torch.zeros(0, device=device)
+        flat = torch.cat(grads) if grads else torch.zeros(0, dtype=torch.float32, device=device)
         # The owner's hook measured the bucket buffer, which is these gradients laid end to end.
         seen = measure(flat, flag=nonfinite and index < MASK_BUCKETS, norm=norms)
         if seen.nonfinite is not None:
@@ -349,8 +349,8 @@ def _rows_on_host(claims: torch.Tensor, records: torch.Tensor, ranks: list[int])
     index = torch.tensor(ranks, dtype=torch.int64, device=claims.device)
     picked = torch.cat([claims.index_select(0, index), records.index_select(0, index).reshape(len(ranks), -1)],
                        dim=1).cpu()
-    host_claims = torch.zeros(claims.shape, dtype=claims.dtype)
-    host_records = torch.zeros(records.shape, dtype=records.dtype)
+    host_claims = torch.zeros(claims.shape, dtype=claims.dtype, device="cpu")
+    host_records = torch.zeros(records.shape, dtype=records.dtype, device="cpu")
     host_claims[ranks] = picked[:, :claims.shape[1]]
     host_records[ranks] = picked[:, claims.shape[1]:].reshape(len(ranks), *records.shape[1:])
     return host_claims, host_records

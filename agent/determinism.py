@@ -139,7 +139,7 @@ def gather_signatures(device: torch.device, group: dist.ProcessGroup | None = No
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(n) for n in torch.cat(lengths).tolist()]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")
     padded[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     padded = padded.to(device)
     rows = [torch.empty_like(padded) for _ in range(world)]

@@ -446,7 +446,7 @@ class _NativeFeeder(_Feeder):
         self.chunk = chunk
         self.fill = 0  # pieces go to the kernel at once: the scratch is never part-filled between calls
         self.kind = _kernel_kind(kernel, bits)
-        self.scratch = torch.empty(chunk, dtype=bits.dtype)
+        self.scratch = torch.empty(chunk, dtype=bits.dtype, device="cpu")
         self.index = 0
         self.out = out
 
@@ -471,13 +471,13 @@ def fingerprint_native(t: torch.Tensor, kernel: native.Kernel, *, chunk: int | N
     kind = _kernel_kind(kernel, bits)
     threads = torch.get_num_threads()
     if n and not bits.is_contiguous():
-        out = torch.zeros(LANES, dtype=torch.int64)
+        out = torch.zeros(LANES, dtype=torch.int64, device="cpu")
         _NativeFeeder(kernel, bits, _checked_chunk(chunk, t.device), out).feed(bits)
     elif n >= PARALLEL_MIN and threads > 1:
-        out = torch.zeros(LANES, dtype=torch.int64)
+        out = torch.zeros(LANES, dtype=torch.int64, device="cpu")
         kernel.segment_threads(bits.data_ptr(), n, kind, 0, threads, out.data_ptr())
     else:
-        out = torch.zeros(LANES, dtype=torch.int64)
+        out = torch.zeros(LANES, dtype=torch.int64, device="cpu")
         if n:
             kernel.segment(bits.data_ptr(), n, kind, 0, out.data_ptr())
     return out.add_(_descriptor_lanes(t.dtype, tuple(t.shape), t.device))
@@ -499,7 +499,7 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = Non
         _checked_chunk(chunk, torch.device("cpu"))
     tensors = list(tensors)
     if not tensors:
-        return torch.empty(0, LANES, dtype=torch.int64)
+        return torch.empty(0, LANES, dtype=torch.int64, device="cpu")
     device = tensors[0].device
     chunk = _checked_chunk(chunk, device)
     for t in tensors:
@@ -532,7 +532,7 @@ def fingerprint_many(tensors: Iterable[torch.Tensor], *, chunk: int | None = Non
 
 def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int) -> torch.Tensor:
     """``fingerprint_many`` on the CPU: the contiguous tensors in one kernel call, the others one by one."""
-    out = torch.zeros(len(tensors), LANES, dtype=torch.int64)
+    out = torch.zeros(len(tensors), LANES, dtype=torch.int64, device="cpu")
     batch: list[int] = []
     views: list[torch.Tensor] = []
     for k, t in enumerate(tensors):
@@ -549,7 +549,7 @@ def _many_native(tensors: list[torch.Tensor], kernel: native.Kernel, chunk: int)
         kinds = (ctypes.c_int32 * count)(
             *(_kernel_kind(kernel, v) for v in views)
         )
-        lanes = torch.empty(count, LANES, dtype=torch.int64)
+        lanes = torch.empty(count, LANES, dtype=torch.int64, device="cpu")
         kernel.many(data, sizes, kinds, lanes.data_ptr())
         lanes.add_(_descriptors(tuple((tensors[k].dtype, tuple(tensors[k].shape)) for k in batch)))
         out[batch] = lanes
@@ -599,7 +599,7 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
         count = len(tensors)
         data = (ctypes.c_void_p * count)(*(t.data_ptr() for t in tensors))
         sizes = (ctypes.c_int64 * count)(*(t.numel() for t in tensors))
-        out = torch.zeros(LANES, dtype=torch.int64)
+        out = torch.zeros(LANES, dtype=torch.int64, device="cpu")
         kernel.concat(data, sizes, kind, out.data_ptr())
         return out.add_(_descriptor_lanes(dtype, (total,), device))
     bits = [bit_view(t.detach()) for t in tensors]
@@ -608,7 +608,7 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
         for b in bits:
             reducer.feed(b)
         return reducer.finish(dtype, (total,))
-    out = torch.zeros(LANES, dtype=torch.int64)
+    out = torch.zeros(LANES, dtype=torch.int64, device="cpu")
     feeder = _NativeFeeder(kernel, bits[0], chunk, out)
     for b in bits:
         feeder.feed(b)
@@ -618,7 +618,8 @@ def fingerprint_concat(tensors: Sequence[torch.Tensor], *, chunk: int | None = N
 @functools.lru_cache(maxsize=256)
 def _descriptors(keys: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> torch.Tensor:
     # Shared and only ever read, like _descriptor_lanes: a model's parameter list repeats every step.
-    return torch.tensor([[signed64(d) for d in descriptor(dtype, shape)] for dtype, shape in keys], dtype=torch.int64)
+    return torch.tensor([[signed64(d) for d in descriptor(dtype, shape)] for dtype, shape in keys],
+                        dtype=torch.int64, device="cpu")
 
 
 def _fingerprint_small(tensors: list[torch.Tensor], wide: bool, device: torch.device) -> torch.Tensor:

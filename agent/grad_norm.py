@@ -92,7 +92,8 @@ def sum_of_squares_torch(t: torch.Tensor) -> float:
     if n == 0:
         return total
     size = min(-(-n // SQ_CHUNK), TORCH_PIECE // SQ_CHUNK) * SQ_CHUNK
-    rows, half = torch.empty(size, dtype=torch.float64), torch.empty(size // 2, dtype=torch.float64)
+    rows = torch.empty(size, dtype=torch.float64, device="cpu")
+    half = torch.empty(size // 2, dtype=torch.float64, device="cpu")
     for start in range(0, n, TORCH_PIECE):
         m = min(TORCH_PIECE, n - start)
         chunks = -(-m // SQ_CHUNK)
@@ -127,4 +128,4 @@ def bucket_norm(t: torch.Tensor) -> torch.Tensor:
 
 def norm_from_sum(total: float) -> torch.Tensor:
     """The 0-dim fp64 CPU norm for a sum of squares (NaN and infinity stay what they are)."""
-    return torch.tensor(math.sqrt(total), dtype=torch.float64)
+    return torch.tensor(math.sqrt(total), dtype=torch.float64, device="cpu")

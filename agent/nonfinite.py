@@ -39,7 +39,7 @@ MAX_EVIDENCE_BUCKETS = 4096
 """The contract's bound on evidence items."""
 
 
-_CPU_FLAGS = (torch.zeros((), dtype=torch.bool), torch.ones((), dtype=torch.bool))
+_CPU_FLAGS = (torch.zeros((), dtype=torch.bool, device="cpu"), torch.ones((), dtype=torch.bool, device="cpu"))
 """Shared, read-only answers of the CPU path (callers only stack and reduce them)."""
 
 
@@ -173,7 +173,7 @@ def reduced_pass(reduced: torch.Tensor, *, flag: bool, fingerprint: bool, norm: 
     kernel, float_format = readable
     lanes = None
     if fingerprint:
-        lanes = torch.zeros(fp.LANES, dtype=torch.int64)
+        lanes = torch.zeros(fp.LANES, dtype=torch.int64, device="cpu")
         total = kernel.fingerprint_sum_of_squares(reduced.data_ptr(), reduced.numel(), float_format,
                                                   lanes.data_ptr())
         lanes.add_(fp.descriptor_lanes(reduced))
@@ -195,7 +195,7 @@ def gradients_fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
 
     The gradients are not concatenated: ``fingerprint_concat`` streams them."""
     if not grads:
-        return fp.fingerprint(torch.zeros(0))
+        return fp.fingerprint(torch.zeros(0, dtype=torch.float32, device="cpu"))
     return fp.fingerprint_concat(grads)
 
 

@@ -703,7 +703,7 @@ class ProductChecks:
     def _ones(self, n: int, device: torch.device) -> torch.Tensor:
         ones = self._ones_cache.get(n)
         if ones is None or ones.device != device:
-            ones = self._ones_cache[n] = torch.ones(n, device=device)
+            ones = self._ones_cache[n] = torch.ones(n, dtype=torch.float32, device=device)
         return ones
 
     def _dual(self, a: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

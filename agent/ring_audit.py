@@ -117,7 +117,7 @@ def judge(owners: torch.Tensor, recomputed: torch.Tensor, ranks_per_node: int,
     """
     world = owners.shape[0]
     nodes = world // ranks_per_node
-    audited = (torch.arange(world) + ranks_per_node) % world  # audited_by_ring, for every auditor at once
+    audited = (torch.arange(world, device=owners.device) + ranks_per_node) % world  # audited_by_ring, for every auditor at once
     expected = owners[audited]
     loss_differs = expected[:, 0] != recomputed[:, 0]
     rows = (expected[:, 1:] != recomputed[:, 1:]).reshape(world, -1, 3).any(dim=2)

@@ -408,7 +408,7 @@ def _combined(shard_hexes: Sequence[str]) -> str:
 def _lanes_of(hex_fingerprint: str) -> torch.Tensor:
     raw = bytes.fromhex(hex_fingerprint)
     return torch.tensor([int.from_bytes(raw[i:i + 8], "big", signed=True) for i in range(0, len(raw), 8)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device="cpu")
 
 
 def _check_mesh(mesh: DeviceMesh | None) -> tuple[DeviceMesh, int, int]:

@@ -87,7 +87,7 @@ def _put(store: ObjectStore, step: int, name: str, data: bytes, corrupt: Corrupt
 def _gather_objects(mine: list[ObjectDigest] | None, world: int) -> list[list[ObjectDigest] | None]:
     """Every rank's stored objects (None where a rank failed): one all-gather of fixed-width int64 rows."""
     per = 1 + 32 + _NAME_BYTES
-    row = torch.zeros(2 + MAX_OBJECTS_PER_RANK * per, dtype=torch.int64)
+    row = torch.zeros(2 + MAX_OBJECTS_PER_RANK * per, dtype=torch.int64, device="cpu")
     if mine is not None:
         if len(mine) > MAX_OBJECTS_PER_RANK:
             raise CheckpointSaveFailed(f"{len(mine)} objects on one rank; at most {MAX_OBJECTS_PER_RANK}")
@@ -96,8 +96,9 @@ def _gather_objects(mine: list[ObjectDigest] | None, world: int) -> list[list[Ob
             base = 2 + i * per
             name = d.name.encode()
             row[base] = d.size
-            row[base + 1:base + 33] = torch.tensor(list(bytes.fromhex(d.sha256)), dtype=torch.int64)
-            row[base + 33:base + 33 + len(name)] = torch.tensor(list(name), dtype=torch.int64)
+            row[base + 1:base + 33] = torch.tensor(list(bytes.fromhex(d.sha256)), dtype=torch.int64,
+                                                           device="cpu")
+            row[base + 33:base + 33 + len(name)] = torch.tensor(list(name), dtype=torch.int64, device="cpu")
     device = _collective_device()
     rows = [torch.empty_like(row, device=device) for _ in range(world)]
     dist.all_gather(rows, row.to(device))

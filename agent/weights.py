@@ -129,7 +129,7 @@ def vote(lanes_by_rank: list[torch.Tensor] | torch.Tensor) -> Vote:
     world = rows.shape[0]
     # One int64 key per rank (wrapping arithmetic: a sort of keys is far faster than a row-wise unique);
     # each group is then checked against its first member's full row, so a key collision cannot merge two.
-    weights = torch.tensor(_KEY_WEIGHTS[: rows.shape[1]], dtype=torch.int64)
+    weights = torch.tensor(_KEY_WEIGHTS[: rows.shape[1]], dtype=torch.int64, device="cpu")
     keys = (rows * weights).sum(dim=1)
     _, inverse = torch.unique(keys, return_inverse=True)
     groups = []

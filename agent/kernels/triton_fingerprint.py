@@ -175,7 +175,7 @@ def fingerprint_many(tensors: Sequence[torch.Tensor], *, out: torch.Tensor | Non
     metadata cached per layout (``layout_for``). ``out``: a preallocated int64 [n, 3] to write into."""
     tensors = list(tensors)
     if not tensors:
-        return torch.empty(0, fp.LANES, dtype=torch.int64) if out is None else out
+        return torch.empty(0, fp.LANES, dtype=torch.int64, device="cpu") if out is None else out
     return layout_for([[t] for t in tensors])(out)
 
 

@@ -113,15 +113,15 @@ class SyntheticData:
         self.device = device
         g = torch.Generator().manual_seed(shape.seed)
         # Each token has a few likely successors, so the loss can fall.
-        logits = torch.randn(shape.vocab, shape.vocab, generator=g) * 3.0
+        logits = torch.randn(shape.vocab, shape.vocab, generator=g, dtype=torch.float32, device="cpu") * 3.0
         self.transitions = logits.softmax(dim=-1)
 
     def __call__(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch ``rank`` trains on at ``step``: (inputs, targets), each [batch, seq]."""
         s = self.shape
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + step * 65_537 + rank)
-        tokens = torch.empty(s.batch, s.seq + 1, dtype=torch.int64)
-        tokens[:, 0] = torch.randint(s.vocab, (s.batch,), generator=g)
+        tokens = torch.empty(s.batch, s.seq + 1, dtype=torch.int64, device="cpu")  # drawn on the host, then moved
+        tokens[:, 0] = torch.randint(s.vocab, (s.batch,), generator=g, device="cpu")
         for i in range(1, s.seq + 1):
             tokens[:, i] = torch.multinomial(self.transitions[tokens[:, i - 1]], 1, generator=g).squeeze(1)
         tokens = tokens.to(self.device)

@@ -31,7 +31,7 @@ from sdcguard.contract import Alarm, ProductCheckEvidence
 from tests.distributed import sharded_scenarios
 from tests.distributed.sharded_world import RANKS_PER_NODE, WORLD, node_name
 from tests.forked import launch_forked
-from tests.functional.product_scenarios import product_fault
+from tests.functional.product_scenarios import product_fault, script_defaults
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -49,7 +49,12 @@ PRODUCT_FAULTS: dict[str, tuple[list[int], dict[str, Any], str]] = {
                           "bit": 26}, "head backward dW"),
     "fsdp_fwd": ([6], {"kind": "product", "rank": 3, "step": 1, "direction": "fwd", "product": 4, "bit": 26},
                  "blocks.0.fc forward"),
+    "hsdp_fwd_script_defaults": ([3, 2], {"kind": "product", "rank": 1, "step": 1, "direction": "fwd", "product": 4,
+                                          "bit": 26}, "blocks.0.fc forward"),
 }
+SCRIPT_DEFAULTS = {"hsdp_fwd_script_defaults": {"default_device": "meta", "default_dtype": "bfloat16"}}
+"""Runs under the default device and dtype a training script may set (on a GPU,
+``torch.set_default_device("cuda")``): the guard's host tensors follow neither, and the outcome is the same."""
 CLEAN = {"hsdp_clean": [3, 2], "fsdp_clean": [6]}
 """The same runs without the fault."""
 UNCHECKED = "hsdp_fwd_unchecked"
@@ -78,7 +83,8 @@ def _train(scenario: dict[str, Any], mesh: Any, out: Path, rank: int) -> dict[st
                               "products_checked": []}
     for step in range(scenario["steps"]):
         before = guard.local_fingerprint_hex()
-        with product_fault(fault, step, result) if fault.get("rank") == rank else contextlib.nullcontext():
+        with product_fault(fault, step, result) if fault.get("rank") == rank else contextlib.nullcontext(), \
+                script_defaults(scenario):
             r = guard.step(step)
         result["updated"] += r.updated
         if guard.products is not None:
@@ -96,7 +102,7 @@ def _train(scenario: dict[str, Any], mesh: Any, out: Path, rank: int) -> dict[st
 @pytest.fixture(scope="module")
 def products(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("sharded-products")
-    scenarios = [{"name": name, "mesh": mesh, "fault": fault, "steps": STEPS}
+    scenarios = [{"name": name, "mesh": mesh, "fault": fault, "steps": STEPS, **SCRIPT_DEFAULTS.get(name, {})}
                  for name, (mesh, fault, _) in PRODUCT_FAULTS.items()]
     scenarios += [{"name": name, "mesh": mesh, "steps": STEPS} for name, mesh in CLEAN.items()]
     mesh, fault, _ = PRODUCT_FAULTS["hsdp_fwd"]

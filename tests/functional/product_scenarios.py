@@ -48,7 +48,7 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
                          spool_dir=str(out / f"spool-{scenario['name']}-{rank}"),
                          checkpoint_prefix=str(out / f"ckpt-{scenario['name']}"),
                          hyperpod_cluster="ml-cluster", eks_cluster="ml-eks", namespace="training",
-                         job_name="gpt-test")
+                         job_name="gpt-test", **scenario.get("config", {}))
     fault = scenario.get("fault") or {}
     mine = fault.get("rank") == rank
     state = {"step": -1, "forwards": 0}
@@ -68,7 +68,7 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
     for step in range(scenario["steps"]):
         state["step"], state["forwards"] = step, 0
         with product_fault(fault, step, result) if mine and fault.get("kind") == "product" else \
-                contextlib.nullcontext():
+                contextlib.nullcontext(), script_defaults(scenario):
             outcome = guard.step(step)
         result["updated"] += outcome.updated
         if guard.products is not None:
@@ -81,6 +81,26 @@ def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
                 result["alarm"] = outcome.alarm.model_dump(mode="json")
                 result["alarm_step_updated"] = outcome.updated
     return result
+
+
+@contextlib.contextmanager
+def script_defaults(scenario: dict[str, Any]) -> Any:
+    """torch's default device and dtype set around the step as ``scenario`` says (``"default_device"``,
+    ``"default_dtype"``), as a training script may set them (``torch.set_default_device("cuda")``,
+    ``torch.set_default_dtype(torch.bfloat16)``) after building its model: the guard's own tensors must
+    follow neither."""
+    device, dtype = scenario.get("default_device"), scenario.get("default_dtype")
+    before = torch.get_default_dtype()
+    if device is not None:
+        torch.set_default_device(device)
+    if dtype is not None:
+        torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        yield
+    finally:
+        if device is not None:
+            torch.set_default_device(None)
+        torch.set_default_dtype(before)
 
 
 @contextlib.contextmanager

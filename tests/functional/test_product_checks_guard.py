@@ -7,7 +7,9 @@ product checks on: caught at its own step by the product check, rank 1 named
 with the product's site, the update skipped on every rank; a clean run with
 product checks on (dropout) that stays silent; and a loss of ~1e35 on rank 2
 at step 2 of a fresh job (inside the magnitude trigger's warm-up), which the
-cross-rank test catches.
+cross-rank test catches; and the forward flip again with the ring audit and the weight votes on every
+other step, under the default device and dtype a training script may set (``meta`` and fp64 here: on a GPU,
+``torch.set_default_device("cuda")``), which the guard's host tensors must not follow.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ PRODUCT_FAULTS = {
                     "head backward dW"),
 }
 WARMUP_FAULT = {"kind": "loss", "rank": 2, "step": 2, "factor": 2.5e34}
+SCRIPT_DEFAULTS = {"default_device": "meta", "default_dtype": "float64",
+                   "config": {"audit_every": 2, "fingerprint_every": 2}}
+"""What a training script may have set before its loop, and every check of the step running."""
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,8 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     scenarios += [
         {"name": "clean", "product_checks": True, "steps": CLEAN_STEPS},
         {"name": "warmup_loss", "steps": 4, "fault": WARMUP_FAULT},
+        {"name": "script_defaults", "product_checks": True, "steps": STEPS, "fault": PRODUCT_FAULTS["product_fwd"][0],
+         **SCRIPT_DEFAULTS},
     ]
     codes = launch_forked(WORLD, product_scenarios.run, (str(tmp), scenarios), timeout=500)
     assert codes == [0] * WORLD, f"ranks exited with {codes}"
@@ -97,3 +104,23 @@ def test_a_huge_loss_in_a_fresh_job_s_first_steps_is_caught(three: list[dict[str
     assert alarm.evidence.kind == "magnitude_trigger"
     assert alarm.suspect_ranks == [2]
     assert all(r["warmup_loss"]["alarm_step_updated"] is False for r in three)
+
+
+def test_the_script_s_default_device_and_dtype_change_nothing_the_guard_does(three: list[dict[str, Any]]) -> None:
+    # Given: the forward flip of product_fwd, with the ring audit and the weight votes on every other step,
+    # while torch's default device is meta and its default dtype fp64 (set by the script, as
+    # torch.set_default_device("cuda") would be on a GPU). Before, every rank crashed in the weight
+    # fingerprint (a host buffer on the default device handed to the compiled kernel), and fp64 ones were
+    # read as fp32 by the product checks (a false alarm at every step).
+    fault, site = PRODUCT_FAULTS["product_fwd"]
+    run = [r["script_defaults"] for r in three]
+    alarm = Alarm.model_validate(run[0]["alarm"])
+    # Then: the same outcome as under torch's own defaults: one alarm, at the faulty step, rank 1 and the
+    # product named, confirmed by the other nodes, every other step updated (audited steps included).
+    assert {Alarm.model_validate(r["alarm"]).alarm_id for r in run} == {alarm.alarm_id}
+    assert (alarm.step, alarm.detector.value, alarm.suspect_ranks) == (fault["step"], "product_check", [1])
+    assert isinstance(alarm.evidence, ProductCheckEvidence)
+    assert [(s.rank, s.site) for s in alarm.evidence.sites] == [(1, site)]
+    assert {(p.auditor, p.audited) for p in alarm.evidence.confirmation} == {(0, 1), (2, 1)}
+    assert all(r["alarm_count"] == 1 and r["updated"] == STEPS - 1 for r in run)
+    assert alarm.last_clean.ring_audit == alarm.step - 2  # the last audit before it passed

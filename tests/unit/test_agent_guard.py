@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -330,3 +331,47 @@ def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Pa
     assert alarm.evidence.sites[0].site.endswith(" forward")
     assert not results[2].updated
     assert recorder.sent == [alarm]
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("meta", torch.float64), ("meta", torch.bfloat16)])
+def test_a_script_s_default_device_and_dtype_change_nothing_the_guard_does(
+        tmp_path: Path, device: str, dtype: torch.dtype) -> None:
+    # Given: a guard with product checks and the weight check on every step; then the training script sets
+    # torch's default device and dtype (on a GPU: torch.set_default_device("cuda"); meta here, where no data
+    # can be read: a host tensor that followed it would crash the compiled kernels).
+    from sdcguard.campaign.injectors import ProductMode, flip
+
+    guard, recorder = guard_for(tmp_path, "continue", "kind=nan_activation,rank=0,step=1",
+                                config={"product_checks": True})
+    count = [0]
+
+    def corrupt(out: torch.Tensor, direction: str) -> None:
+        if direction == "fwd":
+            if count[0] == 2:
+                flip(out, 1, 26)
+            count[0] += 1
+
+    before = torch.get_default_dtype()
+    torch.set_default_device(device)
+    torch.set_default_dtype(dtype)
+    try:
+        # When: it trains through a non-finite gradient, a product fault and clean steps, and checkpoints.
+        results = []
+        for step in range(5):
+            with ProductMode(corrupt) if step == 3 else contextlib.nullcontext():
+                results.append(guard.step(step))
+        saved = guard.save_checkpoint(5)
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(before)
+    # Then: each finding at its own step, by its own detector, every clean step updated, and the checkpoint
+    # resumes (a fresh start, under torch's own defaults).
+    assert [r.alarm.detector.value if r.alarm else None for r in results] == [
+        None, "nonfinite_grad", None, "product_check", None]
+    assert [r.updated for r in results] == [True, False, True, False, True]
+    assert all(r.weights_checked for r in results if r.updated)
+    assert saved is not None
+    fresh, _ = guard_for(tmp_path, "continue", None, config={"product_checks": True})
+    assert fresh.resume_step() == 5
+    assert fresh.step(5).updated
+    assert len(recorder.sent) == 2
