@@ -72,7 +72,8 @@ class GuardConfig:
     seed: int = 0
     """Base of the per-(step, rank) random seeds that make dropout reproducible for the audit."""
     threads: int = 1
-    """Intra-op threads pinned on every rank (recomputation is bit-identical only with equal counts); 0 leaves torch's."""
+    """Intra-op threads pinned on every CPU rank (recomputation there is bit-identical only with equal counts);
+    0 leaves torch's. GPU ranks keep the job's count: their recomputation runs on the GPU."""
     deterministic: bool = True
     """With any recompute-based check on (audit, confirmation), turn on torch's deterministic algorithms (not
     warn_only), deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG on CUDA (``sdcguard.agent.determinism``); False leaves

@@ -258,7 +258,7 @@ class SDCGuard:
         else:
             self.parallel = DataParallel(model, optimizer, job, group=group, unchecked_buffers=unchecked_buffers)
         self.config = cfg = self.parallel.job.config
-        replay.pin_threads(cfg.threads)
+        replay.pin_threads(cfg.threads, self.parallel.device)
         # Build (or load) the fingerprint kernel now, on the main thread: not on a
         # gloo thread in the middle of the first step; a bad setting fails here.
         native.kernel()

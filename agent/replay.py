@@ -46,10 +46,17 @@ def seed_micro_batch(base: int, step: int, rank: int, device: torch.device | Non
         torch.cuda.manual_seed(seed)
 
 
-def pin_threads(threads: int) -> None:
-    """Use exactly ``threads`` intra-op threads (0 keeps torch's choice). ValueError if negative."""
+def pin_threads(threads: int, device: torch.device | None = None) -> None:
+    """Use exactly ``threads`` intra-op threads (0 keeps torch's choice) where the rank computes on ``device``.
+    ValueError if negative.
+
+    Only a CPU rank's (``device`` None or the CPU): its recomputation is bit-identical only with equal
+    counts. A GPU rank's recomputation runs on the GPU, so its thread count stays the job's (the torch ops of
+    its data loader keep the threads the job gave them)."""
     if threads < 0:
         raise ValueError(f"threads: must be >= 0, got {threads}")
+    if device is not None and device.type != "cpu":
+        return
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 

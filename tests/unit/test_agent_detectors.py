@@ -243,3 +243,19 @@ def test_the_vote_stays_right_when_two_fingerprints_share_a_key(monkeypatch: pyt
     collided = vote(ballot)
     assert collided == expected
     assert collided.dissenters == [2]
+
+
+def test_threads_are_pinned_on_a_cpu_rank_and_left_to_the_job_on_a_gpu_rank() -> None:
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        # A GPU rank recomputes on the GPU: its data loader's torch ops keep the job's threads.
+        pin_threads(1, torch.device("cuda", 1))
+        assert torch.get_num_threads() == 2
+        # A CPU rank recomputes on the CPU: bit-identical only with equal counts.
+        pin_threads(1, torch.device("cpu"))
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads: must be >= 0"):
+            pin_threads(-1, torch.device("cuda", 0))
+    finally:
+        torch.set_num_threads(saved)
