@@ -127,13 +127,16 @@ class ReplaySettings(_Model):
     """``CUBLAS_WORKSPACE_CONFIG`` of the writing process."""
     training: bool = True
     """The module's training mode (dropout and batch norm behave by it)."""
+    eager: bool = False
+    """Compiled code ran eagerly (``GuardConfig.product_checks``: the checks see only eager operators), so the
+    replay runs it eagerly too (``sdcguard.agent.replay.autocast_and_stance``)."""
     device_type: str
     """The device type the computation ran on ("cuda", "cpu"): a capsule replays on the same kind."""
 
     @classmethod
     def capture(cls, module: nn.Module, *, seed: int, step: int, rank: int,
                 autocast_dtype: Literal["bfloat16", "float16"] | None = None,
-                grad_scale: float | torch.Tensor | None = None) -> ReplaySettings:
+                grad_scale: float | torch.Tensor | None = None, eager: bool = False) -> ReplaySettings:
         """The settings in force in this process for ``rank``'s computation at ``step`` on ``module``.
 
         The thread count and the determinism flags are read from torch as they
@@ -161,6 +164,7 @@ class ReplaySettings(_Model):
             sdpa_cudnn=torch.backends.cuda.cudnn_sdp_enabled(),
             cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             training=module.training,
+            eager=eager,
             device_type=first.device.type if first is not None else "cpu",
         )
 

@@ -193,8 +193,9 @@ class Repetition:
 
 
 def recompute_once(prepared: Prepared, index: int = 1) -> Repetition:
-    """Recompute the capsule's step once (seeded for its (seed, step, rank), under its autocast and scale)
-    and compare the loss bits and every parameter's gradient fingerprint with the expected ones."""
+    """Recompute the capsule's step once (seeded for its (seed, step, rank), under its autocast, scale and
+    stance: compiled code eagerly where the pass ran it so) and compare the loss bits and every parameter's
+    gradient fingerprint with the expected ones."""
     s = prepared.capsule.manifest.settings
     expected = prepared.capsule.manifest.expected
     device = prepared.device
@@ -206,9 +207,7 @@ def recompute_once(prepared: Prepared, index: int = 1) -> Repetition:
         scale = functools.partial(torch.mul, other=factor)
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
-        if s.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=getattr(torch, s.autocast_dtype))
+        return seeding.autocast_and_stance(device, s.autocast_dtype, eager=s.eager)
 
     started = time.perf_counter()
     rec = recompute_step(prepared.module, prepared.loss_fn, prepared.batches, prepared.names, prepared.params,

@@ -1036,7 +1036,8 @@ class SDCGuard:
                     cfg.checkpoint_prefix, module=module, batches=batches,
                     settings=ReplaySettings.capture(
                         module, seed=cfg.seed, step=alarm.step, rank=suspect, autocast_dtype=cfg.autocast_dtype,
-                        grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None)),
+                        grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None),
+                        eager=cfg.product_checks),
                     expected=Expected.from_recomputation(healthy), signature=environment_signature(self.device),
                     factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes, origin=origins[suspect])
                 notes[suspect] = written_one.describe()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from sdcguard.agent import replay
 from sdcguard.agent.batches import micro_batches
 from sdcguard.agent.config import GuardConfig
 from sdcguard.agent.confirm import Ring
@@ -75,11 +76,10 @@ class Job:
         return micro_batches(self.batch_for, step, rank, self.config.grad_accum_steps)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` to ``autocast_dtype`` on ``device``'s type (nothing when it is unset)."""
-        dtype = self.config.autocast_dtype
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=getattr(torch, dtype))
+        """How every forward the guard runs is run (the rank's own, and every recomputation compared with it bit
+        for bit): under ``torch.autocast`` to ``autocast_dtype`` on ``device``'s type (when it is set), and with
+        the product checks on, compiled code run eagerly (``sdcguard.agent.replay.autocast_and_stance``)."""
+        return replay.autocast_and_stance(device, self.config.autocast_dtype, eager=self.config.product_checks)
 
     def forward(self, module: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
         """``loss_fn`` under :meth:`autocast`: every forward the guard runs."""

@@ -3,7 +3,8 @@
 The ring audit recomputes another rank's micro-batch and compares bits. That
 holds only if the recomputation draws the same random numbers (dropout) and
 runs the same kernels (the same intra-op thread count: measured, a different
-count changed the bits). The guard seeds every forward from (seed, step, rank)
+count changed the bits; compiled code run the same way, compiled or eagerly:
+``autocast_and_stance``). The guard seeds every forward from (seed, step, rank)
 and pins the thread count, so the owner and the auditor agree; with the audit
 on it also turns on torch's deterministic algorithms (``sdcguard.agent.determinism``),
 without which a GPU's atomic-add reductions (an embedding's backward, for
@@ -13,13 +14,16 @@ hardware.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
 from sdcguard.agent.determinism import CUBLAS_WORKSPACE, require_deterministic
 
-__all__ = ["CUBLAS_WORKSPACE", "pin_threads", "seed_for", "seed_micro_batch", "use_deterministic_algorithms"]
+__all__ = ["CUBLAS_WORKSPACE", "autocast_and_stance", "pin_threads", "seed_for", "seed_micro_batch",
+           "use_deterministic_algorithms"]
 
 
 def seed_for(base: int, step: int, rank: int) -> int:
@@ -66,3 +70,20 @@ def use_deterministic_algorithms(device: torch.device) -> None:
 
     Raises DeterminismUnavailable where deterministic recomputation cannot be set up (see there)."""
     require_deterministic(device)
+
+
+@contextlib.contextmanager
+def autocast_and_stance(device: torch.device, autocast_dtype: str | None, *, eager: bool) -> Iterator[None]:
+    """``torch.autocast`` to ``autocast_dtype`` on ``device``'s type (none when None), and, where ``eager``,
+    compiled code run eagerly (torch.compile's ``"force_eager"`` stance).
+
+    The product checks see only operators that run eagerly, so the rank's own pass runs compiled code eagerly
+    under them (:meth:`sdcguard.agent.product_checks.ProductChecks.watching`); a recomputation compared with
+    that pass bit for bit (the ring audit's, a confirmation's, a capsule's replay) must run the same code, or
+    every rank would differ from its auditor (fused compiled kernels round otherwise) and be blamed."""
+    with contextlib.ExitStack() as stack:
+        if autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device.type, dtype=getattr(torch, autocast_dtype)))
+        if eager:
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        yield

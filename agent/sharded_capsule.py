@@ -202,7 +202,7 @@ def _write_one(parallel: ShardedDataParallel, module: nn.Module, loss_fn: Any, s
         written = write_capsule(
             cfg.checkpoint_prefix, module=module, batches=batches,
             settings=ReplaySettings.capture(module, seed=cfg.seed, step=step, rank=suspect,
-                                            autocast_dtype=cfg.autocast_dtype),
+                                            autocast_dtype=cfg.autocast_dtype, eager=cfg.product_checks),
             expected=Expected.from_recomputation(healthy), signature=environment_signature(device),
             factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes,
             origin={**origin, "sharding": _layout(parallel)})

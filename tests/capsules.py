@@ -20,6 +20,7 @@ from sdcguard.agent.recompute import recompute_step
 from sdcguard.agent.testing.inject import flip_bit
 from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT
 from sdcguard.agent.testing.train import loss_fn as next_token_loss
+from tests.compiled import rounding_otherwise
 
 FACTORY = "tests.capsules:reference_model"
 VOCAB, SEQ = 16, 6
@@ -35,6 +36,14 @@ def reference_model(vocab: int = 64, dim: int = 32, heads: int = 2, layers: int 
     return TinyGPT(vocab, dim, heads, layers, seq, dropout), next_token_loss
 
 
+def compiled_reference_model(**args: Any) -> tuple[nn.Module, Any]:
+    """A capsule factory: :func:`reference_model` compiled (``module.compile()``) by a backend whose code rounds
+    otherwise than eager, as inductor's does (``tests.compiled``)."""
+    module, loss = reference_model(**args)
+    module.compile(backend=rounding_otherwise)
+    return module, loss
+
+
 def tiny_model() -> tuple[nn.Module, Any]:
     """A capsule factory without arguments (the guard gives none): :func:`reference_model` of the tiny shape
     ``ARGS``, the model of tests/functional/test_agent_capsule.py."""
@@ -48,7 +57,7 @@ def model() -> tuple[nn.Module, Any]:
 
 
 def recomputed(k: int = 1, autocast: AutocastDtype | None = None, grad_scale: float | None = None,
-               batch: Any = None) -> dict[str, Any]:
+               batch: Any = None, eager: bool = False) -> dict[str, Any]:
     """A step of rank RANK recomputed as the guard's audit does, and what write_capsule needs of it
     (``batch``: this one micro-batch instead of K from the reference job's data)."""
     module, loss_fn = model()
@@ -65,7 +74,7 @@ def recomputed(k: int = 1, autocast: AutocastDtype | None = None, grad_scale: fl
                          functools.partial(seeding.seed_micro_batch, SEED, STEP, RANK), scale=scale,
                          autocast=autocasting)
     settings = cap.ReplaySettings.capture(module, seed=SEED, step=STEP, rank=RANK, autocast_dtype=autocast,
-                                          grad_scale=grad_scale)
+                                          grad_scale=grad_scale, eager=eager)
     return {"module": module, "batches": batches, "settings": settings,
             "expected": cap.Expected.from_recomputation(rec), "signature": environment_signature(CPU),
             "factory": FACTORY, "factory_args": ARGS, "cap_bytes": 10**7}
@@ -73,7 +82,8 @@ def recomputed(k: int = 1, autocast: AutocastDtype | None = None, grad_scale: fl
 
 def write(prefix: Path, **changes: Any) -> cap.CapsuleResult:
     """A capsule of :func:`recomputed` under ``prefix``, with ``changes`` to what write_capsule is given."""
-    parts = recomputed(**{k: changes.pop(k) for k in ("k", "autocast", "grad_scale", "batch") if k in changes})
+    parts = recomputed(**{k: changes.pop(k) for k in ("k", "autocast", "grad_scale", "batch", "eager")
+                          if k in changes})
     parts.update(changes)
     return cap.write_capsule(str(prefix), **parts)
 

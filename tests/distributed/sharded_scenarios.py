@@ -43,6 +43,7 @@ from sdcguard.agent.testing.train import (
 )
 from sdcguard.contract import Alarm
 from sdcguard.lineage.errors import CheckpointCorrupt
+from tests.compiled import rounding_otherwise
 
 SHAPE = JobShape(vocab=16, dim=8, heads=2, layers=1, seq=4, batch=2, dropout=0.1, lr=3e-3)
 """The smallest GPT that has every path: two FSDP groups (the block, the root), shards of unequal size on a
@@ -88,6 +89,10 @@ def make_mesh(shape: tuple[int, ...]) -> Any:
 def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int, *, seed: int = 0,
               injection: bool = True) -> SDCGuard:
     model, optimizer = sharded_model(mesh, seed)
+    if scenario.get("compiled"):
+        # Each block compiled (as torchtitan compiles them), by a backend whose code rounds otherwise than eager.
+        for block in cast("torch.nn.ModuleList", model.blocks):
+            block.compile(backend=rounding_otherwise)
     data = SyntheticData(SHAPE, torch.device("cpu"))
     accum = scenario.get("accum", 1)
     # A poisoned micro-batch carries a gain on its loss: inf is a sample that makes the loss infinite on any GPU.

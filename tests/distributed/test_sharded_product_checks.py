@@ -51,10 +51,18 @@ PRODUCT_FAULTS: dict[str, tuple[list[int], dict[str, Any], str]] = {
                  "blocks.0.fc forward"),
     "hsdp_fwd_script_defaults": ([3, 2], {"kind": "product", "rank": 1, "step": 1, "direction": "fwd", "product": 4,
                                           "bit": 26}, "blocks.0.fc forward"),
+    "hsdp_fwd_compiled": ([3, 2], {"kind": "product", "rank": 1, "step": 1, "direction": "fwd", "product": 4,
+                                   "bit": 26}, "blocks.0.fc forward"),
 }
-SCRIPT_DEFAULTS = {"hsdp_fwd_script_defaults": {"default_device": "meta", "default_dtype": "bfloat16"}}
-"""Runs under the default device and dtype a training script may set (on a GPU,
-``torch.set_default_device("cuda")``): the guard's host tensors follow neither, and the outcome is the same."""
+EXTRAS: dict[str, dict[str, Any]] = {
+    "hsdp_fwd_script_defaults": {"default_device": "meta", "default_dtype": "bfloat16"},
+    "hsdp_fwd_compiled": {"compiled": True},
+}
+"""``hsdp_fwd_script_defaults`` runs under the default device and dtype a training script may set (on a GPU,
+``torch.set_default_device("cuda")``): the guard's host tensors follow neither. ``hsdp_fwd_compiled`` has each
+block compiled by a backend whose code rounds otherwise than eager (as inductor's does): the own pass runs
+eagerly under the product checks, and so must every recomputation compared with it (step 0's audit, the
+confirmation), or every rank is blamed. The outcome of both is ``hsdp_fwd``'s."""
 CLEAN = {"hsdp_clean": [3, 2], "fsdp_clean": [6]}
 """The same runs without the fault."""
 UNCHECKED = "hsdp_fwd_unchecked"
@@ -102,7 +110,7 @@ def _train(scenario: dict[str, Any], mesh: Any, out: Path, rank: int) -> dict[st
 @pytest.fixture(scope="module")
 def products(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("sharded-products")
-    scenarios = [{"name": name, "mesh": mesh, "fault": fault, "steps": STEPS, **SCRIPT_DEFAULTS.get(name, {})}
+    scenarios = [{"name": name, "mesh": mesh, "fault": fault, "steps": STEPS, **EXTRAS.get(name, {})}
                  for name, (mesh, fault, _) in PRODUCT_FAULTS.items()]
     scenarios += [{"name": name, "mesh": mesh, "steps": STEPS} for name, mesh in CLEAN.items()]
     mesh, fault, _ = PRODUCT_FAULTS["hsdp_fwd"]

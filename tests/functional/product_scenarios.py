@@ -24,6 +24,7 @@ from sdcguard.agent.config import GuardConfig
 from sdcguard.agent.guard import SDCGuard
 from sdcguard.agent.testing.train import JobShape, SyntheticData, build, init_process_group, loss_fn, shutdown
 from sdcguard.campaign.injectors import ProductMode, flip
+from tests.compiled import rounding_otherwise
 from tests.outbox import Outbox
 
 SHAPE = JobShape(vocab=64, dim=32, heads=2, layers=2, seq=16, batch=8, dropout=0.1)
@@ -42,6 +43,9 @@ def run(out_dir: str, scenarios: list[dict[str, Any]]) -> None:
 
 def _train(scenario: dict[str, Any], rank: int, out: Path) -> dict[str, Any]:
     ddp, optimizer = build(SHAPE, torch.device("cpu"))
+    if scenario.get("compiled"):
+        # A compiled model (module.compile(): DDP wraps it as it is), whose compiled code rounds otherwise.
+        ddp.module.compile(backend=rounding_otherwise)
     data = SyntheticData(SHAPE, torch.device("cpu"))
     config = GuardConfig(on_alarm="continue", ranks_per_node=1, seed=SHAPE.seed,
                          product_checks=scenario.get("product_checks", False),

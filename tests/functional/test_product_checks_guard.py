@@ -9,7 +9,9 @@ product checks on (dropout) that stays silent; and a loss of ~1e35 on rank 2
 at step 2 of a fresh job (inside the magnitude trigger's warm-up), which the
 cross-rank test catches; and the forward flip again with the ring audit and the weight votes on every
 other step, under the default device and dtype a training script may set (``meta`` and fp64 here: on a GPU,
-``torch.set_default_device("cuda")``), which the guard's host tensors must not follow.
+``torch.set_default_device("cuda")``), which the guard's host tensors must not follow; and the forward flip
+in a compiled model (a backend whose code rounds otherwise than eager, as inductor's does) with the ring
+audit on every other step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         {"name": "warmup_loss", "steps": 4, "fault": WARMUP_FAULT},
         {"name": "script_defaults", "product_checks": True, "steps": STEPS, "fault": PRODUCT_FAULTS["product_fwd"][0],
          **SCRIPT_DEFAULTS},
+        {"name": "compiled", "product_checks": True, "steps": STEPS, "fault": PRODUCT_FAULTS["product_fwd"][0],
+         "compiled": True, "config": {"audit_every": 2}},
     ]
     codes = launch_forked(WORLD, product_scenarios.run, (str(tmp), scenarios), timeout=500)
     assert codes == [0] * WORLD, f"ranks exited with {codes}"
@@ -124,3 +128,20 @@ def test_the_script_s_default_device_and_dtype_change_nothing_the_guard_does(thr
     assert {(p.auditor, p.audited) for p in alarm.evidence.confirmation} == {(0, 1), (2, 1)}
     assert all(r["alarm_count"] == 1 and r["updated"] == STEPS - 1 for r in run)
     assert alarm.last_clean.ring_audit == alarm.step - 2  # the last audit before it passed
+
+
+def test_a_compiled_model_is_audited_and_confirmed_as_its_checked_pass_ran(three: list[dict[str, Any]]) -> None:
+    # Given: a compiled model (its compiled code rounds otherwise than eager), product checks on, so the own
+    # pass runs eagerly; the ring audit every other step; the forward flip of product_fwd at step 4. Before,
+    # the audit recomputed compiled: every audited step differed on every rank, and all three were blamed.
+    fault, site = PRODUCT_FAULTS["product_fwd"]
+    run = [r["compiled"] for r in three]
+    alarm = Alarm.model_validate(run[0]["alarm"])
+    # Then: the audits pass; the one alarm is the product check's, at the faulty step, confirmed by the
+    # recomputations on the two other nodes (run as the checked pass ran), naming rank 1 and the product.
+    assert all(r["alarm_count"] == 1 and r["updated"] == STEPS - 1 for r in run), alarm.message
+    assert (alarm.step, alarm.detector.value, alarm.suspect_ranks) == (fault["step"], "product_check", [1])
+    assert isinstance(alarm.evidence, ProductCheckEvidence)
+    assert [(s.rank, s.site) for s in alarm.evidence.sites] == [(1, site)]
+    assert {(p.auditor, p.audited) for p in alarm.evidence.confirmation} == {(0, 1), (2, 1)}
+    assert alarm.last_clean.ring_audit == alarm.step - 2

@@ -56,6 +56,24 @@ def test_accumulation_autocast_and_a_grad_scaler_replay_too(tmp_path: Path) -> N
     assert (report.exit_code, report.matched) == (0, 2), report.to_dict()
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_compiled_model_replays_as_the_checked_pass_ran(tmp_path: Path, eager: bool) -> None:
+    # Given: a step recomputed eagerly (with the product checks on, compiled code runs eagerly), and a factory
+    # that rebuilds the model compiled, by a backend whose code rounds otherwise than eager (as inductor's).
+    result = write(tmp_path, eager=eager, factory="tests.capsules:compiled_reference_model")
+    assert result.written
+    assert result.manifest is not None
+    assert result.manifest.settings.eager is eager
+    report = replay(result.location, repeats=2)
+    if eager:
+        # Then: the capsule says so, the replay runs the compiled code eagerly too, and healthy hardware
+        # gives the healthy bits.
+        assert (report.exit_code, report.matched, report.reproduced) == (0, 2, 0), report.to_dict()
+    else:
+        # Without it the replay would run the compiled code and accuse healthy hardware: what the flag is for.
+        assert (report.exit_code, report.reproduced) == (1, 2), report.to_dict()
+
+
 def test_the_replay_leaves_torch_settings_as_it_found_them(written: cap.CapsuleResult) -> None:
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
