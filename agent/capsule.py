@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.determinism import Fp32Precision, fp32_precisions
 from sdcguard.agent.recompute import Recomputation
 from sdcguard.agent.ring_audit import bits_to_hex, loss_bits
 from sdcguard.contract.checkpoint import ObjectDigest
@@ -114,10 +115,15 @@ class ReplaySettings(_Model):
     cudnn_benchmark: bool
     cudnn_deterministic: bool
     tf32_matmul: bool
-    """``torch.backends.cuda.matmul.allow_tf32``."""
+    """cuBLAS may round fp32 operands to TF32 (``torch.backends.cuda.matmul.allow_tf32``)."""
     tf32_cudnn: bool
-    """``torch.backends.cudnn.allow_tf32``."""
+    """cuDNN may round fp32 operands to TF32 (``torch.backends.cudnn.allow_tf32``)."""
     float32_matmul_precision: str
+    """``torch.get_float32_matmul_precision()``'s word for ``fp32_precision`` where that is set (the legacy
+    getter raises once a script has used the per-backend settings)."""
+    fp32_precision: dict[str, Fp32Precision] | None = None
+    """Each backend's fp32 precision (``sdcguard.agent.determinism.fp32_precisions``); None in a capsule written
+    before it was recorded (the legacy fields above then apply)."""
     sdpa_flash: bool = True
     sdpa_mem_efficient: bool = True
     sdpa_math: bool = True
@@ -148,6 +154,8 @@ class ReplaySettings(_Model):
                 raise ValueError(f"{name}: must be >= 0, got {value}")
         scale = None if grad_scale is None else float(grad_scale).hex()
         first = next(iter(module.parameters()), None)
+        precisions = fp32_precisions()
+        legacy = {"bf16": "medium", "tf32": "high"}.get(precisions["cpu.matmul"], "highest")
         return cls(
             seed=seed, step=step, rank=rank, autocast_dtype=autocast_dtype, grad_scale=scale,
             threads=torch.get_num_threads(),
@@ -155,9 +163,10 @@ class ReplaySettings(_Model):
             warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
             cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
             cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-            tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
-            tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
-            float32_matmul_precision=torch.get_float32_matmul_precision(),
+            tf32_matmul=precisions["cuda.matmul"] == "tf32",
+            tf32_cudnn=precisions["cuda.conv"] == "tf32",
+            float32_matmul_precision=legacy,
+            fp32_precision=precisions,
             sdpa_flash=torch.backends.cuda.flash_sdp_enabled(),
             sdpa_mem_efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
             sdpa_math=torch.backends.cuda.math_sdp_enabled(),

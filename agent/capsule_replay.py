@@ -32,6 +32,7 @@ from typing import Any, Final, Literal
 import torch
 from torch import nn
 
+from sdcguard.agent import determinism
 from sdcguard.agent import replay as seeding
 from sdcguard.agent.capsule import (
     Capsule,
@@ -98,17 +99,32 @@ def _set(s: ReplaySettings) -> None:
     torch.use_deterministic_algorithms(s.deterministic, warn_only=s.warn_only)
     torch.backends.cudnn.benchmark = s.cudnn_benchmark
     torch.backends.cudnn.deterministic = s.cudnn_deterministic
-    if torch.get_float32_matmul_precision() != s.float32_matmul_precision:
-        torch.set_float32_matmul_precision(s.float32_matmul_precision)
     torch.backends.cuda.enable_flash_sdp(s.sdpa_flash)
     torch.backends.cuda.enable_mem_efficient_sdp(s.sdpa_mem_efficient)
     torch.backends.cuda.enable_math_sdp(s.sdpa_math)
     torch.backends.cuda.enable_cudnn_sdp(s.sdpa_cudnn)
-    # Only when they differ: these setters are deprecated in favour of fp32_precision and warn.
+    if determinism.has_fp32_precision_settings():
+        # Each backend's own setting, as recorded (a capsule of an older writer: as torch maps the legacy ones),
+        # never through the legacy getters, which raise once a script has used these.
+        wanted: dict[str, str] = dict(s.fp32_precision) if s.fp32_precision is not None else _from_legacy(s)
+        if determinism.fp32_precisions() != wanted:
+            determinism.set_fp32_precisions(wanted)
+        return
+    # A torch without the per-backend settings: the legacy ones, only where they differ.
+    if torch.get_float32_matmul_precision() != s.float32_matmul_precision:
+        torch.set_float32_matmul_precision(s.float32_matmul_precision)
     if torch.backends.cuda.matmul.allow_tf32 != s.tf32_matmul:
         torch.backends.cuda.matmul.allow_tf32 = s.tf32_matmul
     if torch.backends.cudnn.allow_tf32 != s.tf32_cudnn:
         torch.backends.cudnn.allow_tf32 = s.tf32_cudnn
+
+
+def _from_legacy(s: ReplaySettings) -> dict[str, str]:
+    """The per-backend fp32 precisions a capsule's legacy settings meant (as torch maps them)."""
+    word = s.float32_matmul_precision
+    return {"cuda.matmul": "tf32" if s.tf32_matmul or word in ("high", "medium") else "ieee",
+            "cuda.conv": "tf32" if s.tf32_cudnn else "ieee",
+            "cpu.matmul": {"medium": "bf16", "high": "tf32"}.get(word, "ieee"), "cpu.conv": "ieee"}
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:

@@ -25,13 +25,13 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,59 @@ CUBLAS_WORKSPACE_SETTINGS = (":4096:8", ":16:8")
 _LANES = 3
 
 
+FP32_PRECISIONS = ("cuda.matmul", "cuda.conv", "cpu.matmul", "cpu.conv")
+"""The products whose fp32 operands a backend may round first: cuBLAS's matrix products, cuDNN's convolutions,
+oneDNN's (the CPU's) matrix products and convolutions."""
+
+Fp32Precision = Literal["ieee", "tf32", "bf16"]
+
+
+def fp32_precisions() -> dict[str, Fp32Precision]:
+    """How each backend of :data:`FP32_PRECISIONS` may round fp32 operands before it multiplies them: ``"ieee"``
+    (it does not), ``"tf32"`` (to 10 mantissa bits) or ``"bf16"`` (to 7).
+
+    Where torch has the per-backend settings (``torch.backends.cuda.matmul.fp32_precision`` and the like,
+    torch 2.9 on; ``"none"`` inherits from the backend, then from ``torch.backends.fp32_precision``) they are
+    read, and nothing else: once a script has used them, as torch's deprecation warning asks, the legacy
+    ``torch.backends.cuda.matmul.allow_tf32`` and ``torch.get_float32_matmul_precision()`` raise. An older
+    torch's legacy settings are read as they are (``"medium"`` taken as bf16 operands everywhere, the
+    conservative reading)."""
+    b = torch.backends
+    if has_fp32_precision_settings():
+        top = b.fp32_precision  # type: ignore[attr-defined]
+        return {"cuda.matmul": _inherited(b.cuda.matmul.fp32_precision, top),
+                "cuda.conv": _inherited(b.cudnn.conv.fp32_precision, b.cudnn.fp32_precision, top),  # type: ignore[attr-defined]
+                "cpu.matmul": _inherited(b.mkldnn.matmul.fp32_precision, b.mkldnn.fp32_precision, top),  # type: ignore[attr-defined]
+                "cpu.conv": _inherited(b.mkldnn.conv.fp32_precision, b.mkldnn.fp32_precision, top)}  # type: ignore[attr-defined]
+    precision = torch.get_float32_matmul_precision()
+    legacy: Fp32Precision = "bf16" if precision == "medium" else "tf32" if precision == "high" else "ieee"
+    return {"cuda.matmul": "tf32" if legacy == "ieee" and b.cuda.matmul.allow_tf32 else legacy,
+            "cuda.conv": "tf32" if b.cudnn.allow_tf32 else "ieee", "cpu.matmul": legacy, "cpu.conv": legacy}
+
+
+def has_fp32_precision_settings() -> bool:
+    """Whether this torch has the per-backend ``fp32_precision`` settings (torch 2.9 on)."""
+    return hasattr(torch.backends, "fp32_precision")
+
+
+def set_fp32_precisions(precisions: Mapping[str, str]) -> None:
+    """Set each backend's ``fp32_precision`` as :func:`fp32_precisions` reads it (torch 2.9 on)."""
+    b = torch.backends
+    b.cuda.matmul.fp32_precision = precisions["cuda.matmul"]
+    b.cudnn.conv.fp32_precision = precisions["cuda.conv"]  # type: ignore[attr-defined]
+    b.mkldnn.matmul.fp32_precision = precisions["cpu.matmul"]  # type: ignore[attr-defined]
+    b.mkldnn.conv.fp32_precision = precisions["cpu.conv"]  # type: ignore[attr-defined]
+
+
+def _inherited(*levels: str) -> Fp32Precision:
+    for value in levels:
+        if value != "none":
+            if value not in ("ieee", "tf32", "bf16"):
+                return "bf16"  # a precision this reader does not know: the coarsest it does
+            return value  # type: ignore[return-value]
+    return "ieee"
+
+
 class DeterminismUnavailable(RuntimeError):
     """Deterministic recomputation cannot be guaranteed in this process; the message says why and what to set."""
 
@@ -51,22 +104,23 @@ def environment_signature(device: torch.device) -> dict[str, str]:
     """What bit-exactness depends on, as seen by this process for ``device``: text keys and values.
 
     GPU name, SM count and compute capability; torch, CUDA, cuDNN and NCCL
-    versions; the TF32 flags (matmul and cuDNN) and the float32 matmul
-    precision; ``cudnn.benchmark`` and ``cudnn.deterministic``; deterministic
+    versions; the TF32 flags (matmul and cuDNN) and every backend's fp32
+    precision (:func:`fp32_precisions`); ``cudnn.benchmark`` and ``cudnn.deterministic``; deterministic
     mode and its ``warn_only``; the SDPA backends enabled (flash,
     memory-efficient, math, cuDNN); ``flash_attn``'s version if it is already
     imported; on the CPU the intra-op thread count; on CUDA
     ``CUBLAS_WORKSPACE_CONFIG``. Reads settings only; makes no tensor."""
     cuda = device.type == "cuda"
     sdp = torch.backends.cuda
+    precisions = fp32_precisions()
     signature = {
         "device": device.type,
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "cudnn": str(torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
-        "tf32.matmul": str(torch.backends.cuda.matmul.allow_tf32),
-        "tf32.cudnn": str(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tf32.matmul": str(precisions["cuda.matmul"] == "tf32"),
+        "tf32.cudnn": str(precisions["cuda.conv"] == "tf32"),
+        **{f"fp32_precision.{name}": value for name, value in precisions.items()},
         "cudnn.benchmark": str(torch.backends.cudnn.benchmark),
         "cudnn.deterministic": str(torch.backends.cudnn.deterministic),
         "deterministic": str(torch.are_deterministic_algorithms_enabled()),

@@ -88,6 +88,8 @@ from typing import Any
 
 import torch
 
+from sdcguard.agent.determinism import FP32_PRECISIONS, fp32_precisions
+
 log = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
@@ -116,13 +118,18 @@ _SMALLEST = {torch.float64: 2.0 ** -1074, torch.float32: 2.0 ** -149, torch.bflo
 """The spacing of subnormals: the absolute error of rounding a tiny value (gradual underflow)."""
 
 
-def matmul_settings() -> tuple[str, tuple[bool, ...]]:
-    """torch's settings that change a product's rounding: the fp32 matmul precision, and whether cuDNN and cuBLAS
-    may use TF32 and reduced-precision bf16/fp16 reductions."""
-    return torch.get_float32_matmul_precision(), (
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+def matmul_settings() -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """torch's settings that change a product's rounding: each backend's fp32 precision (how it may round fp32
+    operands: ``sdcguard.agent.determinism.fp32_precisions``, in ``FP32_PRECISIONS`` order), and whether cuBLAS
+    may use reduced-precision bf16/fp16 reductions."""
+    precisions = fp32_precisions()
+    return tuple(precisions[name] for name in FP32_PRECISIONS), (
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+
+
+_OPERAND_ROUNDING = {"ieee": 0.0, "tf32": 2.0 ** -11, "bf16": 2.0 ** -8}
+"""Relative error of rounding an fp32 operand to each precision a backend may use."""
 
 
 def gamma(n: int, u: float) -> float:
@@ -153,28 +160,29 @@ class Arithmetic:
 
     @staticmethod
     def of(operand: torch.dtype, output: torch.dtype, device: torch.device, *, conv: bool,
-           settings: tuple[str, tuple[bool, ...]] | None = None) -> Arithmetic | None:
+           settings: tuple[tuple[str, ...], tuple[bool, ...]] | None = None) -> Arithmetic | None:
         """The arithmetic of a product of ``operand`` tensors into ``output`` on ``device``; None for a dtype that
-        is not checked (integers, fp8, complex). Reads torch's TF32 and reduced-precision settings as they are
-        now, or takes them from ``settings`` (:func:`matmul_settings`, read once per pass by the checks)."""
+        is not checked (integers, fp8, complex). Reads torch's fp32-precision and reduced-precision settings as
+        they are now, or takes them from ``settings`` (:func:`matmul_settings`, read once per pass by the
+        checks)."""
         precision, flags = settings if settings is not None else matmul_settings()
         return _arithmetic(operand, output, device.type, conv, precision, flags)
 
     @staticmethod
-    def _of(operand: torch.dtype, output: torch.dtype, device_type: str, conv: bool, precision: str,
+    def _of(operand: torch.dtype, output: torch.dtype, device_type: str, conv: bool, precisions: tuple[str, ...],
             flags: tuple[bool, ...]) -> Arithmetic | None:
-        cudnn_tf32, matmul_tf32, bf16_reduced, fp16_reduced = flags
+        bf16_reduced, fp16_reduced = flags
         if operand not in _UNIT_ROUNDOFF or output not in _UNIT_ROUNDOFF:
             return None
         wide = operand == torch.float64
         accumulation = _UNIT_ROUNDOFF[torch.float64 if wide else torch.float32]
         inputs = 0.0
         if operand == torch.float32:
-            tf32 = device_type == "cuda" and (cudnn_tf32 if conv else matmul_tf32)
-            if precision == "medium":
-                inputs = 2.0 ** -8  # bf16 operands
-            elif precision == "high" or tf32:
-                inputs = 2.0 ** -11  # TF32 operands
+            # The backend's own setting (cuBLAS, cuDNN, oneDNN); a device of another type: the coarsest of all.
+            by_name = dict(zip(FP32_PRECISIONS, precisions, strict=True))
+            name = f"{device_type}.{'conv' if conv else 'matmul'}"
+            inputs = _OPERAND_ROUNDING[by_name[name]] if name in by_name else max(
+                _OPERAND_ROUNDING[p] for p in precisions)
             if inputs:
                 inputs = (1.0 + inputs) ** 2 - 1.0  # both operands of each product rounded
         reduction = 0.0
@@ -298,7 +306,7 @@ class ProductChecks:
                         ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
         _INTERCEPTION.install()
         self._intercepting = True
-        self._settings: tuple[str, tuple[bool, ...]] | None = None
+        self._settings: tuple[tuple[str, ...], tuple[bool, ...]] | None = None
         self._fused: Any = None
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
         self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float, tuple[float, float, float]]] = {}

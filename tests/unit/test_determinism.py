@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,3 +202,81 @@ def test_the_policies_for_mismatched_environments_and_nonreproducible_work_are_s
                          ("spool_max_age_s", 0.0)):
         with pytest.raises(ValueError, match=rf"^{field}:"):
             GuardConfig(**{field: value})  # type: ignore[arg-type]
+
+
+_PER_BACKEND_SCRIPT = r"""
+import json, math, sys, tempfile, warnings
+from pathlib import Path
+warnings.simplefilter("ignore")  # torch's deprecation notices of the legacy settings
+import torch
+import torch.distributed as dist
+# What a training script does on torch 2.9 and later, as torch's own warning asks: the per-backend settings.
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+out = {}
+try:
+    torch.get_float32_matmul_precision()
+    out["legacy_raises"] = False
+except RuntimeError:
+    out["legacy_raises"] = True
+from sdcguard.agent import capsule, capsule_replay, determinism
+from sdcguard.agent.product_checks import Arithmetic
+cpu = torch.device("cpu")
+signature = determinism.environment_signature(cpu)
+out["signature"] = {k: v for k, v in signature.items() if "fp32" in k or "tf32" in k}
+settings = capsule.ReplaySettings.capture(torch.nn.Linear(2, 2), seed=0, step=0, rank=0)
+out["capsule"] = settings.fp32_precision
+bf16 = Arithmetic.of(torch.float32, torch.float32, cpu, conv=False)
+out["cpu_inputs"] = bf16.inputs if bf16 is not None else None
+recorded = settings.model_copy(update={"fp32_precision": {**settings.fp32_precision, "cpu.matmul": "ieee"}})
+with capsule_replay.applied(recorded, cpu):
+    out["applied"] = determinism.fp32_precisions()["cpu.matmul"]
+out["restored"] = determinism.fp32_precisions()["cpu.matmul"]
+# The guard with the product checks, built and stepped under these settings.
+sys.path.insert(0, sys.argv[1])
+from tests.unit.test_agent_guard import guard_for
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+guard, recorder = guard_for(Path(tempfile.mkdtemp()), "continue", None, config={"product_checks": True})
+out["updated"] = [guard.step(step).updated for step in range(2)]
+out["alarms"] = len(recorder.sent)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_a_script_on_torch_s_per_backend_fp32_settings_is_read_without_the_getters_that_raise() -> None:
+    # Given: a script that set TF32 for cuBLAS and bf16 for oneDNN through torch's per-backend settings, after
+    # which torch's legacy getters raise (run in its own process: these settings are process-wide).
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _PER_BACKEND_SCRIPT, str(root)], capture_output=True, text=True,
+                          timeout=240, check=False, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["legacy_raises"] is True
+    # Then: the signature, the capsule's settings and the product checks' bound read each backend's own.
+    assert out["signature"] == {"tf32.matmul": "True", "tf32.cudnn": "True", "fp32_precision.cuda.matmul": "tf32",
+                                "fp32_precision.cuda.conv": "tf32", "fp32_precision.cpu.matmul": "bf16",
+                                "fp32_precision.cpu.conv": "ieee"}
+    assert out["capsule"] == {"cuda.matmul": "tf32", "cuda.conv": "tf32", "cpu.matmul": "bf16", "cpu.conv": "ieee"}
+    assert out["cpu_inputs"] == (1 + 2.0 ** -8) ** 2 - 1  # bf16 operands, both rounded
+    # ... a replay applies a capsule's and puts the script's back; the guard with product checks trains.
+    assert (out["applied"], out["restored"]) == ("ieee", "bf16")
+    assert out["updated"] == [True, True]
+    assert out["alarms"] == 0
+
+
+def test_fp32_precisions_inherit_from_the_backend_then_torch_s_global_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    backends = SimpleNamespace(
+        fp32_precision="tf32",
+        cuda=SimpleNamespace(matmul=SimpleNamespace(fp32_precision="none")),
+        cudnn=SimpleNamespace(fp32_precision="ieee", conv=SimpleNamespace(fp32_precision="none")),
+        mkldnn=SimpleNamespace(fp32_precision="none", matmul=SimpleNamespace(fp32_precision="bf16"),
+                               conv=SimpleNamespace(fp32_precision="none")))
+    monkeypatch.setattr(torch, "backends", backends)
+    assert determinism.fp32_precisions() == {"cuda.matmul": "tf32", "cuda.conv": "ieee", "cpu.matmul": "bf16",
+                                             "cpu.conv": "tf32"}
+    backends.fp32_precision = "none"
+    backends.mkldnn.matmul.fp32_precision = "fp8"  # one this reader does not know: the coarsest it does
+    assert determinism.fp32_precisions() == {"cuda.matmul": "ieee", "cuda.conv": "ieee", "cpu.matmul": "bf16",
+                                             "cpu.conv": "ieee"}
