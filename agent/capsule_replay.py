@@ -222,12 +222,12 @@ def recompute_once(prepared: Prepared, index: int = 1) -> Repetition:
         factor = torch.full((), float.fromhex(s.grad_scale), dtype=torch.float32, device=device)
         scale = functools.partial(torch.mul, other=factor)
 
-    def autocast() -> contextlib.AbstractContextManager[Any]:
+    def forward_context() -> contextlib.AbstractContextManager[Any]:
         return seeding.autocast_and_stance(device, s.autocast_dtype, eager=s.eager)
 
     started = time.perf_counter()
     rec = recompute_step(prepared.module, prepared.loss_fn, prepared.batches, prepared.names, prepared.params,
-                         seed, scale=scale, autocast=autocast)
+                         seed, scale=scale, forward_context=forward_context)
     found = Expected.from_recomputation(rec)
     seconds = time.perf_counter() - started
     mismatched = [n for n in prepared.names if found.grads[n] != expected.grads[n]]

@@ -120,9 +120,8 @@ class DataParallel(Parallelism):
         pass ran it."""
         job = self.job
         seed = functools.partial(replay.seed_micro_batch, job.config.seed, step, owner, self.device)
-        return recompute_step(self.model.module, job.loss_fn, batches, self.names,
-                              self.params, seed, scale=job.scaled, autocast=functools.partial(job.autocast,
-                                                                                              self.device))
+        return recompute_step(self.model.module, job.loss_fn, batches, self.names, self.params, seed,
+                              scale=job.scaled, forward_context=functools.partial(job.forward_context, self.device))
 
     def audit_records(self, step: int, found: StepFindings) -> tuple[torch.Tensor, torch.Tensor]:
         claimed = owner_record(found.loss, self.hook, self.device)

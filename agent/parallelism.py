@@ -75,15 +75,15 @@ class Job:
         naming ``batch_for`` and what it must return when it returns something else)."""
         return micro_batches(self.batch_for, step, rank, self.config.grad_accum_steps)
 
-    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    def forward_context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """How every forward the guard runs is run (the rank's own, and every recomputation compared with it bit
         for bit): under ``torch.autocast`` to ``autocast_dtype`` on ``device``'s type (when it is set), and with
         the product checks on, compiled code run eagerly (``sdcguard.agent.replay.autocast_and_stance``)."""
         return replay.autocast_and_stance(device, self.config.autocast_dtype, eager=self.config.product_checks)
 
     def forward(self, module: torch.nn.Module, batch: Any, device: torch.device) -> torch.Tensor:
-        """``loss_fn`` under :meth:`autocast`: every forward the guard runs."""
-        with self.autocast(device):
+        """``loss_fn`` under :meth:`forward_context`: every forward the guard runs."""
+        with self.forward_context(device):
             return self.loss_fn(module, batch)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:

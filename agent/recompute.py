@@ -77,13 +77,14 @@ def recompute_step(
     params: Sequence[torch.nn.Parameter],
     seed: Callable[[], None],
     scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Recomputation:
     """Recompute a rank's whole step on the bare module (no all-reduce), as its own pass ran it; change nothing.
 
     ``seed()`` seeds the random state for the owner's step; the random state
     and the module's buffers are restored afterwards. Each of the K
-    ``batches`` runs its forward under ``autocast()``, its loss divided by K
+    ``batches`` runs its forward under ``forward_context()`` (the owner's autocast and compile stance:
+    ``sdcguard.agent.replay.autocast_and_stance``), its loss divided by K
     (when K > 1), as the owner's did; the local gradients are summed in the
     order the owner's ``.grad`` accumulated them (no_sync for all but the
     last micro-batch), so the result has the owner's bits. A parameter that
@@ -100,7 +101,7 @@ def recompute_step(
     with preserved(module):
         seed()
         for batch in batches:
-            with autocast():
+            with forward_context():
                 loss = loss_fn(module, batch)
             if k > 1:
                 loss = loss / k

@@ -198,7 +198,7 @@ def _write_one(parallel: ShardedDataParallel, module: nn.Module, loss_fn: Any, s
         moved = [_to(b, device) for b in batches]
         healthy = recompute_step(module, loss_fn, moved, [n for n, _ in named], [p for _, p in named],
                                  functools.partial(replay.seed_micro_batch, cfg.seed, step, suspect, device),
-                                 autocast=functools.partial(job.autocast, device))
+                                 forward_context=functools.partial(job.forward_context, device))
         written = write_capsule(
             cfg.checkpoint_prefix, module=module, batches=batches,
             settings=ReplaySettings.capture(module, seed=cfg.seed, step=step, rank=suspect,

@@ -72,7 +72,7 @@ def recomputed(k: int = 1, autocast: AutocastDtype | None = None, grad_scale: fl
 
     rec = recompute_step(module, loss_fn, batches, [n for n, _ in named], [p for _, p in named],
                          functools.partial(seeding.seed_micro_batch, SEED, STEP, RANK), scale=scale,
-                         autocast=autocasting)
+                         forward_context=autocasting)
     settings = cap.ReplaySettings.capture(module, seed=SEED, step=STEP, rank=RANK, autocast_dtype=autocast,
                                           grad_scale=grad_scale, eager=eager)
     return {"module": module, "batches": batches, "settings": settings,

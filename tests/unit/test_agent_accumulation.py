@@ -99,7 +99,7 @@ def test_under_autocast_the_recomputation_runs_every_forward_under_it() -> None:
 
     model = Rare()
     recompute_step(model, loss_fn, _batches(), [n for n, _ in model.named_parameters()], list(model.parameters()),
-                   seed=lambda: None, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+                   seed=lambda: None, forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     assert seen == [True, True, True]
 
 
