@@ -299,12 +299,11 @@ def test_a_resumed_guard_s_trigger_watches_from_its_first_step(tmp_path: Path) -
     assert bool(fresh.trigger.fires(loss, torch.tensor(1.0, dtype=torch.float64)))
 
 
-def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Path) -> None:
-    # Given: one rank (no other node to recompute on) with product checks on, and one exponent flip in the
-    # output of the third forward product of step 2.
+def third_forward_product_flipped() -> Any:
+    """Around a step: one exponent flip (bit 26) in element 1 of the output of its third forward matrix product
+    (the campaign's product fault: a dispatch mode below the checks' interception, as a faulty kernel is)."""
     from sdcguard.campaign.injectors import ProductMode, flip
 
-    guard, recorder = guard_for(tmp_path, "continue", None, config={"product_checks": True})
     count = [0]
 
     def corrupt(out: torch.Tensor, direction: str) -> None:
@@ -313,12 +312,16 @@ def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Pa
                 flip(out, 1, 26)
             count[0] += 1
 
+    return ProductMode(corrupt)
+
+
+def test_without_another_node_a_product_mismatch_alone_is_the_alarm(tmp_path: Path) -> None:
+    # Given: one rank (no other node to recompute on) with product checks on, and one exponent flip in the
+    # output of the third forward product of step 2.
+    guard, recorder = guard_for(tmp_path, "continue", None, config={"product_checks": True})
     results = []
     for step in range(4):
-        if step == 2:
-            with ProductMode(corrupt):
-                results.append(guard.step(step))
-        else:
+        with third_forward_product_flipped() if step == 2 else contextlib.nullcontext():
             results.append(guard.step(step))
     # Then: that step alone raised a product-check alarm naming rank 0 and the product, and skipped the update.
     assert [r.alarm is not None for r in results] == [False, False, True, False]
@@ -339,23 +342,13 @@ def test_a_script_s_default_device_and_dtype_change_nothing_the_guard_does(tmp_p
     # Given: a guard with product checks and the weight check on every step; then the training script sets
     # torch's default device and dtype (on a GPU: torch.set_default_device("cuda"); meta here, where no data
     # can be read: a host tensor that followed it would crash the compiled kernels).
-    from sdcguard.campaign.injectors import ProductMode, flip
-
     guard, recorder = guard_for(tmp_path, "continue", "kind=nan_activation,rank=0,step=1",
                                 config={"product_checks": True})
-    count = [0]
-
-    def corrupt(out: torch.Tensor, direction: str) -> None:
-        if direction == "fwd":
-            if count[0] == 2:
-                flip(out, 1, 26)
-            count[0] += 1
-
     with script_defaults({"default_device": "meta", "default_dtype": dtype}):
         # When: it trains through a non-finite gradient, a product fault and clean steps, and checkpoints.
         results = []
         for step in range(5):
-            with ProductMode(corrupt) if step == 3 else contextlib.nullcontext():
+            with third_forward_product_flipped() if step == 3 else contextlib.nullcontext():
                 results.append(guard.step(step))
         saved = guard.save_checkpoint(5)
     # Then: each finding at its own step, by its own detector, every clean step updated, and the checkpoint
