@@ -286,6 +286,10 @@ class ProductChecks:
         self._params = [p for p in model.parameters() if p.is_floating_point()]
         self._weights: set[int] = set()
         self._weight_rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weight_buffers: dict[tuple[Any, ...], tuple[tuple[torch.Tensor, torch.Tensor],
+                                                          tuple[torch.Tensor, torch.Tensor]]] = {}
+        """The compiled passes' outputs for a weight's sums, by its storage and layout, kept from step to step and
+        written again each step (a fresh pair of tensors per weight and step cost more than the two passes)."""
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         """Checksums queued for judging, in layout order: (differences, bounds), or None for a product the fused
         Triton check wrote straight into ``_rows`` (its span in ``_spans``; on the rank's device). The compiled
@@ -321,11 +325,12 @@ class ProductChecks:
     def begin_step(self) -> None:
         """Zero the flags and forget the last step's forward products (call it before the step's passes)."""
         self._flags.zero_()
-        self._refresh()
         self._pending.clear()
         self._spans.clear()
         self._layout.clear()
         self._weight_rows.clear()
+        if len(self._weight_buffers) > 2 * len(self._params) + 16:
+            self._weight_buffers.clear()  # storages that moved (FSDP2 unshards into fresh ones): keep the live ones
         # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
@@ -528,16 +533,17 @@ class ProductChecks:
         every micro-batch; the other operand (``a``) then costs two matrix-vector products per product, with
         ``b 1`` and with ``|b| 1`` (the bound ``Σ_k |a_ik| Σ_j |b_kj|``), and the result one sum."""
         weights = self._weights
-        weight_b = b.untyped_storage().data_ptr() in weights
+        storage = b.untyped_storage().data_ptr()
+        weight_b = storage in weights
         row_bias = bias  # broadcast along the rows (an nn.Linear's), unless swapped below
         swapped = not weight_b and a.untyped_storage().data_ptr() in weights
         if swapped:
             a, b, c = b.mT, a.mT, c.mT
-            weight_b = True
+            storage, weight_b = b.untyped_storage().data_ptr(), True
             bias = None if bias is None else bias.expand(c.mT.shape).mT
             row_bias = None if bias is None else bias  # a full matrix now: only the torch form takes it
         p, n = a.shape[-1], c.shape[-1]
-        key = (a.dtype, c.dtype, c.device.type, p, n, bias is not None)
+        key = (a.dtype, c.dtype, c.device, p, n, bias is not None)
         terms = self._terms.get(key)
         if terms is None:
             terms = self._terms[key] = self._terms_of(a.dtype, c.dtype, c.device, p, n, bias is not None)
@@ -545,7 +551,8 @@ class ProductChecks:
         if arithmetic is None:
             self.unchecked += 1
             return
-        if self._kernel is not None and self._verdict(a, b, weight_b, c, row_bias, alpha, beta, judge, site):
+        if self._kernel is not None and self._verdict(a, b, storage if weight_b else None, c, row_bias, alpha, beta,
+                                                      judge, site):
             return
         if bias is not None and not swapped:
             bias = bias.expand(c.shape)
@@ -583,17 +590,18 @@ class ProductChecks:
         return arithmetic, coefficient, absolute, (coefficient * self.margin, absolute,
                                                    arithmetic.largest / (1 + coefficient))
 
-    def _verdict(self, a: torch.Tensor, b: torch.Tensor, weight_b: bool, c: torch.Tensor, bias: torch.Tensor | None,
-                 alpha: float, beta: float, judge: tuple[float, float, float], site: str) -> bool:
+    def _verdict(self, a: torch.Tensor, b: torch.Tensor, weight_b: int | None, c: torch.Tensor,
+                 bias: torch.Tensor | None, alpha: float, beta: float, judge: tuple[float, float, float],
+                 site: str) -> bool:
         """The whole check of an fp32 CPU product, judged, by the compiled kernel in one call
         (``sdcguard.agent.native``'s ``sdc_row_verdict``, where torch takes a dozen operations): a failing product
         counted straight into ``flags``, with the row sums of ``b`` computed in the same call unless ``b`` is a
-        weight (then they are the step's, computed once). False where it does not apply (then the torch form
-        runs)."""
+        weight (``weight_b``: its storage's address; then they are the step's, computed once). False where it does
+        not apply (then the torch form runs)."""
         a_strides, b_strides, c_strides = a.stride(), b.stride(), c.stride()
         dims = len(a_strides)
         if a.dtype != torch.float32 or b.dtype != torch.float32 or c.dtype != torch.float32 or (
-                dims not in (2, 3) or len(b_strides) != dims or len(c_strides) != dims) or a.device.type != "cpu" or (
+                dims not in (2, 3) or len(b_strides) != dims or len(c_strides) != dims) or not a.is_cpu or (
                 a_strides[-1] != 1 and a_strides[-2] != 1) or (c_strides[-1] != 1 and c_strides[-2] != 1):
             return False
         bias_at, bias_stride = None, 0
@@ -605,8 +613,8 @@ class ProductChecks:
         shape = a.shape
         batch, r, p = (shape[0], shape[1], shape[2]) if dims == 3 else (1, shape[0], shape[1])
         n = c.shape[-1]
-        if weight_b:
-            s, t = self._row_stats(b, torch.float32)
+        if weight_b is not None:
+            s, t = self._row_stats(b, torch.float32, weight_b)
             if not (s.is_contiguous() and t.is_contiguous()):
                 s, t = s.contiguous(), t.contiguous()
             b_at, b_batch, b_row, b_col, ones = None, 0, 0, 0, None
@@ -659,11 +667,13 @@ class ProductChecks:
             self._rows = grown
         return start
 
-    def _row_stats(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_stats(self, b: torch.Tensor, work: torch.dtype,
+                   storage: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(b 1, |b| 1)``: the row sums of ``b`` and of its absolute values, in ``work``. A parameter's are kept
         for the step, keyed by its storage, layout and version (the weights do not change inside a step; the
-        entry holds no tensor of its own)."""
-        storage = b.untyped_storage().data_ptr()
+        entry holds no tensor of its own). ``storage``: ``b``'s storage's address, where the caller has it."""
+        if storage is None:
+            storage = b.untyped_storage().data_ptr()
         if storage not in self._weights:
             return self._row_sums_of(b, work)
         shape, strides = tuple(b.shape), b.stride()
@@ -682,9 +692,18 @@ class ProductChecks:
         kept for the step; the first is returned."""
         rows, cols = w.shape
         row_stride, col_stride = w.stride()
-        by_rows = torch.empty(2, rows, dtype=torch.float32, device="cpu")
-        by_columns = torch.empty(2, cols, dtype=torch.float32, device="cpu")
-        at, across = by_rows.data_ptr(), by_columns.data_ptr()
+        storage, offset, _, _, dtype, version, work = key
+        place = (storage, offset, rows, cols, row_stride, col_stride)
+        buffers = self._weight_buffers.get(place)
+        if buffers is None:
+            by_rows = torch.empty(2, rows, dtype=torch.float32, device="cpu")
+            by_columns = torch.empty(2, cols, dtype=torch.float32, device="cpu")
+            sums, magnitudes = by_rows.unbind(0)
+            sums_t, magnitudes_t = by_columns.unbind(0)
+            self._weight_buffers[place] = ((sums, magnitudes), (sums_t, magnitudes_t))
+        else:
+            (sums, magnitudes), (sums_t, magnitudes_t) = buffers
+        at, across = sums.data_ptr(), sums_t.data_ptr()
         ones = self._ones(max(rows, cols), w.device).data_ptr()
         kernel = self._kernel
         assert kernel is not None  # _row_stats sends a weight here only with the compiled kernel loaded
@@ -693,12 +712,9 @@ class ProductChecks:
                 dual(w.data_ptr(), 1, cols, rows, 0, col_stride, row_stride, ones, ones, 0, isa, across,
                      across + 4 * cols) != 0):
             raise RuntimeError(f"the compiled pass refused a weight of strides {(row_stride, col_stride)}")
-        storage, offset, _, _, dtype, version, work = key
         transposed = (storage, offset, (cols, rows), (col_stride, row_stride), dtype, version, work)
-        sums, magnitudes = by_rows.unbind(0)
         stats = self._weight_rows[key] = (sums, magnitudes)
-        sums, magnitudes = by_columns.unbind(0)
-        self._weight_rows[transposed] = (sums, magnitudes)
+        self._weight_rows[transposed] = (sums_t, magnitudes_t)
         return stats
 
     def _row_sums_of(self, b: torch.Tensor, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -986,7 +1002,10 @@ _INTERCEPTION = _Interception()
 
 def _plain(*tensors: Any) -> bool:
     """Plain (not subclass: not an FSDP2 DTensor, not a fake tensor) floating tensors with elements."""
-    return all(type(t) in _PLAIN and t.is_floating_point() and t.numel() > 0 for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a loop, not all() over a generator: this runs for every product)
+        if type(t) not in _PLAIN or not t.is_floating_point() or t.numel() == 0:
+            return False
+    return True
 
 
 def _compiled(module: torch.nn.Module) -> bool:

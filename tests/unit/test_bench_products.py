@@ -30,15 +30,15 @@ def test_the_passes_skipped_row_runs_the_checks_but_not_the_compiled_passes(monk
     model = nn.Linear(32, 16)
     full, skipped = ProductChecks(model), bench_products._PassesSkipped(model)
     try:
-        for checks in (full, skipped):
-            checks._refresh()
-        assert isinstance(skipped._kernel, bench_products._SkippedKernel)
-        assert skipped._kernel.lib.sdc_fp_best_isa() == real.lib.sdc_fp_best_isa()  # the rest is the real library
         def done(*_args: object) -> int:
             calls.append("skipped")
             return 0
 
         monkeypatch.setattr(bench_products, "_done", done)
+        for checks in (full, skipped):
+            checks._refresh()  # as a pass starts
+        assert isinstance(skipped._kernel, bench_products._SkippedKernel)
+        assert skipped._kernel.lib.sdc_fp_best_isa() == real.lib.sdc_fp_best_isa()  # the rest is the real library
         weight = model.weight.detach()
         assert _step_with_a_fault(full, weight) == (1, 1)
         assert not calls

@@ -449,7 +449,8 @@ def test_a_change_of_the_fp32_matmul_precision_between_passes_changes_the_bound(
 
     def failing() -> int:
         checks.begin_step()
-        checks._verify_product(x, w.t(), y, None, 1.0, 1.0, "probe")
+        with checks.watching():  # a pass reads the settings as it starts
+            checks._verify_product(x, w.t(), y, None, 1.0, 1.0, "probe")
         return int(checks.flags.sum())
 
     prior = torch.get_float32_matmul_precision()

@@ -303,3 +303,34 @@ def test_the_compiled_check_keeps_its_buffers_on_the_cpu_under_another_default_d
     assert all(t.device.type == "cpu" for stats in checks._weight_rows.values() for t in stats)
     failing = {checks.sites[i] for i in torch.nonzero(checks.flags).flatten().tolist()}
     assert failing == {"faulty", "zeros"}
+
+
+def test_a_weight_s_sums_are_written_again_each_step_into_the_buffers_kept_for_it(
+        kernel: native.Kernel) -> None:  # noqa: F811
+    # A weight's row sums are computed once per step into buffers kept from step to step (a fresh pair per
+    # weight and step cost more than the passes). They must be written again every step, even for a change
+    # its version counter does not see (a write through ``.data``, as a script's EMA swap or a fault would).
+    model = nn.Linear(24, 12)
+    checks = ProductChecks(model)
+    x, dy = torch.randn(10, 24), torch.randn(10, 12)
+
+    def step(fault: bool) -> tuple[int, set[int]]:
+        checks.begin_step()
+        w = model.weight.detach()
+        y = torch.addmm(model.bias.detach(), x, w.t())
+        if fault:
+            y[3, 5] += 1.0
+        with checks.watching():
+            checks._verify_product(x, w.t(), y, model.bias.detach(), 1.0, 1.0, "forward")
+            checks._verify_product(dy, w, dy @ w, None, 1.0, 1.0, "backward dX")  # the other layout
+        buffers = {t.data_ptr() for stats in checks._weight_rows.values() for t in stats}
+        return int(checks.flags.sum()), buffers
+
+    failing, first = step(fault=False)
+    assert failing == 0
+    version = model.weight._version
+    model.weight.data.mul_(-3.0)  # unseen by the version counter
+    assert model.weight._version == version
+    assert step(fault=False) == (0, first)  # judged by the new weight's sums, in the same buffers
+    assert step(fault=True) == (1, first)
+    assert len(checks._weight_buffers) == 1  # one weight, one entry for both of its layouts
