@@ -595,8 +595,10 @@ def self_check(kernel: Kernel) -> str | None:
 
 def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
     """The product checks' pass against exact answers: small integers, whose fp32 sums are exact in any order, in
-    a batch of two matrices stored by rows and by columns, past a vector register's width."""
-    batch, r, p = 2, 3, 37
+    a batch of two matrices stored by rows and by columns, past a vector register's width (rows of 37) and through
+    every block of rows the pass by columns takes (83 rows: 64, 16 and 3 at a time with AVX-512, 32 and 19 with
+    AVX2)."""
+    batch, r, p = 2, 83, 37
     values = [float(rng.randint(-8, 8)) for _ in range(batch * r * p)]
     s = [float(rng.randint(-3, 3)) for _ in range(batch * p)]
     t = [float(rng.randint(0, 3)) for _ in range(batch * p)]
@@ -620,8 +622,9 @@ def _check_dual(kernel: Kernel, rng: random.Random) -> str | None:
 def _check_row_check(kernel: Kernel, rng: random.Random) -> str | None:
     """The product checks' whole check of a product against exact answers (small integers again): a batch of
     two, ``C`` stored by rows and by columns, ``alpha`` -2 and a bias row with ``beta`` 1/2, so every term of
-    both outputs counts."""
-    batch, r, p, n = 2, 3, 19, 21
+    both outputs counts; rows of 61 take every step of a row's sum (32, 16 and 13 with AVX-512; 48, 8 and 5 with
+    AVX2)."""
+    batch, r, p, n = 2, 3, 19, 61
     a = [float(rng.randint(-4, 4)) for _ in range(batch * r * p)]
     s = [float(rng.randint(-3, 3)) for _ in range(p)]
     t = [float(rng.randint(0, 3)) for _ in range(p)]

@@ -934,8 +934,95 @@ __attribute__((target("avx512f"))) static void dual_rows_avx512(const float *res
     }
 }
 
-DUAL_COLS(dual_cols_avx2, __attribute__((target("avx2,fma"))))
-DUAL_COLS(dual_cols_avx512, __attribute__((target("avx512f"))))
+/* Columns by hand: the macro loads and stores e and b once per column, which on a weight or a transposed
+ * gradient costs more than reading the column. Here a block of rows keeps its sums in registers while every
+ * column passes; the rows past the last whole block go to the macro's loop. */
+DUAL_COLS(dual_cols_rest, )
+
+__attribute__((target("avx2,fma"))) static void dual_cols_avx2(const float *restrict a, int64_t r, int64_t p,
+                                                               int64_t ld, const float *restrict s,
+                                                               const float *restrict t, float *restrict e,
+                                                               float *restrict b)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t i = 0;
+    for (; i + 32 <= r; i += 32) {
+        __m256 e0 = _mm256_setzero_ps(), e1 = _mm256_setzero_ps(), e2 = _mm256_setzero_ps(),
+               e3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+               b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+        for (int64_t k = 0; k < p; k++) {
+            const float *col = a + k * ld + i;
+            __m256 sk = _mm256_set1_ps(s[k]), tk = _mm256_set1_ps(t[k]);
+            __m256 x0 = _mm256_loadu_ps(col), x1 = _mm256_loadu_ps(col + 8), x2 = _mm256_loadu_ps(col + 16),
+                   x3 = _mm256_loadu_ps(col + 24);
+            e0 = _mm256_fmadd_ps(x0, sk, e0);
+            e1 = _mm256_fmadd_ps(x1, sk, e1);
+            e2 = _mm256_fmadd_ps(x2, sk, e2);
+            e3 = _mm256_fmadd_ps(x3, sk, e3);
+            b0 = _mm256_fmadd_ps(_mm256_and_ps(x0, magnitude), tk, b0);
+            b1 = _mm256_fmadd_ps(_mm256_and_ps(x1, magnitude), tk, b1);
+            b2 = _mm256_fmadd_ps(_mm256_and_ps(x2, magnitude), tk, b2);
+            b3 = _mm256_fmadd_ps(_mm256_and_ps(x3, magnitude), tk, b3);
+        }
+        _mm256_storeu_ps(e + i, e0);
+        _mm256_storeu_ps(e + i + 8, e1);
+        _mm256_storeu_ps(e + i + 16, e2);
+        _mm256_storeu_ps(e + i + 24, e3);
+        _mm256_storeu_ps(b + i, b0);
+        _mm256_storeu_ps(b + i + 8, b1);
+        _mm256_storeu_ps(b + i + 16, b2);
+        _mm256_storeu_ps(b + i + 24, b3);
+    }
+    if (i < r)
+        dual_cols_rest(a + i, r - i, p, ld, s, t, e + i, b + i);
+}
+
+__attribute__((target("avx512f"))) static void dual_cols_avx512(const float *restrict a, int64_t r, int64_t p,
+                                                                int64_t ld, const float *restrict s,
+                                                                const float *restrict t, float *restrict e,
+                                                                float *restrict b)
+{
+    int64_t i = 0;
+    for (; i + 64 <= r; i += 64) {
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), e2 = _mm512_setzero_ps(),
+               e3 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps(),
+               b2 = _mm512_setzero_ps(), b3 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < p; k++) {
+            const float *col = a + k * ld + i;
+            __m512 sk = _mm512_set1_ps(s[k]), tk = _mm512_set1_ps(t[k]);
+            __m512 x0 = _mm512_loadu_ps(col), x1 = _mm512_loadu_ps(col + 16), x2 = _mm512_loadu_ps(col + 32),
+                   x3 = _mm512_loadu_ps(col + 48);
+            e0 = _mm512_fmadd_ps(x0, sk, e0);
+            e1 = _mm512_fmadd_ps(x1, sk, e1);
+            e2 = _mm512_fmadd_ps(x2, sk, e2);
+            e3 = _mm512_fmadd_ps(x3, sk, e3);
+            b0 = _mm512_fmadd_ps(_mm512_abs_ps(x0), tk, b0);
+            b1 = _mm512_fmadd_ps(_mm512_abs_ps(x1), tk, b1);
+            b2 = _mm512_fmadd_ps(_mm512_abs_ps(x2), tk, b2);
+            b3 = _mm512_fmadd_ps(_mm512_abs_ps(x3), tk, b3);
+        }
+        _mm512_storeu_ps(e + i, e0);
+        _mm512_storeu_ps(e + i + 16, e1);
+        _mm512_storeu_ps(e + i + 32, e2);
+        _mm512_storeu_ps(e + i + 48, e3);
+        _mm512_storeu_ps(b + i, b0);
+        _mm512_storeu_ps(b + i + 16, b1);
+        _mm512_storeu_ps(b + i + 32, b2);
+        _mm512_storeu_ps(b + i + 48, b3);
+    }
+    for (; i + 16 <= r; i += 16) {
+        __m512 e0 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps();
+        for (int64_t k = 0; k < p; k++) {
+            __m512 x0 = _mm512_loadu_ps(a + k * ld + i);
+            e0 = _mm512_fmadd_ps(x0, _mm512_set1_ps(s[k]), e0);
+            b0 = _mm512_fmadd_ps(_mm512_abs_ps(x0), _mm512_set1_ps(t[k]), b0);
+        }
+        _mm512_storeu_ps(e + i, e0);
+        _mm512_storeu_ps(b + i, b0);
+    }
+    if (i < r)
+        dual_cols_rest(a + i, r - i, p, ld, s, t, e + i, b + i);
+}
 #endif
 
 int sdc_dual_matvec(const float *a, int64_t batch, int64_t r, int64_t p, int64_t batch_stride, int64_t row_stride,
@@ -1006,8 +1093,43 @@ typedef void (*col_sums_fn)(const float *, int64_t, int64_t, int64_t, float *);
 ROW_SUMS(row_sum_scalar, )
 COL_SUMS(col_sums_scalar, )
 #ifdef SDC_FP_X86
-ROW_SUMS(row_sum_avx2, __attribute__((target("avx2,fma"))))
-ROW_SUMS(row_sum_avx512, __attribute__((target("avx512f"))))
+/* Rows by hand, as the pass over A: the macro's 16 partial sums end in 16 dependent scalar additions per row,
+ * which on short rows (attention's 32 and 64 wide) cost more than reading the row. */
+__attribute__((target("avx2,fma"))) static float row_sum_avx2(const float *restrict row, int64_t n)
+{
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(row + j));
+        s1 = _mm256_add_ps(s1, _mm256_loadu_ps(row + j + 8));
+    }
+    if (j + 8 <= n) {
+        s0 = _mm256_add_ps(s0, _mm256_loadu_ps(row + j));
+        j += 8;
+    }
+    float total = hsum_avx2(_mm256_add_ps(s0, s1));
+    for (; j < n; j++)
+        total += row[j];
+    return total;
+}
+
+__attribute__((target("avx512f"))) static float row_sum_avx512(const float *restrict row, int64_t n)
+{
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(row + j));
+        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(row + j + 16));
+    }
+    if (j + 16 <= n) {
+        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(row + j));
+        j += 16;
+    }
+    float total = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    for (; j < n; j++)
+        total += row[j];
+    return total;
+}
 COL_SUMS(col_sums_avx2, __attribute__((target("avx2,fma"))))
 COL_SUMS(col_sums_avx512, __attribute__((target("avx512f"))))
 #endif
