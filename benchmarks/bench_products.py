@@ -143,7 +143,9 @@ def _stepper(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: 
 def main(argv: list[str]) -> int:
     """Run the benchmark and print one table per model; 0, or 1 when the rank failed."""
     parser = argparse.ArgumentParser(prog="bench products")
-    parser.add_argument("--rounds", type=int, default=12, help="steps per row (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=40,
+                        help="steps per row (after one warm-up round); 100 resolve a change of a point on the GPT "
+                             "example")
     parser.add_argument("--models", default="tinygpt-24m,gpt-example", help="comma-separated: tinygpt-24m, gpt-example")
     parser.add_argument("--dim", type=int, default=576, help="the TinyGPT's width (576: 24.3 M parameters)")
     parser.add_argument("--layers", type=int, default=6)
