@@ -936,8 +936,9 @@ __attribute__((target("avx512f"))) static void dual_rows_avx512(const float *res
 
 /* Columns by hand: the macro loads and stores e and b once per column, which on a weight or a transposed
  * gradient costs more than reading the column. Here a block of rows keeps its sums in registers while every
- * column passes; the rows past the last whole block go to the macro's loop. */
-DUAL_COLS(dual_cols_rest, )
+ * column passes; the rows past the last whole block go to the macro's loop, built for the same instructions. */
+DUAL_COLS(dual_cols_rest_avx2, __attribute__((target("avx2,fma"))))
+DUAL_COLS(dual_cols_rest_avx512, __attribute__((target("avx512f"))))
 
 __attribute__((target("avx2,fma"))) static void dual_cols_avx2(const float *restrict a, int64_t r, int64_t p,
                                                                int64_t ld, const float *restrict s,
@@ -974,7 +975,7 @@ __attribute__((target("avx2,fma"))) static void dual_cols_avx2(const float *rest
         _mm256_storeu_ps(b + i + 24, b3);
     }
     if (i < r)
-        dual_cols_rest(a + i, r - i, p, ld, s, t, e + i, b + i);
+        dual_cols_rest_avx2(a + i, r - i, p, ld, s, t, e + i, b + i);
 }
 
 __attribute__((target("avx512f"))) static void dual_cols_avx512(const float *restrict a, int64_t r, int64_t p,
@@ -1021,7 +1022,7 @@ __attribute__((target("avx512f"))) static void dual_cols_avx512(const float *res
         _mm512_storeu_ps(b + i, b0);
     }
     if (i < r)
-        dual_cols_rest(a + i, r - i, p, ld, s, t, e + i, b + i);
+        dual_cols_rest_avx512(a + i, r - i, p, ld, s, t, e + i, b + i);
 }
 #endif
 
