@@ -58,6 +58,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -345,23 +346,33 @@ def build(directory: Path | None = None) -> Path:
 
     A library already in the cache is used without looking for a compiler, so
     an image can be built with one (``python -m sdcguard.agent.native``) and run without."""
-    try:
-        source = SOURCE.read_bytes()
-    except OSError as exc:
-        raise NativeKernelError(f"the kernel's source is missing from this installation: {exc}") from None
     # Not the compiler: any compiler's build of this source passes the same self-check.
-    key = hashlib.sha256(b"\0".join([source, platform.machine().encode(), " ".join(CFLAGS).encode()])).hexdigest()[:16]
+    return build_library(SOURCE, "fingerprint", [*CFLAGS, "-o", "{target}", "{source}"], compiler, directory)
+
+
+def build_library(source_path: Path, stem: str, command: Sequence[str], find_compiler: Callable[[], str],
+                  directory: Path | None = None, key_parts: Sequence[str] = ()) -> Path:
+    """Compile ``source_path`` into ``<cache>/<stem>-<hash>.so`` unless it is there already (the hash: the source,
+    the machine, the command and ``key_parts``) and return its path. ``command``: the compiler's arguments, with
+    ``{target}`` where the output goes and ``{source}`` the source (placeholders: the hash names no path); ``find_compiler`` is called only when a build is needed. The build writes
+    a scratch file and renames it, so concurrent ranks' identical builds are harmless."""
+    try:
+        source = source_path.read_bytes()
+    except OSError as exc:
+        raise NativeKernelError(f"{source_path.name}: the source is missing from this installation: {exc}") from None
+    key = hashlib.sha256(b"\0".join([source, platform.machine().encode(), " ".join(command).encode(),
+                                     *(part.encode() for part in key_parts)])).hexdigest()[:16]
     candidates = [directory] if directory else [cache_dir()]
     if directory is None and not os.environ.get(CACHE_ENV):
         # A read-only home (common in containers) should not cost the fast path.
         candidates.append(Path(tempfile.gettempdir()) / f"sdcguard-{os.getuid()}")
     for place in candidates:
-        if (place / f"fingerprint-{key}.so").is_file():
-            return place / f"fingerprint-{key}.so"
-    cc = compiler()
+        if (place / f"{stem}-{key}.so").is_file():
+            return place / f"{stem}-{key}.so"
+    cc = find_compiler()
     problems = []
     for place in candidates:
-        target = place / f"fingerprint-{key}.so"
+        target = place / f"{stem}-{key}.so"
         try:
             place.mkdir(parents=True, exist_ok=True)
             fd, scratch = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=place)
@@ -373,11 +384,12 @@ def build(directory: Path | None = None) -> Path:
         raise NativeKernelError(f"cannot write the kernel cache ({'; '.join(problems)}); set {CACHE_ENV}")
     try:
         done = subprocess.run(
-            [*cc.split(), *CFLAGS, "-o", scratch, str(SOURCE)],
-            capture_output=True, text=True, timeout=120, check=False,
+            [*cc.split(), *(scratch if arg == "{target}" else str(source_path) if arg == "{source}" else arg
+                             for arg in command)],
+            capture_output=True, text=True, timeout=300, check=False,
         )
         if done.returncode != 0:
-            raise NativeKernelError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise NativeKernelError(f"{cc} failed to build {source_path.name}: {done.stderr.strip()[-2000:]}")
         os.replace(scratch, target)  # atomic: a concurrent rank's identical build may win
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeKernelError(f"{cc} could not be run: {exc}") from None

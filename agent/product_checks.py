@@ -88,6 +88,7 @@ from typing import Any
 
 import torch
 
+from sdcguard.agent import native_products
 from sdcguard.agent.determinism import FP32_PRECISIONS, fp32_precisions
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,15 @@ _aten = torch.ops.aten
 _MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 _CONVS = {_aten.convolution, _aten.convolution_backward}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PRODUCT_FREE = frozenset({
+    torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+    torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d, torch.nn.Embedding, torch.nn.GELU, torch.nn.ReLU, torch.nn.SiLU, torch.nn.Tanh,
+    torch.nn.Sigmoid, torch.nn.Softmax, torch.nn.Identity, torch.nn.Flatten, torch.nn.Sequential,
+    torch.nn.ModuleList, torch.nn.ModuleDict})
+"""Modules of these exact types (torch's own; a subclass may override ``forward``) compute no matrix product in
+their own forward (a container's products are its children's): the checks hang no naming hooks on them, since a
+product is named after the innermost module running it and a module's hooks cost every call of it."""
 
 KINDS = ("forward", "backward", "linear", "matmul", "conv")
 """What ``enabled`` switches: the directions, and the kinds of product (an ``nn.Linear``'s, a bare matmul, a
@@ -315,10 +325,21 @@ class ProductChecks:
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
         self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float, tuple[float, float, float]]] = {}
         """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
+        self._compiled: native_products.Products | None = None
+        """The compiled path (``sdcguard.agent.native_products``) where it is built and the compiled kernel runs the
+        passes: it checks an fp32 CPU product in one call, at a site already named, with the bound given here."""
         self._refresh()
         for name, module in model.named_modules():
+            if name and type(module) in _PRODUCT_FREE:
+                continue  # runs no product of its own: a hook would only cost its calls
             self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
             self._handles.append(module.register_forward_hook(self._leaving, always_call=True))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ProductChecks:
+        # A deep copy of the model (an EMA copy, say) copies its naming hooks, and with them these checks: the
+        # compiled kernels they hold cannot be copied, and a second set of checks would watch nothing. The copy's
+        # hooks name for these checks, and only inside watching(), which the copy's own forward is not run in.
+        return self
 
     # -- the step's interface -----------------------------------------------------------------------------
 
@@ -335,6 +356,8 @@ class ProductChecks:
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
         self.checked = self.unchecked = 0
+        if self._compiled is not None:
+            self._compiled_step()
 
     reset = begin_step
 
@@ -363,9 +386,27 @@ class ProductChecks:
         settings = matmul_settings()
         if settings != self._settings:
             self._terms.clear()
+            if self._compiled is not None:
+                self._compiled.forget_terms()
         self._settings = settings
         self._fused = _triton_products(self.device)
         self._kernel = _native_kernel() if self.device.type == "cpu" and self._fused is None else None
+        compiled = self._compiled
+        if self._kernel is None:
+            self._compiled = None
+        elif compiled is None or compiled.kernel is not self._kernel:
+            library = native_products.library()
+            self._compiled = None if library is None else self._products(library, self._kernel)
+            if self._compiled is not None:
+                self._compiled_step()
+
+    def _products(self, library: Any, kernel: Any) -> native_products.Products:
+        """The compiled path's state for these checks, over the compiled ``kernel``'s passes."""
+        return native_products.Products(library, kernel)
+
+    def _compiled_step(self) -> None:
+        assert self._compiled is not None
+        self._compiled.begin_step(self._flags, self._weights, 2 * len(self._params) + 16)
 
     def _arithmetic(self, operand: torch.dtype, output: torch.dtype, device: torch.device, *,
                     conv: bool) -> Arithmetic | None:
@@ -519,6 +560,17 @@ class ProductChecks:
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         else:
             bias, a, b, beta, alpha = None, args[0], args[1], 1, 1
+        compiled = self._compiled
+        if compiled is not None:
+            index = self._index.get(site)  # a site's first product names it, in Python
+            if index is not None:
+                answer = compiled.check(a, b, out, bias, float(alpha), float(beta), index)
+                if answer == native_products.CHECKED:
+                    self.checked += 1
+                    return
+                if answer == native_products.UNCHECKABLE:
+                    self.unchecked += 1
+                    return
         if not _plain(a, b, out) or (bias is not None and not _plain(bias)):
             self.unchecked += 1
             return
@@ -547,6 +599,8 @@ class ProductChecks:
         terms = self._terms.get(key)
         if terms is None:
             terms = self._terms[key] = self._terms_of(a.dtype, c.dtype, c.device, p, n, bias is not None)
+            if self._compiled is not None and a.dtype == c.dtype == torch.float32 and c.device.type == "cpu":
+                self._compiled.terms(p, n, bias is not None, None if terms[0] is None else terms[3])
         arithmetic, coefficient, absolute, judge = terms
         if arithmetic is None:
             self.unchecked += 1

@@ -29,6 +29,7 @@ median and the lower quartile. ``./dev bench products [-- --rounds R]``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.interleave import launch_timed, ratio_table, timed_rounds, write_timings
+from sdcguard.agent.native_products import Products
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.testing.train import SyntheticData, TinyGPT, init_process_group, shutdown
 from sdcguard.agent.testing.train import loss_fn as tiny_loss
@@ -103,6 +105,12 @@ class _PassesSkipped(ProductChecks):
         super()._refresh()
         if self._kernel is not None:
             self._kernel = _SkippedKernel(self._kernel)
+
+    def _products(self, library: Any, kernel: Any) -> Products:
+        # The compiled path calls the passes through their addresses: these answer at once.
+        skipped = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+                   for name in ("sdc_px_skipped_verdict", "sdc_px_skipped_dual")]
+        return Products(library, kernel, verdict=skipped[0], dual=skipped[1])
 
 
 class _SkippedKernel:

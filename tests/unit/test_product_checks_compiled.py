@@ -1,0 +1,189 @@
+"""The product checks' compiled path (sdcguard.agent.native_products, csrc/products.cpp): the same verdicts and
+names as the Python form, every product after a site's first checked in one call, a weight's sums written again
+each step, a model copied with its checks, a script's default device ignored, and a build that
+fails leaving the Python form (an error only where the compiled path was demanded)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from sdcguard.agent import native, native_products
+from sdcguard.agent.product_checks import ProductChecks
+from sdcguard.agent.testing.train import SyntheticData, loss_fn
+from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture
+def products_mode(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Set ``SDCGUARD_PRODUCTS_KERNEL`` for a test; the loader reads it afresh and forgets it afterwards."""
+    def choose(value: str) -> None:
+        monkeypatch.setenv(native_products.ENV, value)
+        native_products.reset_for_tests()
+
+    yield choose
+    native_products.reset_for_tests()
+
+
+class _PythonChecked:
+    """Counts the products the Python form checked (``_verify_product``), as the compiled path declines them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = ProductChecks._verify_product
+
+        def counted(checks: ProductChecks, *args: Any, **kwargs: Any) -> None:
+            self.count += 1
+            original(checks, *args, **kwargs)
+
+        monkeypatch.setattr(ProductChecks, "_verify_product", counted)
+
+
+def _faulty_steps(direction: str, target: int) -> tuple[list[list[str]], int, int]:
+    """Three steps of the test model, a flipped exponent bit in the ``target``-th product of ``direction`` in the
+    last: (the failing sites of each step, the products checked in the last step, how many were unchecked)."""
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    failing = []
+    for step in range(3):
+        checks.begin_step()
+        model.zero_grad(set_to_none=True)
+        fault = _flip_product(direction, target, bit=30) if step == 2 else contextlib.nullcontext([1])
+        with fault as fired, checks.watching():
+            loss_fn(model, data(step, 0)).backward()
+        assert fired == [1]
+        failing.append([name for _, name in checks.findings(checks.flags.reshape(1, -1))])
+    return failing, checks.checked, checks.unchecked
+
+
+@needs_compiler
+@pytest.mark.parametrize(("direction", "target"), [("fwd", 0), ("fwd", 2), ("fwd", 6), ("bwd", 1), ("bwd", 11)])
+def test_the_compiled_path_gives_the_python_form_s_verdicts_and_names(
+        products_mode: Any, monkeypatch: pytest.MonkeyPatch, direction: str, target: int) -> None:
+    python = _PythonChecked(monkeypatch)
+    products_mode("python")
+    expected = _faulty_steps(direction, target)
+    in_python = python.count
+    products_mode("compiled")
+    python.count = 0
+    assert _faulty_steps(direction, target) == expected
+    names = FORWARD if direction == "fwd" else BACKWARD
+    assert expected[0] == [[], [], [names[target]]]
+    assert expected[1:] == (len(FORWARD) + len(BACKWARD), 0)
+    # The first product of each site runs in Python (it names the site); every later one in the compiled path.
+    assert in_python == 3 * (len(FORWARD) + len(BACKWARD))
+    assert python.count == len(FORWARD) + len(BACKWARD)
+
+
+@needs_compiler
+def test_a_weight_changed_through_data_between_steps_is_judged_by_its_new_sums(products_mode: Any) -> None:
+    # The compiled path keeps a weight's row sums from step to step in buffers of its own, and must write them
+    # again every step: a write through ``.data`` (an EMA swap, a fault) is unseen by the version counter.
+    products_mode("compiled")
+    model = nn.Linear(24, 12)
+    checks = ProductChecks(model)
+    x = torch.randn(10, 24)
+
+    def step(fault: bool) -> int:
+        checks.begin_step()
+        model.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            if fault:
+                stack.enter_context(_flip_product("fwd", 0, bit=30))
+            stack.enter_context(checks.watching())
+            model(x).square().sum().backward()
+        return int(checks.flags.sum())
+
+    assert [step(fault=False) for _ in range(2)] == [0, 0]
+    assert checks._compiled is not None
+    version = model.weight._version
+    model.weight.data.mul_(-3.0)
+    assert model.weight._version == version
+    assert step(fault=False) == 0  # stale sums would fail every product of the weight
+    assert step(fault=True) == 1
+
+
+def test_a_model_with_the_checks_can_be_deep_copied_and_the_copy_trains_unchecked() -> None:
+    # An EMA or evaluation copy made after the checks are installed (it failed: the compiled kernels the checks
+    # hold cannot be copied). The copy's hooks name for the same checks, which watch only the original's pass.
+    model = _model()
+    checks = ProductChecks(model)
+    twin = copy.deepcopy(model)
+    hooked = next(getattr(hook, "__self__", None) for hook in twin._forward_hooks.values())
+    assert hooked is checks
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    loss_fn(twin, data(0, 0)).backward()  # outside the checks: nothing seen, nothing named
+    assert (checks.checked, checks.sites) == (0, [])
+    for step in range(2):
+        checks.begin_step()
+        with _flip_product("bwd", 5, bit=30) if step == 1 else contextlib.nullcontext(), checks.watching():
+            loss_fn(model, data(step, 0)).backward()
+    assert [name for _, name in checks.findings(checks.flags.reshape(1, -1))] == [BACKWARD[5]]
+    assert checks.checked == len(FORWARD) + len(BACKWARD)
+
+
+@needs_compiler
+def test_a_script_s_default_device_and_dtype_do_not_reach_the_compiled_path(products_mode: Any) -> None:
+    products_mode("compiled")
+    model = _model()
+    checks = ProductChecks(model)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    for step in range(3):
+        batch = data(step, 0)
+        torch.set_default_device("meta")
+        torch.set_default_dtype(torch.float64)
+        try:
+            checks.begin_step()
+            with _flip_product("fwd", 3, bit=30) if step == 2 else contextlib.nullcontext(), checks.watching():
+                loss_fn(model, batch).backward()
+        finally:
+            torch.set_default_device(None)
+            torch.set_default_dtype(torch.float32)
+        found = [name for _, name in checks.findings(checks.flags.reshape(1, -1))]
+        assert found == ([FORWARD[3]] if step == 2 else [])
+
+
+def test_a_build_that_fails_leaves_the_python_form_and_is_an_error_where_demanded(
+        products_mode: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    products_mode("auto")
+    with caplog.at_level(logging.WARNING, logger="sdcguard.agent.native_products"):
+        assert native_products.library() is None
+    assert "run in Python" in caplog.text
+    assert "false failed to build products.cpp" in caplog.text
+    if native.kernel() is not None:
+        # Still checked, and a fault still caught, by the Python form.
+        failing, checked, unchecked = _faulty_steps("bwd", 4)
+        assert failing[-1] == [BACKWARD[4]]
+        assert (checked, unchecked) == (len(FORWARD) + len(BACKWARD), 0)
+    products_mode("compiled")
+    with pytest.raises(native.NativeKernelError, match="false failed to build"):
+        native_products.library()
+    products_mode("python")
+    assert native_products.library() is None
+    products_mode("fast")
+    with pytest.raises(ValueError, match="SDCGUARD_PRODUCTS_KERNEL='fast' is not valid"):
+        native_products.library()
+
+
+@needs_compiler
+def test_python_m_builds_it_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    assert native_products.main([]) == 0
+    assert "product checks' library:" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("products-*.so"))) == 1
