@@ -53,6 +53,17 @@ calls) calls none of these operators, so inside :meth:`ProductChecks.watching`
 it runs eagerly (``torch.compiler.set_stance("force_eager")``), and compiled
 outside it; a model with compiled modules is warned of it.
 
+Where the compiled path is built (``sdcguard.agent.native_products``,
+``csrc/products.cpp``; the default wherever a C++ compiler and the Python
+headers are at hand), the four matrix-product operators are intercepted by
+C++ kernels at the same key instead: they name the product (the naming
+hooks keep their module stack) and check an fp32 CPU product in C++, and
+hand every other product to the Python form with its name, so that both
+give the same verdicts under the same names; the convolutions stay with the
+Python interception and name through the same state. From Python, the
+interception, the naming and a product's check cost about 25 µs a product
+on the GPT example, more than the pass over its operands.
+
 Cost: a product is checked by its row sums, ``C 1 = A (B 1)``, with the
 weight as ``B`` where one operand is a parameter: ``B 1`` and ``|B| 1`` are
 computed once per step and serve every micro-batch, so a product costs the
@@ -82,6 +93,7 @@ import logging
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -259,12 +271,16 @@ class ProductChecks:
     ``"... backward dX"``, ``"... backward dW"``; a bare matmul's operands are
     ``dA``/``dB``). ``enabled`` switches kinds off (keys in :data:`KINDS`).
     ``margin`` multiplies the bound (1: the rigorous bound; a test shrinks it
-    to show that a tighter one would fail clean runs). Raises ``ValueError``
+    to show that a tighter one would fail clean runs). ``compiled`` False
+    names and checks every product in Python (as where the compiled path,
+    ``sdcguard.agent.native_products``, cannot be built), so that
+    :meth:`on_product` sees each one. Raises ``ValueError``
     for an unknown kind, a margin that is not positive or a capacity below 1.
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device | None = None,
-                 enabled: Sequence[str] = KINDS, margin: float = 1.0, capacity: int = 4096) -> None:
+                 enabled: Sequence[str] = KINDS, margin: float = 1.0, capacity: int = 4096,
+                 compiled: bool = True) -> None:
         unknown = set(enabled) - set(KINDS)
         if unknown:
             raise ValueError(f"enabled: unknown kind(s) {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -281,10 +297,7 @@ class ProductChecks:
         self.capacity = capacity
         self._flags = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.sites: list[str] = []
-        self.checked = 0
-        """Products checked since the last :meth:`begin_step` (a host-side count; it costs no sync)."""
-        self.unchecked = 0
-        """Products seen but not checkable since the last :meth:`begin_step` (a subclass, a dtype, no bound)."""
+        self._checked = self._unchecked = 0
         self._index: dict[str, int] = {}
         self._stack: list[tuple[str, torch.nn.Module]] = []
         self._watching = False
@@ -312,27 +325,46 @@ class ProductChecks:
         self._layouts: dict[tuple[Any, ...], _Layout] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._ones_cache: dict[int, torch.Tensor] = {}
-        compiled = [name or "<model>" for name, module in model.named_modules() if _compiled(module)]
-        if compiled:
+        by_compile = [name or "<model>" for name, module in model.named_modules() if _compiled(module)]
+        if by_compile:
             log.warning("product checks: %s compiled (torch.compile); compiled code calls none of the operators the "
                         "checks see, so inside the checks it runs eagerly (every product is still checked) and "
                         "compiled outside them",
-                        ", ".join(compiled[:3]) + (f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""))
-        _INTERCEPTION.install()
+                        ", ".join(by_compile[:3]) + (f" and {len(by_compile) - 3} more" if len(by_compile) > 3 else ""))
+        # The compiled path where it can be had (raises where SDCGUARD_PRODUCTS_KERNEL=compiled says it must): its
+        # C++ kernels intercept the matrix products for all checks, installed with the first.
+        available = native_products.library()
+        _INTERCEPTION.install(available)
         self._intercepting = True
         self._settings: tuple[tuple[str, ...], tuple[bool, ...]] | None = None
         self._fused: Any = None
         """``sdcguard.agent.kernels.triton_products`` where the setting sends the rank's device to the Triton kernels."""
         self._terms: dict[tuple[Any, ...], tuple[Arithmetic | None, float, float, tuple[float, float, float]]] = {}
         """A product's bound terms by (dtypes, device, lengths, bias), for the settings in ``_settings``."""
+        hooked = [(name, module) for name, module in model.named_modules()
+                  if not name or type(module) not in _PRODUCT_FREE]  # the others run no product of their own
+        self._labels = [name or "<model>" for name, _ in hooked]
         self._compiled: native_products.Products | None = None
-        """The compiled path (``sdcguard.agent.native_products``) where it is built and the compiled kernel runs the
-        passes: it checks an fp32 CPU product in one call, at a site already named, with the bound given here."""
+        """These checks' state in the compiled path (``sdcguard.agent.native_products``, csrc/products.cpp) while
+        its C++ kernels intercept (``_INTERCEPTION.library``): it names the matrix products and checks those of fp32
+        on the CPU in C++, handing the rest to the Python form, named; its bounds are given from here as the Python
+        form computes them. None under the Python interception (every product named and checked in Python)."""
+        self._named_in_cpp = False
+        """The matrix products named in C++: the naming hooks keep its stack, and the convolutions (intercepted in
+        Python) are named through it. False with ``compiled=False`` or the Python form chosen (every product then
+        goes from the C++ kernels to :meth:`on_product`)."""
+        library = _INTERCEPTION.library
+        if library is not None:
+            self._compiled = native_products.Products(
+                library, _weak(self, ProductChecks._site), _weak(self, ProductChecks._from_compiled),
+                [(label, isinstance(module, torch.nn.Linear)) for label, (_, module) in zip(self._labels, hooked, strict=True)])
+            self._named_in_cpp = compiled and available is not None
+            self._compiled.enabled(self.enabled, python_form=not self._named_in_cpp)
         self._refresh()
-        for name, module in model.named_modules():
-            if name and type(module) in _PRODUCT_FREE:
-                continue  # runs no product of its own: a hook would only cost its calls
-            self._handles.append(module.register_forward_pre_hook(self._entering(name, module, root=not name)))
+        if self._compiled is not None:
+            self._compiled_step()
+        for index, (name, module) in enumerate(hooked):
+            self._handles.append(module.register_forward_pre_hook(self._entering(name, module, index)))
             self._handles.append(module.register_forward_hook(self._leaving, always_call=True))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ProductChecks:
@@ -355,9 +387,27 @@ class ProductChecks:
         # Looked up afresh each step: a parameter may have moved (load_state_dict, FSDP2's unsharded storage).
         self._weights = {p.untyped_storage().data_ptr() for p in self._params if type(p) in _PLAIN}
         self._forward_sites.clear()
-        self.checked = self.unchecked = 0
+        self._checked = self._unchecked = 0
         if self._compiled is not None:
             self._compiled_step()
+
+    @property
+    def checked(self) -> int:
+        """Products checked since the last :meth:`begin_step` (host-side counts; they cost no sync)."""
+        return self._checked + (self._compiled.counts()[0] if self._compiled is not None else 0)
+
+    @checked.setter
+    def checked(self, value: int) -> None:
+        self._checked = value - (self._compiled.counts()[0] if self._compiled is not None else 0)
+
+    @property
+    def unchecked(self) -> int:
+        """Products seen but not checkable since the last :meth:`begin_step` (a subclass, a dtype, no bound)."""
+        return self._unchecked + (self._compiled.counts()[1] if self._compiled is not None else 0)
+
+    @unchecked.setter
+    def unchecked(self, value: int) -> None:
+        self._unchecked = value - (self._compiled.counts()[1] if self._compiled is not None else 0)
 
     reset = begin_step
 
@@ -377,6 +427,8 @@ class ProductChecks:
         finally:
             self._watching = False
             self._stack.clear()
+            if self._compiled is not None:
+                self._compiled.end_pass()
             self._judge_pending()
 
     def _refresh(self) -> None:
@@ -392,17 +444,12 @@ class ProductChecks:
         self._fused = _triton_products(self.device)
         self._kernel = _native_kernel() if self.device.type == "cpu" and self._fused is None else None
         compiled = self._compiled
-        if self._kernel is None:
-            self._compiled = None
-        elif compiled is None or compiled.kernel is not self._kernel:
-            library = native_products.library()
-            self._compiled = None if library is None else self._products(library, self._kernel)
-            if self._compiled is not None:
-                self._compiled_step()
+        if compiled is not None and compiled.kernel is not self._kernel:
+            self._use_kernel(compiled, self._kernel)
 
-    def _products(self, library: Any, kernel: Any) -> native_products.Products:
-        """The compiled path's state for these checks, over the compiled ``kernel``'s passes."""
-        return native_products.Products(library, kernel)
+    def _use_kernel(self, compiled: native_products.Products, kernel: Any) -> None:
+        """The compiled path checks with ``kernel``'s passes (None: sends every product to the Python form)."""
+        compiled.use_kernel(kernel)
 
     def _compiled_step(self) -> None:
         assert self._compiled is not None
@@ -458,10 +505,22 @@ class ProductChecks:
         if self._intercepting:
             self._intercepting = False
             _INTERCEPTION.uninstall()
+            if self._compiled is not None:
+                self._compiled.close()
 
     # -- naming ---------------------------------------------------------------------------------------------
 
-    def _entering(self, name: str, module: torch.nn.Module, *, root: bool) -> Any:
+    def _entering(self, name: str, module: torch.nn.Module, index: int) -> Any:
+        root = index == 0
+        if self._named_in_cpp:
+            assert self._compiled is not None
+            enter = self._compiled.enter
+
+            def cpp_hook(_module: torch.nn.Module, _inputs: Any) -> None:
+                if self._watching:
+                    enter(index)  # the root's index is 0; the C++ side keeps the stack and the ordinals
+            return cpp_hook
+
         def hook(_module: torch.nn.Module, _inputs: Any) -> None:
             if not self._watching:
                 return  # outside the checks (and what torch.compile traces of a module's call there)
@@ -478,8 +537,12 @@ class ProductChecks:
         return hook
 
     def _leaving(self, _module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-        if self._watching and self._stack:
-            self._stack.pop()
+        if self._watching:
+            if self._named_in_cpp:
+                assert self._compiled is not None
+                self._compiled.leave()
+            elif self._stack:
+                self._stack.pop()
 
     def _site(self, name: str) -> int:
         index = self._index.get(name)
@@ -506,6 +569,9 @@ class ProductChecks:
         """Check one product the mode saw (``func`` ran on ``args`` and returned ``out``)."""
         packet = func.overloadpacket
         node = torch._C._current_autograd_node()
+        if self._named_in_cpp:
+            self._conv_named_in_cpp(packet, args, kwargs, out, node)  # the C++ kernels take the matrix products
+            return
         conv = packet in _CONVS
         # A module's forward running inside a backward node is activation checkpointing's recomputation: its
         # products are forward products (and must not count as the node's own backward products).
@@ -541,6 +607,44 @@ class ProductChecks:
             "dA" if self._left_operand(node, calls) else "dB")
         self._check(packet, args, kwargs, out, f"{base} backward {operand}")
 
+    def _conv_named_in_cpp(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any,
+                           node: Any) -> None:
+        """A convolution's product named as :meth:`on_product` names one, through the C++ naming state (the
+        matrix products, named there, share the modules' ordinals and the forward sites)."""
+        compiled = self._compiled
+        assert compiled is not None
+        if node is None or compiled.depth() > 0:
+            requires_grad = torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in args[:3])
+            label, n, _ = compiled.forward_site(requires_grad)
+            if label >= 0:
+                base = self._base(label, n)
+                self._check(packet, args, kwargs, out,
+                            f"{base} forward" if node is None else f"{base} forward (recomputed)")
+            return
+        if not self.enabled["backward"]:
+            return
+        label, n, kind = compiled.backward_site(node._sequence_nr())
+        if not self.enabled[KINDS[kind] if label >= 0 else "conv"]:
+            return
+        base = self._base(label, n) if label >= 0 else f"<{node.name()}>"
+        if packet == _aten.convolution_backward:
+            self._check_conv_backward(args, out, base)
+
+    def _base(self, label: int, n: int) -> str:
+        return self._labels[label] if n == 0 else f"{self._labels[label]} #{n}"
+
+    def _from_compiled(self, op: int, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, alpha: float,
+                       beta: float, out: torch.Tensor, site: str | None) -> None:
+        """A matrix product the C++ interception hands to the Python form: named (``site``), or to be named here
+        too (None: the Python form wanted)."""
+        func = native_products.OPERATORS[op]
+        args, kwargs = ((bias, a, b), {"beta": beta, "alpha": alpha}) if bias is not None else ((a, b), {})
+        if site is None:
+            self.on_product(func, args, kwargs, out)
+        else:
+            self.check_named(func.overloadpacket, args, kwargs, out, site)
+
     @staticmethod
     def _left_operand(node: Any, calls: int) -> bool:
         """Whether the ``calls``-th product of a backward ``node`` is the gradient of the forward product's left
@@ -551,6 +655,10 @@ class ProductChecks:
         needed = [i for i in (first, first + 1) if i < len(edges) and edges[i][0] is not None]
         return calls <= len(needed) and needed[calls - 1] == first
 
+    def check_named(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, site: str) -> None:
+        """The Python form's check of one product ``site`` names (``packet`` ran on ``args``, returned ``out``)."""
+        self._check(packet, args, kwargs, out, site)
+
     def _check(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, site: str) -> None:
         if packet == _aten.convolution:
             self._check_conv(args, out, site)
@@ -560,17 +668,6 @@ class ProductChecks:
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         else:
             bias, a, b, beta, alpha = None, args[0], args[1], 1, 1
-        compiled = self._compiled
-        if compiled is not None:
-            index = self._index.get(site)  # a site's first product names it, in Python
-            if index is not None:
-                answer = compiled.check(a, b, out, bias, float(alpha), float(beta), index)
-                if answer == native_products.CHECKED:
-                    self.checked += 1
-                    return
-                if answer == native_products.UNCHECKABLE:
-                    self.unchecked += 1
-                    return
         if not _plain(a, b, out) or (bias is not None and not _plain(bias)):
             self.unchecked += 1
             return
@@ -599,7 +696,8 @@ class ProductChecks:
         terms = self._terms.get(key)
         if terms is None:
             terms = self._terms[key] = self._terms_of(a.dtype, c.dtype, c.device, p, n, bias is not None)
-            if self._compiled is not None and a.dtype == c.dtype == torch.float32 and c.device.type == "cpu":
+            if self._named_in_cpp and a.dtype == c.dtype == torch.float32 and c.device.type == "cpu":
+                assert self._compiled is not None
                 self._compiled.terms(p, n, bias is not None, None if terms[0] is None else terms[3])
         arithmetic, coefficient, absolute, judge = terms
         if arithmetic is None:
@@ -1004,17 +1102,26 @@ class _Interception:
 
     def __init__(self) -> None:
         self._library: Any = None
+        self.library: Any = None
+        """The compiled path's library while its C++ kernels take the matrix products (else None)."""
         self._installed = 0
         self._watchers: list[ProductChecks] = []
         self._thread = 0
 
-    def install(self) -> None:
+    def install(self, compiled: Any = None) -> None:
+        """Installed with the first checks (``compiled``: the compiled path's library, whose C++ kernels then take
+        the four matrix-product operators; the convolutions stay here) and kept while any checks are."""
         if self._installed == 0:
+            operators: tuple[Any, ...] = self.OPERATORS
+            if compiled is not None:
+                native_products.install(compiled)
+                self.library = compiled
+                operators = tuple(op for op in operators if op not in native_products.OPERATORS)
             library = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():
                 # "Overriding a previously registered kernel": the key's fallthrough for these operators.
                 warnings.simplefilter("ignore", UserWarning)
-                for operator in self.OPERATORS:
+                for operator in operators:
                     library.impl(operator._schema.name.removeprefix("aten::"), self._kernel(operator),
                                  "ADInplaceOrView")
             self._library = library
@@ -1025,15 +1132,23 @@ class _Interception:
         if self._installed == 0 and self._library is not None:
             self._library._destroy()
             self._library = None
+            if self.library is not None:
+                native_products.uninstall(self.library)
+                self.library = None
 
     @contextlib.contextmanager
     def watched_by(self, checks: ProductChecks) -> Iterator[None]:
         thread = self._thread
         self._thread = threading.get_ident()
         self._watchers.append(checks)
+        compiled = checks._compiled if self.library is not None else None
+        if compiled is not None:
+            compiled.watch()
         try:
             yield
         finally:
+            if compiled is not None:
+                compiled.unwatch()
             self._watchers.remove(checks)
             self._thread = thread
 
@@ -1052,6 +1167,19 @@ class _Interception:
 
 
 _INTERCEPTION = _Interception()
+
+
+def _weak(owner: ProductChecks, method: Any) -> Any:
+    """``method`` of ``owner`` as a callback the compiled path holds: through a weak reference, so that holding
+    it keeps nothing alive."""
+    ref = weakref.ref(owner)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        if target is None:
+            raise RuntimeError("product checks: called after they were freed")
+        return method(target, *args)
+    return call
 
 
 def _plain(*tensors: Any) -> bool:

@@ -88,6 +88,8 @@ def _rank_main(out: str, name: str, dim: int, layers: int, rounds: int, _spool: 
         checks = None if row == "plain" else _PassesSkipped(model) if row == "passes skipped" else ProductChecks(model)
         if checks is not None and row == "interception alone":
             checks.on_product = _seen  # type: ignore[method-assign,assignment]
+            if checks._compiled is not None:
+                checks._compiled.enabled(checks.enabled, checking=False, python_form=not checks._named_in_cpp)
         runners[row] = _stepper(model, optimizer, loss_fn, batch_of, row, checks)
     write_timings(out, timed_rounds(runners, rounds))
     shutdown()
@@ -106,11 +108,11 @@ class _PassesSkipped(ProductChecks):
         if self._kernel is not None:
             self._kernel = _SkippedKernel(self._kernel)
 
-    def _products(self, library: Any, kernel: Any) -> Products:
+    def _use_kernel(self, compiled: Products, kernel: Any) -> None:
         # The compiled path calls the passes through their addresses: these answer at once.
-        skipped = [ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+        skipped = [ctypes.cast(getattr(compiled.lib, name), ctypes.c_void_p).value
                    for name in ("sdc_px_skipped_verdict", "sdc_px_skipped_dual")]
-        return Products(library, kernel, verdict=skipped[0], dual=skipped[1])
+        compiled.use_kernel(kernel, verdict=skipped[0], dual=skipped[1])
 
 
 class _SkippedKernel:

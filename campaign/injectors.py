@@ -170,19 +170,21 @@ def install(fault: FaultSpec, *, rank: int, module: torch.nn.Module, optimizer: 
 
 
 def _beside_checks(inst: Installed, checks: ProductChecks) -> None:
-    """Mark the product checks' own work (``checks.on_product``: every checksum of one product) as not the
-    fault's, until ``inst.remove()``."""
-    original = checks.on_product
+    """Mark the product checks' own work as not the fault's, until ``inst.remove()``: ``checks.on_product`` (a
+    product the Python interception hands over) and ``checks.check_named`` (one the compiled path's C++ kernels
+    named and left to the Python form); the products the C++ kernels check themselves run no torch operator."""
+    for name in ("on_product", "check_named"):
+        original = getattr(checks, name)
 
-    def on_product(*args: Any, **kwargs: Any) -> Any:
-        inst.checking += 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            inst.checking -= 1
+        def paused(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            inst.checking += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                inst.checking -= 1
 
-    checks.on_product = on_product  # type: ignore[method-assign]  # on the instance: the class keeps its own
-    inst._undo.append(lambda: delattr(checks, "on_product"))
+        setattr(checks, name, paused)  # on the instance: the class keeps its own
+        inst._undo.append(lambda name=name: delattr(checks, name))  # type: ignore[misc]
 
 
 def _products(inst: Installed, shape: ModelShape) -> None:

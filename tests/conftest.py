@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,16 @@ def _spool_outside_the_working_tree(tmp_path_factory: pytest.TempPathFactory) ->
     patch.setenv("SDCGUARD_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_path_built() -> None:
+    """The product checks' compiled path (about ten seconds to build, cached) built once per session, before any
+    test forks ranks that would each build it at once. A machine that cannot build it runs the Python form."""
+    from sdcguard.agent import native, native_products
+
+    with contextlib.suppress(native.NativeKernelError, ValueError):
+        native_products.build()
 
 
 @pytest.fixture(scope="session")

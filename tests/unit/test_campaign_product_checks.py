@@ -45,7 +45,11 @@ def test_the_product_checks_alone_train_to_the_end_and_are_never_derived() -> No
 
 
 class _ChecksumsByMatmul(ProductChecks):
-    """Product checks whose own work includes an ``mm`` of the product's output (as a checksum could be)."""
+    """Product checks whose own work includes an ``mm`` of the product's output (as a checksum could be), every
+    product named and checked in Python (``on_product`` sees each one)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, compiled=False)
 
     def on_product(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.dim() == 2:

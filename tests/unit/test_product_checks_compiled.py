@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from sdcguard.agent import native, native_products
+from sdcguard.agent import native, native_products, product_checks
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.testing.train import SyntheticData, loss_fn
 from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
@@ -51,41 +55,72 @@ class _PythonChecked:
         monkeypatch.setattr(ProductChecks, "_verify_product", counted)
 
 
-def _faulty_steps(direction: str, target: int) -> tuple[list[list[str]], int, int]:
+def _faulty_steps(direction: str, target: int, python: _PythonChecked | None = None
+                  ) -> tuple[list[list[str]], int, int, list[int]]:
     """Three steps of the test model, a flipped exponent bit in the ``target``-th product of ``direction`` in the
-    last: (the failing sites of each step, the products checked in the last step, how many were unchecked)."""
+    last: (the failing sites of each step, the products checked and unchecked in the last step, and how many the
+    Python form checked in each)."""
     model = _model()
     checks = ProductChecks(model)
     data = SyntheticData(SHAPE, torch.device("cpu"))
-    failing = []
+    failing, in_python = [], []
     for step in range(3):
         checks.begin_step()
         model.zero_grad(set_to_none=True)
+        before = python.count if python is not None else 0
         fault = _flip_product(direction, target, bit=30) if step == 2 else contextlib.nullcontext([1])
         with fault as fired, checks.watching():
             loss_fn(model, data(step, 0)).backward()
         assert fired == [1]
         failing.append([name for _, name in checks.findings(checks.flags.reshape(1, -1))])
-    return failing, checks.checked, checks.unchecked
+        in_python.append((python.count if python is not None else 0) - before)
+    return failing, checks.checked, checks.unchecked, in_python
+
+
+def _compiled_interception() -> None:
+    """Skip where this process's product operators are not intercepted in C++ (the library not built)."""
+    ProductChecks(nn.Linear(2, 2))  # installs the interception, if no test has yet
+    if product_checks._INTERCEPTION.library is None:
+        pytest.skip("the product checks' compiled path is not built in this process")
 
 
 @needs_compiler
 @pytest.mark.parametrize(("direction", "target"), [("fwd", 0), ("fwd", 2), ("fwd", 6), ("bwd", 1), ("bwd", 11)])
 def test_the_compiled_path_gives_the_python_form_s_verdicts_and_names(
         products_mode: Any, monkeypatch: pytest.MonkeyPatch, direction: str, target: int) -> None:
+    _compiled_interception()
     python = _PythonChecked(monkeypatch)
-    products_mode("python")
-    expected = _faulty_steps(direction, target)
-    in_python = python.count
-    products_mode("compiled")
-    python.count = 0
-    assert _faulty_steps(direction, target) == expected
+    products = len(FORWARD) + len(BACKWARD)
+    products_mode("python")  # named and checked in Python, handed over by the C++ kernels
+    *expected, in_python = _faulty_steps(direction, target, python)
     names = FORWARD if direction == "fwd" else BACKWARD
-    assert expected[0] == [[], [], [names[target]]]
-    assert expected[1:] == (len(FORWARD) + len(BACKWARD), 0)
-    # The first product of each site runs in Python (it names the site); every later one in the compiled path.
-    assert in_python == 3 * (len(FORWARD) + len(BACKWARD))
-    assert python.count == len(FORWARD) + len(BACKWARD)
+    assert expected == [[[], [], [names[target]]], products, 0]
+    assert in_python == [products] * 3
+    products_mode("compiled")
+    *found, in_python = _faulty_steps(direction, target, python)
+    assert found == expected
+    # Once a product's bound is known (from the Python form's first product of its shape), it is checked in C++.
+    assert 0 < in_python[0] < products
+    assert in_python[1:] == [0, 0]
+
+
+def test_the_python_form_throughout_where_it_is_chosen_before_any_checks(tmp_path: Path) -> None:
+    # SDCGUARD_PRODUCTS_KERNEL=python in a fresh process: the Python interception, no C++ kernel registered, and
+    # the same verdicts and names.
+    script = tmp_path / "python_form.py"
+    script.write_text(
+        "import json, torch\n"
+        "from sdcguard.agent import product_checks\n"
+        "from tests.unit.test_product_checks_compiled import _faulty_steps\n"
+        "result = _faulty_steps('bwd', 7)\n"
+        "print(json.dumps([result[:3], product_checks._INTERCEPTION.library is None]))\n")
+    env = {**os.environ, native_products.ENV: "python", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found, python_interception = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == [[[], [], [BACKWARD[7]]], len(FORWARD) + len(BACKWARD), 0]
+    assert python_interception
 
 
 @needs_compiler
@@ -107,8 +142,9 @@ def test_a_weight_changed_through_data_between_steps_is_judged_by_its_new_sums(p
             model(x).square().sum().backward()
         return int(checks.flags.sum())
 
+    _compiled_interception()
     assert [step(fault=False) for _ in range(2)] == [0, 0]
-    assert checks._compiled is not None
+    assert checks._named_in_cpp
     version = model.weight._version
     model.weight.data.mul_(-3.0)
     assert model.weight._version == version
@@ -167,7 +203,7 @@ def test_a_build_that_fails_leaves_the_python_form_and_is_an_error_where_demande
     assert "false failed to build products.cpp" in caplog.text
     if native.kernel() is not None:
         # Still checked, and a fault still caught, by the Python form.
-        failing, checked, unchecked = _faulty_steps("bwd", 4)
+        failing, checked, unchecked, _ = _faulty_steps("bwd", 4)
         assert failing[-1] == [BACKWARD[4]]
         assert (checked, unchecked) == (len(FORWARD) + len(BACKWARD), 0)
     products_mode("compiled")
