@@ -86,10 +86,12 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "a confirmation every step (forced)": {"audit_every": 0, "fingerprint_every": 0, "trigger_ratio": 1.000001,
                                            "trigger_warmup": 1},
     "defaults (audit /100, weights /10)": {"audit_every": 100, "fingerprint_every": 10},
+    "defaults + product checks": {"audit_every": 100, "fingerprint_every": 10, "product_checks": True},
 }
 # Every row but these has the magnitude trigger off, so that each row isolates one detector.
-TRIGGER_ROWS = ("magnitude trigger alone", "a confirmation every step (forced)", "defaults (audit /100, weights /10)")
-BIG = ("plain DDP", "detector 2 (audit every step)", "defaults (audit /100, weights /10)")
+TRIGGER_ROWS = ("magnitude trigger alone", "a confirmation every step (forced)", "defaults (audit /100, weights /10)",
+                "defaults + product checks")
+BIG = ("plain DDP", "detector 2 (audit every step)", "defaults (audit /100, weights /10)", "defaults + product checks")
 
 
 def _rank_main(out: str, shape: JobShape, steps: int, rounds: int, names: tuple[str, ...], spool: str) -> None:
@@ -209,6 +211,10 @@ def overhead_figures(wall: Mapping[str, Quartiles], plain: str, *, confirmation:
         print(f"defaults, measured (steps without an audit or weight check): {defaults:.3f} x {baseline}"
               f"{defaults_target}; with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x")
     print(f"an audit step vs a plain step: {audit:.3f} x (target <= 2.05)")
+    if "defaults + product checks" in ratio:
+        added = ratio["defaults + product checks"] / defaults - 1
+        print(f"product checks on top of the defaults: {ratio['defaults + product checks']:.3f} x {baseline}, "
+              f"{added:+.1%} over the defaults (target <= +5 %)")
 
 
 def verdict_table(worlds: tuple[int, ...] = (8, 1024, 16384), ranks_per_node: int = 8, params: int = 64) -> None:

@@ -30,7 +30,8 @@ def test_the_overhead_table_has_every_ddp_row_and_its_ratio_to_plain_fsdp2(
         launched.append(args[3])
         return _timings(args[3], 100.0, {"detector 2 (audit every step)": 1.9,
                                          "a confirmation every step (forced)": 2.0,
-                                         "defaults (audit /100, weights /10)": 1.02})
+                                         "defaults (audit /100, weights /10)": 1.02,
+                                         "defaults + product checks": 1.04})
 
     monkeypatch.setattr(agent_sharded, "_run", ranks)
 
@@ -46,6 +47,8 @@ def test_the_overhead_table_has_every_ddp_row_and_its_ratio_to_plain_fsdp2(
     assert rows[agent_sharded.PLAIN].split("|")[3].strip() == "1.000"
     assert rows["detector 2 (audit every step)"].split("|")[3].strip() == "1.900"
     assert "an audit step vs a plain step: 1.900 x" in out
+    assert "product checks on top of the defaults: 1.040 x plain FSDP2" in out
+    assert "+2.0% over the defaults (target <= +5 %)" in out
     assert "a confirmation (one lock-step pass per rank with 2 replica groups, 2 with 3 or more): +1.000 x" in out
     # and the part that measures only the DDP code path says it did not run.
     assert "verdict: not run under --sharding hsdp" in out
