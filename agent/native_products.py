@@ -45,7 +45,7 @@ from sdcguard.agent import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "products.cpp"
-ABI = 2
+ABI = 3
 ENV = "SDCGUARD_PRODUCTS_KERNEL"
 MODES = ("auto", "compiled", "python")
 
@@ -107,6 +107,7 @@ def load(path: Path) -> ctypes.PyDLL:
         "sdc_px_forward_site": (i32, [state, i32, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         "sdc_px_backward_site": (i32, [state, ctypes.c_uint64, ctypes.POINTER(i64), ctypes.POINTER(i32)]),
         "sdc_px_depth": (i64, [state]),
+        "sdc_px_node_call": (i64, [state, ctypes.c_uint64]),
         "sdc_px_begin_step": (None, [state, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64]),
         "sdc_px_counts": (None, [state, ctypes.c_void_p]),
         "sdc_px_forget_terms": (None, [state]),
@@ -236,6 +237,10 @@ class Products:
         node's sequence number."""
         label = self.lib.sdc_px_backward_site(self._state, seq, ctypes.byref(self._ordinal), ctypes.byref(self._kind))
         return label, self._ordinal.value, self._kind.value
+
+    def node_call(self, seq: int) -> int:
+        """How many products of the backward node ``seq`` this one makes, counted with the matrix products'."""
+        return int(self.lib.sdc_px_node_call(self._state, seq))
 
     def counts(self) -> tuple[int, int]:
         """(products checked, not checkable) here since the step began."""

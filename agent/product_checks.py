@@ -624,12 +624,20 @@ class ProductChecks:
             return
         if not self.enabled["backward"]:
             return
-        label, n, kind = compiled.backward_site(node._sequence_nr())
-        if not self.enabled[KINDS[kind] if label >= 0 else "conv"]:
+        seq = node._sequence_nr()
+        label, n, index = compiled.backward_site(seq)
+        kind = KINDS[index] if label >= 0 else "conv"
+        if not self.enabled[kind]:
             return
         base = self._base(label, n) if label >= 0 else f"<{node.name()}>"
+        calls = compiled.node_call(seq)
         if packet == _aten.convolution_backward:
             self._check_conv_backward(args, out, base)
+            return
+        # A convolution run inside a backward node (a custom Function's backward): named as on_product names it.
+        left = self._left_operand(node, calls)
+        operand = ("dX" if left else "dW") if kind == "linear" else ("dA" if left else "dB")
+        self._check(packet, args, kwargs, out, f"{base} backward {operand}")
 
     def _base(self, label: int, n: int) -> str:
         return self._labels[label] if n == 0 else f"{self._labels[label]} #{n}"

@@ -42,7 +42,7 @@
 #include <unordered_set>
 #include <vector>
 
-#define SDC_PX_ABI 2
+#define SDC_PX_ABI 3
 
 namespace {
 
@@ -584,6 +584,16 @@ int sdc_px_backward_site(void *state, uint64_t seq, int64_t *ordinal, int *kind)
     *ordinal = found->second.ordinal;
     *kind = found->second.kind;
     return found->second.label;
+}
+
+/* A product of the backward node seq (the Python interception's): how many of its products this is, counted
+ * with the matrix products' (as on_product counts them). */
+int64_t sdc_px_node_call(void *state, uint64_t seq) {
+    auto *st = static_cast<State *>(state);
+    int64_t calls = st->node == seq ? st->node_calls + 1 : 1;
+    st->node = seq;
+    st->node_calls = calls;
+    return calls;
 }
 
 int64_t sdc_px_depth(void *state) { return static_cast<int64_t>(static_cast<State *>(state)->stack.size()); }

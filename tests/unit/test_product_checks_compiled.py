@@ -223,3 +223,48 @@ def test_python_m_builds_it_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_
     assert native_products.main([]) == 0
     assert "product checks' library:" in capsys.readouterr().out
     assert len(list(tmp_path.glob("products-*.so"))) == 1
+
+
+class _ConvInBackward(torch.autograd.Function):
+    """Identity forward; its backward doubles the gradient through a convolution (a product in a backward node
+    with no forward product of its own)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        channels = grad.shape[1]
+        return nn.functional.conv1d(grad, torch.full((channels, 1, 1), 2.0), groups=channels)
+
+
+class _Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(_ConvInBackward.apply(self.conv(x)).flatten(1))
+
+
+@needs_compiler
+def test_convolutions_and_matrix_products_share_one_naming_in_both_forms(products_mode: Any) -> None:
+    _compiled_interception()
+    named = {}
+    for mode in ("python", "compiled"):
+        products_mode(mode)
+        torch.manual_seed(0)
+        model = _Convs()
+        checks = ProductChecks(model)
+        for _ in range(2):
+            checks.begin_step()
+            with checks.watching():
+                model(torch.randn(5, 4, 4)).square().sum().backward()
+            assert checks.flags.sum() == 0
+        named[mode] = (checks.sites, checks.checked, checks.unchecked, checks._named_in_cpp)
+    sites = ["conv forward", "fc forward", "fc backward dX", "fc backward dW", "<_ConvInBackwardBackward> backward dA",
+             "conv backward dW"]  # the input needs no gradient
+    assert named["python"] == (sites, 6, 0, False)
+    assert named["compiled"] == (sites, 6, 0, True)
