@@ -399,6 +399,10 @@ void seen(Op op, const at::Tensor &a, const at::Tensor &b, const at::Tensor *bia
     if (node == nullptr && !pthread_equal(pthread_self(), watching_threads.back()))
         return;  // another thread's product (a data loader's, a metric's) is not this rank's pass
     double alpha_value = alpha.toDouble(), beta_value = beta.toDouble();
+    if (watchers.size() == 1) {
+        on_product(watchers.back(), op, a, b, bias, alpha_value, beta_value, out, node.get());
+        return;
+    }
     // Innermost first, as nested modes would see it (a copy: a callback may leave a watch).
     std::vector<State *> now(watchers.rbegin(), watchers.rend());
     for (State *st : now)
