@@ -21,7 +21,10 @@ from sdcguard.agent.testing import train
 
 
 def _wait_forever(pid_dir: str) -> None:
-    Path(pid_dir, f"{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    # Written aside and renamed: the test globs for *.pid and reads each at once (it read one still empty).
+    scratch = Path(pid_dir, f"{os.environ['RANK']}.tmp")
+    scratch.write_text(str(os.getpid()))
+    os.replace(scratch, scratch.with_suffix(".pid"))
     time.sleep(3600)
 
 

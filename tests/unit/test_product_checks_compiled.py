@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from sdcguard.agent.testing.train import SyntheticData, loss_fn
 from tests.unit.test_product_checks import BACKWARD, FORWARD, SHAPE, _flip_product, _model
 
 needs_compiler = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler on this machine")
+    (shutil.which("c++") is None and shutil.which("g++") is None)
+    or not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
+    reason="no C++ compiler or no Python headers on this machine")
 
 
 @pytest.fixture
