@@ -72,7 +72,7 @@ class MagnitudeTrigger:
         self._last = logs
         if self.seen < self.warmup:
             return torch.zeros((), dtype=torch.bool, device=self.history.device)
-        median = torch.nanmedian(self.history, dim=0).values
+        median = lower_nanmedian(self.history)
         jump = logs - median
         # NaN comparisons are False: an unwatched statistic never fires.
         up = jump[LOSS] > self.log_ratio
@@ -141,6 +141,21 @@ class MagnitudeTrigger:
         self.history[self.seen % self.window] = torch.where(torch.isfinite(last), last, torch.full_like(last, math.nan))
         self.seen += 1
         self._last = None
+
+
+def lower_nanmedian(columns: torch.Tensor) -> torch.Tensor:
+    """Each column's median of its non-NaN values (the lower of the two middle ones for an even count; NaN for a
+    column of NaNs): ``torch.nanmedian(columns, dim=0).values`` bit for bit, on the device, with no host sync.
+
+    ``torch.nanmedian`` along a dimension has no deterministic CUDA kernel (it also returns indices, and which
+    of equal values they name is not fixed), so under ``torch.use_deterministic_algorithms(True)``, which the
+    guard turns on for every job of two or more ranks, CUDA refuses it. A sort (NaN last, on every device)
+    and a gather at ``(valid - 1) // 2`` are deterministic everywhere and pick the same value."""
+    ordered = torch.sort(columns, dim=0).values
+    valid = (~torch.isnan(columns)).sum(0, keepdim=True)
+    # A column without a valid value gathers row 0 of its sorted NaNs: NaN, as nanmedian gives.
+    middle = torch.div(valid - 1, 2, rounding_mode="floor").clamp_min(0)
+    return torch.gather(ordered, 0, middle).squeeze(0)
 
 
 def cross_rank_outliers(values: torch.Tensor, factor: float = 1e3) -> torch.Tensor:
