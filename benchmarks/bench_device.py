@@ -1,74 +1,70 @@
-"""The agent's assumptions checked on a GPU, and the fingerprint's speed there: the one script for a lent GPU.
+"""The agent on a GPU: every check a lent GPU must make and every figure the targets ask for, in one run.
 
-``./dev bench device [-- --device cuda:0 --elements 64M,256M --repeats 10 --steps 5]``
+On a lent GPU: ``benchmarks/device/run.sh`` (offline: the image's python3, the
+repository on ``PYTHONPATH``, the missing packages carried as wheels; see
+docs/gpu.md for the exact call). Here: ``./dev bench device -- --smoke`` or
+``./dev device smoke`` (the same script, on the CPU).
 
-Checks, each a row of one table, PASS, FAIL or INFO (the exit status is 1 if
-any fails; 3, with nothing run, on a machine without CUDA unless
-``--device cpu`` asks for the CPU smoke run):
+The run is a list of sections (``SECTIONS``), each isolated: what a section
+raises is a FAIL row naming it and the sections after it still run; a
+section that needs CUDA is a SKIP row elsewhere, with the reason; every
+section runs with deterministic mode and cuDNN's settings restored after it
+(the preflight turns deterministic mode on). Rows are printed and flushed as
+they come and streamed to ``rows.jsonl``; ``table.txt`` and ``device.json``
+(every row and figure) are written to ``--out`` (``$OUT`` where set) at the
+end, by the watchdog (``--budget-s``, 450 s by default on a GPU) if the run
+outlives its budget.
 
-1. **fingerprints do not depend on the device**: for every element type and
-   a range of sizes (and a strided view), the fingerprint computed on the
-   device equals the CPU's, bit for bit. Replicas compare fingerprints and a
-   checkpoint saved on a GPU is verified on whatever loads it;
-2. **detector 1's test agrees**: the non-finite flag on the device matches
-   the CPU's for clean tensors and for a NaN or an infinity at either end;
-3. **the ring audit's premise**: the reference job's micro-batch, recomputed
-   on the bare module with the guard's seeding, gives the loss and every
-   gradient bit for bit as the DDP pass did (a world of one on this device),
-   with torch's deterministic algorithms on, as the guard runs the audit. The
-   same comparison without them is reported, not judged: it shows whether the
-   setting matters on this device;
-4. **the preflight**: this machine's environment signature (what bit-exact
-   recomputation depends on) and whether deterministic mode can be set up
-   (``sdcguard.agent.determinism.require_deterministic``);
-5. **SDPA attention recomputed**: the flash backend's forward and backward
-   twice, bit for bit, with deterministic mode on (judged) and with
-   ``warn_only`` (reported: torch keeps the non-deterministic kernel);
-6. **the guard on the device**: a world-1 NCCL guard run (gloo on the CPU)
-   with a NaN injected into one step's input and a forced magnitude trigger,
-   under ``torch.cuda.set_sync_debug_mode("warn")``: the NaN step must not
-   update, the jump must fire the trigger, clean steps must update, and a
-   clean step must wait on the host at most once (syncs counted per step).
+Judged (PASS or FAIL; the exit status is 1 if any fails, 3 with nothing run
+on a machine without CUDA unless ``--smoke`` or ``--device cpu`` asks for the
+CPU): fingerprints on the device equal the CPU's bit for bit; the non-finite
+flag agrees with the CPU's; the reference job's micro-batch recomputes bit for
+bit with deterministic algorithms on; deterministic mode can be set up; SDPA
+(flash) recomputes bit for bit; the magnitude trigger runs under deterministic
+mode and decides as on the CPU; a world-1 guard run (a NaN, a forced jump,
+clean steps at most one host sync each); the Triton kernels' bits against
+torch's and the CPU's; the product checks silent on a clean 8 B-shaped layer;
+the plain whole-step row timed outside any interception.
 
-Then it times, on the device, a copy into a preallocated buffer, a sum, the
-fingerprint and the non-finite flag, and prints the ratios to the copy; and
-the GPT example's whole training step (world 1) as plain DDP, under the
-guard's defaults, and with product checks on, each as a ratio to plain DDP
-(``--step-rounds``).
-
-With ``--device cpu`` it runs everything on the CPU with small sizes (the
-sync count is a GPU's only), which is how the tests keep it working. It is
-one short script (a few minutes on a GPU) so that a session lent one can run
-it at once.
+Figures (INFO; ``device.json`` holds them all): each kernel and the torch code
+it replaces in GB/s against the device's copy bandwidth, the L2 flushed
+between calls, 25 and 256 MB, fp32 and bf16, a strided view as it is, the
+first call (compile) apart; the product checks' kernels beside their
+products; launches and host syncs per guarded step (defaults, clipping,
+product checks, Triton); an 8 B-shaped layer's forward and backward (bf16
+autocast, 4,096 tokens) with and without product checks; a ~1 B-parameter
+world-1 step under the defaults against the same step plain, and with product
+checks (and the fused kernels) against the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
-import warnings
+import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import device_kernels
-from benchmarks.bench_fingerprint import _counts, _label, _median_seconds
+from benchmarks.device import figures
+from benchmarks.device.report import FIGURES_FILE, ROWS_FILE, TABLE_FILE, Report, Watchdog
 from benchmarks.device_kernels import sample
 from sdcguard.agent import fingerprint as fp
 from sdcguard.agent import replay
 from sdcguard.agent.config import GuardConfig
 from sdcguard.agent.determinism import DeterminismUnavailable, environment_signature, require_deterministic
 from sdcguard.agent.nonfinite import nonfinite_flag
-from sdcguard.agent.publisher import PublishOutcome
 from sdcguard.agent.testing.train import JobShape, SyntheticData, TinyGPT, loss_fn
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -139,61 +135,11 @@ def check_recompute(device: torch.device, steps: int, deterministic: bool) -> li
     return problems
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn``, waiting for the device to finish each call."""
-
-    def synced() -> None:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return _median_seconds(synced, repeats)
-
-
-def time_on(device: torch.device, elements: list[int], repeats: int) -> None:
-    """Print copy, sum, fingerprint and non-finite times on the device, with ratios to the copy."""
-    print(f"{'dtype':<9} {'elements':>8} {'copy ms':>8} {'sum ms':>7} {'fp ms':>8} {'fp GB/s':>8} "
-          f"{'fp x copy':>9} {'flag ms':>8} {'flag x copy':>11}")
-    for dtype in (torch.float32, torch.bfloat16):
-        for n in elements:
-            t = torch.randn(n, device=device).to(dtype)
-            buffer = torch.empty_like(t)
-            copy = _seconds(functools.partial(buffer.copy_, t), device, repeats)
-            total = _seconds(t.sum, device, repeats)
-            lanes = _seconds(functools.partial(fp.fingerprint, t), device, repeats)
-            flag = _seconds(functools.partial(nonfinite_flag, t), device, repeats)
-            print(f"{str(dtype).removeprefix('torch.'):<9} {_label(n):>8} {copy * 1e3:8.3f} {total * 1e3:7.3f} "
-                  f"{lanes * 1e3:8.3f} {n * t.element_size() / lanes / 1e9:8.1f} {copy / lanes:9.2f} "
-                  f"{flag * 1e3:8.3f} {copy / flag:11.2f}")
-
-
 NO_CUDA_EXIT = 3
 """The exit status when no CUDA device is here and ``--device`` did not ask for another: nothing was checked."""
 
 
-@dataclass
-class Table:
-    """The one table the script prints: a row per check (PASS, FAIL or INFO) and its detail."""
-
-    rows: list[tuple[str, str, str]] = field(default_factory=list)
-
-    def add(self, name: str, problems: list[str] | None, detail: str = "") -> None:
-        """A judged row (``problems`` empty: PASS) or, with ``problems=None``, an INFO row."""
-        status = "INFO" if problems is None else ("FAIL" if problems else "PASS")
-        self.rows.append((name, status, "; ".join(problems[:5]) if problems else detail))
-
-    @property
-    def failed(self) -> bool:
-        """Whether any judged row failed."""
-        return any(status == "FAIL" for _, status, _ in self.rows)
-
-    def print(self) -> None:
-        width = max(len(name) for name, _, _ in self.rows)
-        for name, status, detail in self.rows:
-            print(f"{status:<4}  {name:<{width}}  {detail}")
-
-
-def preflight(device: torch.device, table: Table) -> None:
+def preflight(device: torch.device, table: Report) -> None:
     """The environment signature of this machine and whether deterministic mode can be set up here."""
     signature = environment_signature(device)
     table.add("environment signature", None, ", ".join(f"{k}={v}" for k, v in sorted(signature.items())))
@@ -227,7 +173,7 @@ def _attention_bits(device: torch.device, repeats: int) -> list[list[str]]:
     return runs
 
 
-def check_attention(device: torch.device, table: Table, repeats: int = 4) -> None:
+def check_attention(device: torch.device, table: Report, repeats: int = 4) -> None:
     """SDPA (flash on CUDA) recomputed: judged with deterministic mode on, reported with warn_only."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     try:
@@ -248,34 +194,7 @@ def check_attention(device: torch.device, table: Table, repeats: int = 4) -> Non
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
-class _Silent:
-    """A publisher that publishes nowhere (the run is the bench's own)."""
-
-    def publish(self, alarm: Any) -> PublishOutcome:
-        return PublishOutcome(delivered=True, event_id="bench")
-
-    def republish_spooled(self, **_: Any) -> dict[str, PublishOutcome]:
-        return {}
-
-
-@contextlib.contextmanager
-def _counting_syncs(device: torch.device) -> Iterator[list[str]]:
-    """The host synchronisations of the block, as torch's warnings report them (CUDA only; empty elsewhere)."""
-    seen: list[str] = []
-    if device.type != "cuda":
-        yield seen
-        return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield seen
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    seen += [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-
-
-def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
+def check_guard(device: torch.device, table: Report, steps: int = 16) -> None:
     """A world-1 guard run on ``device``: an injected NaN, a forced trigger, clean steps; syncs per clean step."""
     from sdcguard.agent.guard import SDCGuard
 
@@ -305,10 +224,10 @@ def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
                          checkpoint_prefix=os.path.join(scratch, "checkpoints"), spool_dir=os.path.join(scratch, "spool"))
     try:
         guard = SDCGuard(ddp, optimizer, loss_fn=mse, batch_for=batch_for, config=config,
-                         publisher=_Silent(), injection=None)  # type: ignore[arg-type]
+                         publisher=figures._Silent(), injection=None)  # type: ignore[arg-type]
         results, syncs = [], []
         for step in range(steps):
-            with _counting_syncs(device) as seen:
+            with figures.counting_syncs(device) as seen:
                 results.append(guard.step(step))
             syncs.append(len(seen))
     except Exception as exc:  # any failure here is the finding: the guard does not run on this device
@@ -325,137 +244,264 @@ def check_guard(device: torch.device, table: Table, steps: int = 16) -> None:
               "alarm" if nan.alarm is not None else "data fault" if nan.data_fault else "skipped")
     table.add("a forced jump fires the magnitude trigger", [] if jump.triggered else [f"step {jump_step}: silent"])
     if device.type != "cuda":
-        table.add("host syncs per clean step", None, "not counted on the CPU")
+        table.skip("host syncs per clean step (at most 1)", "counted on CUDA only (torch's sync debug mode)")
         return
     clean_syncs = [n for s, n in enumerate(syncs) if s not in (nan_step, jump_step)
                    and s % config.fingerprint_every]
     table.add("host syncs per clean step (at most 1)", [f"up to {max(clean_syncs)}"] if max(clean_syncs) > 1 else [],
-              f"per step: {syncs}")
+              f"per step: {syncs}", {"per_step": syncs})
 
 
-STEP_ROWS = ("plain DDP", "guard, defaults", "guard, defaults + product checks")
-TRITON_ROW = "guard, defaults + products, triton"
-"""A fourth row on a GPU where Triton runs: the third with ``SDCGUARD_FINGERPRINT_KERNEL=triton`` (the guard's
-checks and the product checks by the fused kernels). Should it raise, it is dropped with the error printed, and
-the other rows stand."""
+def check_trigger(device: torch.device, table: Report) -> None:
+    """The magnitude trigger's test and the warm-up's cross-rank test on ``device`` under deterministic mode (not
+    warn_only), as the guard runs them for 2+ ranks: they must run, and decide as on the CPU."""
+    from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
 
-
-def _fused_row(device: torch.device) -> bool:
-    """Whether ``time_steps`` adds ``TRITON_ROW``: on a GPU where Triton runs."""
-    return device.type == "cuda" and device_kernels.triton_unavailable(device) is None
+    torch.use_deterministic_algorithms(True)
+    decisions: dict[str, list[bool]] = {}
+    for where in (torch.device("cpu"), device):
+        trigger = MagnitudeTrigger(ratio=4.0, window=8, warmup=3, device=where)
+        fired = []
+        for value in (1.0, 1.1, math.nan, 0.9, 1.05, 50.0, 1.0, 0.01):
+            fired.append(trigger.fires(torch.tensor(value, device=where), torch.tensor(2.0, device=where)))
+            trigger.observe()
+        values = torch.tensor([[1.0, 1.0], [1.1, 0.9], [5e3, 1.0], [math.nan, 1e-5]], device=where)
+        outliers = cross_rank_outliers(values)
+        decisions[where.type] = [bool(f) for f in fired] + outliers.tolist()
+    problems = [] if decisions["cpu"] == decisions[device.type] else [
+        f"decisions differ: cpu {decisions['cpu']} vs {device} {decisions[device.type]}"]
+    table.add("the magnitude trigger runs under deterministic mode", problems,
+              f"decisions as on the CPU: {decisions['cpu']}")
 
 
 @contextlib.contextmanager
-def _kernel_setting(value: str | None) -> Iterator[None]:
-    """``SDCGUARD_FINGERPRINT_KERNEL`` set to ``value`` inside (None: as it is); restored after."""
-    from sdcguard.agent import native
-
-    before = os.environ.get(native.KERNEL_ENV)
-    if value is not None:
-        os.environ[native.KERNEL_ENV] = value
+def _flags_restored() -> Iterator[None]:
+    """Deterministic mode and cuDNN's settings as they were, whatever the block set (the preflight turns
+    deterministic mode on; the rows after it must run as a job's own code would)."""
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(native.KERNEL_ENV, None)
-        else:
-            os.environ[native.KERNEL_ENV] = before
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
 
 
-def time_steps(device: torch.device, rounds: int) -> dict[str, float]:
-    """The whole training step of the GPT example (examples/gpt_model.py, its default sizes) on ``device``, as
-    plain DDP, under the guard's defaults, and under the defaults with product checks on; a world of one.
+@dataclass
+class Run:
+    """What every section gets: the device, the options, the report and the watchdog (time left)."""
 
-    Each row has its own model, optimizer and guard; the rows take turns a step at a time, in an order rotated
-    every round (round 0 warms up and is dropped), each step timed to the device's completion. On a GPU where
-    Triton runs, a fourth row (``TRITON_ROW``) runs the product checks' row with the fused kernels. Returns the
-    median seconds per step by row (``print_steps`` prints them). A world of one has no other node, so no ring audit or confirmation runs:
-    this is the every-step checks' cost (and the weight check at its cadence), not the audit's."""
-    from benchmarks.bench_products import _gpt_example
-    from sdcguard.agent.guard import SDCGuard
+    device: torch.device
+    args: argparse.Namespace
+    report: Report
+    watchdog: Watchdog
 
-    example = _gpt_example()
-    cfg = example.GPTConfig()
-    sampler = example.TokenSampler(cfg, micro_batch=8, accum=1, device=device)
-    scratch = tempfile.mkdtemp(prefix="sdcguard-bench-")
-    steps: dict[str, Callable[[int], object]] = {}
-    rows: tuple[str, ...] = (*STEP_ROWS, TRITON_ROW) if _fused_row(device) else STEP_ROWS
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def triton(self) -> bool:
+        """Whether the fused kernels can run here (a GPU with Triton)."""
+        return self.cuda and device_kernels.triton_unavailable(self.device) is None
+
+
+def _environment(run: Run) -> None:
+    report, device = run.report, run.device
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda or "not built in",
+                "python": sys.version.split()[0]}
+    for name in ("triton", "pydantic"):
+        try:
+            versions[name] = getattr(__import__(name), "__version__", "?")
+        except ImportError as exc:
+            versions[name] = f"missing ({exc})"
+    if run.cuda:
+        props = torch.cuda.get_device_properties(device)
+        versions.update(device=props.name, multiprocessors=str(props.multi_processor_count),
+                        memory_gib=f"{props.total_memory / 2**30:.1f}",
+                        l2_mb=f"{getattr(props, 'L2_cache_size', 0) / 1e6:.0f}")
+    report.meta.update(versions)
+    report.add("versions", None, ", ".join(f"{k}={v}" for k, v in versions.items()), versions)
+
+
+def _preflight(run: Run) -> None:
+    preflight(run.device, run.report)
+
+
+def _fingerprints(run: Run) -> None:
+    run.report.add("fingerprints equal on the device and the CPU", check_fingerprints(run.device))
+
+
+def _nonfinite(run: Run) -> None:
+    run.report.add("the non-finite flag agrees with the CPU", check_nonfinite(run.device))
+
+
+def _recompute(run: Run) -> None:
+    run.report.add("recomputation is bit-identical (deterministic algorithms on)",
+                   check_recompute(run.device, run.args.steps, True))
+    informational = check_recompute(run.device, run.args.steps, False)
+    run.report.add("recomputation with deterministic algorithms off", None,
+                   "bit-identical" if not informational else "; ".join(informational[:3]))
+
+
+def _attention(run: Run) -> None:
+    check_attention(run.device, run.report)
+
+
+def _trigger(run: Run) -> None:
+    check_trigger(run.device, run.report)
+
+
+def _guard(run: Run) -> None:
+    check_guard(run.device, run.report)
+
+
+def _kernels(run: Run) -> None:
+    device_kernels.run(run.report, run.device, run.args.repeats, run.report.figures.setdefault("kernels", {}))
+
+
+def _product_kernels(run: Run) -> None:
+    device_kernels.run_product_timings(run.device, run.args.repeats, run.report.figures.setdefault("products", {}))
+    run.report.add("the product checks' kernels timed beside their products", None, "tables printed above")
+
+
+def _layer(run: Run) -> None:
+    shape = figures.LayerShape() if run.cuda else figures.SMOKE_LAYER
+    found = figures.layer_figures(run.device, shape, repeats=run.args.repeats)
+    run.report.figures["layer"] = found
+    name = f"{'an 8 B' if run.cuda else 'a tiny'} layer's forward + backward ({shape.tokens} tokens, bf16 autocast)"
+    run.report.add(f"{name}: product checks silent on a clean pass",
+                   [] if found["failing_sites"] == 0 else [f"{found['failing_sites']} site(s) failed"])
+    run.report.add(f"{name}: product checks' cost", None,
+                   f"{found['checked_ms']:.2f} ms against {found['plain_ms']:.2f} / {found['plain_again_ms']:.2f} ms "
+                   f"plain = {found['x_plain']:.3f}x ({found['products_checked']} products; target <= 1.05x)", found)
+
+
+def _step(run: Run) -> None:
+    shape = figures.ONE_B if run.cuda else figures.EXAMPLE
+    rounds = run.args.step_rounds or (20 if run.cuda else 2)
+    found = figures.step_figures(run.device, shape, rounds, triton=run.triton)
+    run.report.figures["step"] = found
+    label = f"a {found['params'] / 1e9:.2f} B" if run.cuda else "the GPT example's"
+    plain = found["phase1"]["plain DDP"]
+    run.report.add(f"{label} world-1 step: plain outside any interception",
+                   ["the plain row ran with the product checks' interception installed"] if plain["intercepting"]
+                   else [], f"{plain['ms']:.2f} ms")
+    run.report.add(f"{label} world-1 step: defaults", None,
+                   f"{found['defaults_x_plain']:.3f}x plain (target <= 1.03x)", {"x": found["defaults_x_plain"]})
+    for row, error in found["failed"].items():
+        run.report.add(f"{label} world-1 step: {row.removeprefix('guard, ')}", [f"raised {error}"])
+    for key, value in found.items():
+        if key.endswith(" x plain"):
+            row = key.removesuffix(" x plain")
+            run.report.add(f"{label} world-1 step: {row.removeprefix('guard, ')}", None,
+                           f"{found[row + ' x defaults']:.3f}x defaults, {value:.3f}x plain", {"x_plain": value})
+
+
+def _launches(run: Run) -> None:
+    steps = 3 if run.cuda else 1
+    found = figures.launches_and_syncs(run.device, figures.EXAMPLE, steps, triton=run.triton)
+    run.report.figures["launches"] = found
+    for name, row in found.items():
+        if "error" in row:
+            run.report.add(f"launches and host syncs per step: {name}", [f"raised {row['error']}"])
+            continue
+        if not run.cuda:
+            run.report.skip(f"launches and host syncs per step: {name}",
+                            "counted on CUDA only (the profiler's launches, torch's sync debug mode); the path ran")
+            continue
+        run.report.add(f"launches and host syncs per step: {name}", None,
+                       f"{row['launches_per_step']:.0f} launches, {row['syncs_per_step']:.1f} syncs", row)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A part of the run: ``run`` adds its rows; ``cuda`` (a reason) where it needs a GPU; ``seconds`` what it is
+    expected to take on a GPU (it is skipped when less time is left)."""
+
+    name: str
+    run: Callable[[Run], None]
+    cuda: str | None = None
+    seconds: float = 10
+
+
+SECTIONS = (
+    Section("environment", _environment, seconds=1),
+    Section("preflight", _preflight, seconds=5),
+    Section("fingerprints", _fingerprints, seconds=20),
+    Section("nonfinite", _nonfinite, seconds=5),
+    Section("recompute", _recompute, seconds=15),
+    Section("attention", _attention, seconds=5),
+    Section("trigger", _trigger, seconds=2),
+    Section("guard", _guard, seconds=15),
+    Section("kernels", _kernels, cuda="the Triton kernels are checked and timed on a GPU only "
+            "(tests/unit/test_fingerprint_triton.py checks them in Triton's interpreter)", seconds=120),
+    Section("product_kernels", _product_kernels, cuda="timed on a GPU only", seconds=30),
+    Section("launches", _launches, seconds=30),
+    Section("layer", _layer, seconds=30),
+    Section("step", _step, seconds=90),
+)
+"""In order of what the run must not miss: the judged checks first, the costliest figures last."""
+
+
+def run_section(run: Run, section: Section, broken: set[str]) -> None:
+    """One section, isolated: whatever it raises is a FAIL row naming it, and the rows after it still run. A
+    section that needs CUDA is a SKIP row elsewhere; one that no longer fits the time left, a SKIP row."""
+    report = run.report
+    report.section = section.name
+    if section.cuda and not run.cuda:
+        report.skip(section.name, section.cuda)
+        return
+    left = run.watchdog.remaining()
+    if run.cuda and left < section.seconds:
+        report.skip(section.name, f"out of time ({left:.0f} s left, it needs about {section.seconds:.0f} s)")
+        return
+    started = time.monotonic()
     try:
-        for row in rows:
-            torch.manual_seed(0)
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                example.GPT(cfg).to(device), device_ids=[device.index] if device.type == "cuda" else None)
-            optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-            if row == "plain DDP":
-                def plain(n: int, ddp: Any = ddp, optimizer: Any = optimizer) -> None:
-                    optimizer.zero_grad(set_to_none=True)
-                    example.loss_fn(ddp, sampler(n, 0)[0]).backward()
-                    optimizer.step()
-                steps[row] = plain
-                continue
-            where = os.path.join(scratch, str(len(steps)))
-            config = GuardConfig(on_alarm="continue", product_checks=row != "guard, defaults",
-                                 checkpoint_prefix=os.path.join(where, "checkpoints"),
-                                 spool_dir=os.path.join(where, "spool"))
-            guard = SDCGuard(ddp, optimizer, loss_fn=example.loss_fn, batch_for=lambda n, r: sampler(n, r)[0],
-                             config=config, publisher=_Silent(), injection=None)  # type: ignore[arg-type]
-            steps[row] = guard.step
-        times: dict[str, list[float]] = {row: [] for row in rows}
-        for round_ in range(rounds + 1):
-            shift = round_ % len(rows)
-            for row in rows[shift:] + rows[:shift]:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                started = time.perf_counter()
-                try:
-                    with _kernel_setting("triton" if row == TRITON_ROW else None):
-                        steps[row](round_)
-                except Exception as exc:
-                    if row != TRITON_ROW:
-                        raise
-                    print(f"bench device: the row {row!r} failed and was dropped: {type(exc).__name__}: {exc}")
-                    rows = STEP_ROWS
-                    del times[row]
-                    continue
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if round_:
-                    times[row].append(time.perf_counter() - started)
+        with _flags_restored():
+            if section.name in broken:
+                raise RuntimeError(f"--fail-section {section.name}: this section was asked to fail")
+            section.run(run)
+    except Exception as exc:  # the isolation: a section's failure is its row, never the end of the run
+        report.fail(f"section {section.name}", exc)
+        traceback.print_exc()
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return {row: sorted(t)[len(t) // 2] for row, t in times.items()}
-
-
-def print_steps(medians: dict[str, float], device: torch.device, rounds: int) -> None:
-    """``time_steps``' table: each row's median step and its ratio to plain DDP."""
-    print(f"the GPT example's whole step on {device}, world 1, median of {rounds} interleaved rounds:")
-    print(f"{'row':<34} {'ms':>9} {'x plain':>8}")
-    for row in medians:
-        print(f"{row:<34} {medians[row] * 1e3:9.2f} {medians[row] / medians['plain DDP']:8.3f}")
-
-
-def run_kernels(device: torch.device, table: Table) -> None:
-    """The fused kernels' timings and bit checks (``benchmarks/device_kernels.py``)."""
-    device_kernels.run(table, device)
+        report.sections[section.name] = time.monotonic() - started
+        if run.cuda:
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str]) -> int:
-    """Run the checks and the timings; 0 when every check passed, 1 otherwise, 3 without CUDA (nothing run)."""
+    """Run every section; 0 when every judged row passed, 1 otherwise, 3 without CUDA (nothing run)."""
     has_gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="bench device", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="default: cuda:0; cpu runs the CPU smoke run")
-    parser.add_argument("--elements", type=_counts, default=None, help="tensor sizes to time, e.g. 64M,256M")
+    parser.add_argument("--smoke", action="store_true", help="the CPU smoke run (--device cpu, tiny sizes)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or None,
+                        help=f"folder for {TABLE_FILE}, {FIGURES_FILE} and {ROWS_FILE} (default: $OUT if set)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="the watchdog: write what there is and stop after this many seconds (default 450 on "
+                             "a GPU, none on the CPU)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="micro-batches recomputed per setting")
     parser.add_argument("--step-rounds", type=int, default=None,
-                        help="interleaved rounds of the whole-step timing (default 30 on a GPU, 2 on the CPU)")
+                        help="interleaved rounds of the whole-step timing (default 20 on a GPU, 2 on the CPU)")
+    parser.add_argument("--only", default="", help="comma-separated sections to run (default: all: "
+                        + ",".join(s.name for s in SECTIONS) + ")")
+    parser.add_argument("--fail-section", default="", help=argparse.SUPPRESS)  # the tests' proof of isolation
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 1 or (args.step_rounds is not None and args.step_rounds < 1):
         parser.error("--repeats, --steps and --step-rounds must be at least 1")
+    names = {s.name for s in SECTIONS}
+    only = {n for n in args.only.split(",") if n}
+    if only - names:
+        parser.error(f"--only: unknown section(s) {', '.join(sorted(only - names))}; known: {', '.join(sorted(names))}")
+    if args.smoke:
+        args.device = args.device or "cpu"
     if args.device is None and not has_gpu:
         print(f"bench device: no CUDA device on this machine (torch {torch.__version__}, CUDA "
               f"{torch.version.cuda or 'not built in'}): the GPU checks did not run. "
-              f"`--device cpu` runs the CPU smoke run.")
+              f"`--smoke` (or `--device cpu`) runs the CPU smoke run.")
         return NO_CUDA_EXIT
     name = args.device or "cuda:0"
     if name.startswith("cuda"):
@@ -466,41 +512,40 @@ def main(argv: list[str]) -> int:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
         parser.error(f"--device {name}: not usable here: {exc}")
-    elements = args.elements or ([64 << 20, 256 << 20] if device.type == "cuda" else [1 << 20])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+              flush=True)
     else:
-        print(f"device: {device} (no accelerator: a smoke run), torch {torch.__version__}")
+        print(f"device: {device} (no accelerator: a smoke run, tiny sizes), torch {torch.__version__}", flush=True)
+    report = Report(Path(args.out) if args.out else None)
+    report.meta.update(device=str(device), argv=argv)
+    budget = args.budget_s if args.budget_s is not None else (450.0 if device.type == "cuda" else math.inf)
+    watchdog = Watchdog(report, budget)
+    watchdog.start()
+    run = Run(device, args, report, watchdog)
     started = time.monotonic()
-    table = Table()
     started_group = not dist.is_initialized()
-    if started_group:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    stopped = "crashed"
     try:
-        table.add("fingerprints equal on the device and the CPU", check_fingerprints(device))
-        table.add("the non-finite flag agrees with the CPU", check_nonfinite(device))
-        table.add("recomputation is bit-identical (deterministic algorithms on)",
-                  check_recompute(device, args.steps, True))
-        informational = check_recompute(device, args.steps, False)
-        table.add("recomputation with deterministic algorithms off", None,
-                  "bit-identical" if not informational else "; ".join(informational[:3]))
-        preflight(device, table)
-        check_attention(device, table)
-        check_guard(device, table)
-        run_kernels(device, table)
-        step_rounds = args.step_rounds or (30 if device.type == "cuda" else 2)
-        step_times = time_steps(device, step_rounds)
-    finally:
-        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
         if started_group:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+        broken = {n for n in args.fail_section.split(",") if n}
+        for section in SECTIONS:
+            if not only or section.name in only:
+                run_section(run, section, broken)
+        stopped = "finished"
+    finally:
+        watchdog.cancel()
+        report.section = ""
+        report.meta["seconds"] = time.monotonic() - started
+        report.write(stopped)
+        if started_group and dist.is_initialized():
             dist.destroy_process_group()
-    table.print()
-    time_on(device, elements, args.repeats)
-    print_steps(step_times, device, step_rounds)
-    print(f"checks took {time.monotonic() - started:.0f} s")
-    return 1 if table.failed else 0
+    print(f"the run took {time.monotonic() - started:.0f} s", flush=True)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -68,6 +69,8 @@ class Timing:
     """Bytes the work must move (reads plus writes)."""
     copy_gbps: float
     """The device's copy bandwidth on the same tensor (read + write bytes per second), GB/s."""
+    first_ms: float = math.nan
+    """The first call alone (a Triton kernel's compile included), apart from the steady state in ``ms``."""
 
     @property
     def gbps(self) -> float:
@@ -110,10 +113,11 @@ def differs(label: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 def format_timings(timings: Sequence[Timing]) -> str:
     """The timings as a fixed-width table, one line per kernel and tensor, the copy's GB/s alongside."""
-    lines = [f"{'kernel':<34} {'dtype':<9} {'MB':>5} {'ms':>8} {'GB/s':>8} {'copy GB/s':>9} {'x copy':>7}"]
+    lines = [f"{'kernel':<40} {'dtype':<9} {'MB':>5} {'ms':>8} {'GB/s':>8} {'copy GB/s':>9} {'x copy':>7} "
+             f"{'first ms':>9}"]
     for t in timings:
-        lines.append(f"{t.kernel:<34} {t.dtype:<9} {t.megabytes:>5} {t.ms:8.3f} {t.gbps:8.1f} "
-                     f"{t.copy_gbps:9.1f} {t.x_copy:7.2f}")
+        lines.append(f"{t.kernel:<40} {t.dtype:<9} {t.megabytes:>5} {t.ms:8.3f} {t.gbps:8.1f} "
+                     f"{t.copy_gbps:9.1f} {t.x_copy:7.2f} {t.first_ms:9.1f}")
     return "\n".join(lines)
 
 
@@ -343,11 +347,27 @@ def _torch_form(a: torch.Tensor, s: torch.Tensor, t: torch.Tensor, c: torch.Tens
     torch.sub(c.sum(-1, dtype=torch.float32), expected).abs_()
 
 
+L2_FLUSH_BYTES = 256 << 20
+"""Written between timed calls where ``triton.testing.do_bench`` is not at hand: more than any L2 (50 MB on an
+H100, 60 MB on an H200), so a 25 MB tensor is read from memory, not from the cache it was left in."""
+
+
 def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` on the current stream by CUDA events (after one untimed call)."""
+    """Median milliseconds of ``fn`` on the current stream, the L2 cache flushed before every timed call:
+    ``triton.testing.do_bench`` (which flushes it) where Triton is installed, else CUDA events around ``fn``
+    with a 256 MB buffer written between calls. One untimed call first."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        # Its warm-up and repetitions are milliseconds; about ``repeats`` calls of a 1 ms kernel, 5 at least.
+        return float(do_bench(fn, warmup=max(5, repeats), rep=max(25, 5 * repeats), return_mode="median"))
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     fn()
     times = []
     for _ in range(repeats):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -355,6 +375,15 @@ def _cuda_ms(fn: Callable[[], object], repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def first_call_ms(fn: Callable[[], object]) -> float:
+    """The wall time of one call to the device's completion, in ms: for a kernel not yet compiled, its compile."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3
 
 
 def _cases(t: torch.Tensor, buffer: torch.Tensor, pieces: list[torch.Tensor]) -> list[tuple[str, Callable[[], object], int]]:
@@ -375,9 +404,13 @@ def _cases(t: torch.Tensor, buffer: torch.Tensor, pieces: list[torch.Tensor]) ->
         grad_norm.bucket_norm(t)
         fp.fingerprint_torch(t)
 
+    strided = t[::2]  # handed over as it is: the kernels read strided views in place
+    strided_bytes = strided.numel() * strided.element_size()
     return [
         ("triton fingerprint", lambda: tf.fingerprint(t), nbytes),
         ("torch fingerprint", lambda: fp.fingerprint_torch(t), nbytes),
+        ("triton fingerprint, strided [::2]", lambda: tf.fingerprint(strided), strided_bytes),
+        ("torch fingerprint, strided [::2]", lambda: fp.fingerprint_torch(strided), strided_bytes),
         ("triton before all-reduce (divides)", lambda: tf.local_pass(buffer, 1), 2 * nbytes),
         ("torch before all-reduce (divides)", torch_before, 2 * nbytes),
         ("triton after all-reduce", lambda: tf.reduced_pass(t), nbytes),
@@ -388,8 +421,10 @@ def _cases(t: torch.Tensor, buffer: torch.Tensor, pieces: list[torch.Tensor]) ->
 
 
 def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[int] = MEGABYTES) -> list[Timing]:
-    """The copy, each kernel and the torch code it replaces, on ``megabytes``-sized fp32 and bf16 tensors
-    (CUDA only: timed by CUDA events)."""
+    """The copy, each kernel and the torch code it replaces, on ``megabytes``-sized fp32 and bf16 tensors, a
+    strided view among them (CUDA only: ``_cuda_ms``, the L2 flushed between calls; each first call timed apart).
+    ``x copy`` is always the kernel's GB/s of the bytes its work must move over the copy's GB/s of read plus
+    written bytes: 1.0 moves bytes as fast as the copy does."""
     timings: list[Timing] = []
     for dtype in TIMED_DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -399,12 +434,16 @@ def time_kernels(device: torch.device, repeats: int = 10, megabytes: Sequence[in
             t = torch.randn(n, device=device).to(dtype)
             buffer = t.clone()
             nbytes = n * size
-            copy_ms = _cuda_ms(functools.partial(buffer.copy_, t), repeats)
+            copy = functools.partial(buffer.copy_, t)
+            first = first_call_ms(copy)
+            copy_ms = _cuda_ms(copy, repeats)
             copy_gbps = 2 * nbytes / (copy_ms * 1e-3) / 1e9
-            timings.append(Timing("copy (read + write: the reference)", name, mb, copy_ms, 2 * nbytes, copy_gbps))
+            timings.append(Timing("copy (read + write: the reference)", name, mb, copy_ms, 2 * nbytes, copy_gbps,
+                                  first))
             # Weights and optimizer state: many tensors of one dtype.
             for kernel, fn, moved in _cases(t, buffer, list(t.split(-(-n // 64)))):
-                timings.append(Timing(kernel, name, mb, _cuda_ms(fn, repeats), moved, copy_gbps))
+                first = first_call_ms(fn)
+                timings.append(Timing(kernel, name, mb, _cuda_ms(fn, repeats), moved, copy_gbps, first))
             del t, buffer
     return timings
 
@@ -437,20 +476,38 @@ def measure(device: torch.device, repeats: int = 10, sizes: Sequence[int] = CHEC
     return report
 
 
-def run(table: Rows, device: torch.device, repeats: int = 10) -> bool:
-    """``./dev bench device``'s part for these kernels: adds the checks to ``table`` (a row each; on a CUDA
-    device without Triton a failed row saying why), prints the timing table, returns whether a check failed.
-    Off a GPU (the CPU smoke run) one INFO row: the unit tests check these kernels in Triton's interpreter."""
+def run(table: Rows, device: torch.device, repeats: int = 10, figures: dict[str, object] | None = None) -> bool:
+    """The device run's part for these kernels: adds the checks to ``table`` (a row each; on a CUDA device without
+    Triton a failed row saying why), then times them: one INFO row per timed kernel and tensor (its GB/s and
+    ``x copy``), the timing tables printed, and every timing put into ``figures`` (``kernels``,
+    ``product_pass``, ``weight_gradient_check``). Returns whether a check failed. Off a GPU one SKIP row: the
+    unit tests check these kernels in Triton's interpreter."""
     if device.type != "cuda":
-        table.add("GPU kernels (Triton)", None,
-                  "not run: GPU only (tests/unit/test_fingerprint_triton.py checks them in Triton's interpreter)")
+        skip = getattr(table, "skip", None)
+        reason = "GPU only (tests/unit/test_fingerprint_triton.py checks them in Triton's interpreter)"
+        if skip is not None:
+            skip("GPU kernels (Triton)", reason)
+        else:
+            table.add("GPU kernels (Triton)", None, f"not run: {reason}")
         return False
+    figures = {} if figures is None else figures
     report = measure(device, repeats)
     for name, problems in report.checks:
         table.add(name, problems)
     if report.timings:
+        figures["kernels"] = [{**t.__dict__, "gbps": t.gbps, "x_copy": t.x_copy} for t in report.timings]
+        for t in report.timings:
+            table.add(f"{t.kernel}, {t.dtype}, {t.megabytes} MB", None,
+                      f"{t.gbps:.0f} GB/s = {t.x_copy:.2f}x copy (target {TARGET}x); first call {t.first_ms:.0f} ms")
         print(f"GPU kernels against the copy bandwidth (target {TARGET}x, not asserted):")
-        print(format_timings(report.timings))
-        print(time_product_pass(device, repeats))
-        print(time_weight_gradient_check(device, repeats))
+        print(format_timings(report.timings), flush=True)
     return report.failed
+
+
+def run_product_timings(device: torch.device, repeats: int, figures: dict[str, object]) -> None:
+    """The product checks' kernels timed beside the products they check (CUDA only): the tables printed and kept
+    in ``figures``."""
+    for key, timed in (("product_pass", time_product_pass), ("weight_gradient_check", time_weight_gradient_check)):
+        text = timed(device, repeats)
+        figures[key] = text.splitlines()
+        print(text, flush=True)
