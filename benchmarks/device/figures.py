@@ -183,6 +183,22 @@ def kernel_setting(value: str | None) -> Iterator[None]:
             os.environ[native.KERNEL_ENV] = before
 
 
+class RandomTokens:
+    """``sampler(step, rank)``: one micro-batch of uniformly random tokens drawn from a generator seeded by
+    ``(step, rank)``, as the GPT example's ``TokenSampler`` returns them (a list of one (inputs, targets)), so
+    any rank can rebuild any other's. The example's Markov corpus would need a vocab-squared table (4 GB at
+    the 1 B row's 32,000 tokens) and seconds to build; timing needs no learnable data."""
+
+    def __init__(self, shape: StepShape, device: torch.device) -> None:
+        self.shape, self.device = shape, device
+
+    def __call__(self, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(step * 65_537 + rank)
+        tokens = torch.randint(self.shape.vocab, (self.shape.micro_batch, self.shape.seq + 1), generator=g)
+        tokens = tokens.to(self.device)
+        return [(tokens[:, :-1], tokens[:, 1:])]
+
+
 class StepRows:
     """Whole training steps of the GPT example at ``shape`` on ``device`` (world 1), one model per row.
 
@@ -197,8 +213,7 @@ class StepRows:
         self.example = _gpt_example()
         self.cfg = self.example.GPTConfig(vocab=shape.vocab, seq=shape.seq, dim=shape.dim, heads=shape.heads,
                                           layers=shape.layers, dropout=0.0)
-        self.sampler = self.example.TokenSampler(self.cfg, micro_batch=shape.micro_batch, accum=1, device=device,
-                                                 corpus_tokens=max(1 << 16, 4 * shape.seq * shape.micro_batch))
+        self.sampler = RandomTokens(shape, device)
         self.scratch = tempfile.mkdtemp(prefix="sdcguard-bench-")
         self.steps: dict[str, Callable[[int], object]] = {}
         self.kernels: dict[str, str | None] = {}
@@ -338,8 +353,9 @@ def counting_syncs(device: torch.device) -> Iterator[list[str]]:
     seen += [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
 
 
-def launches_and_syncs(device: torch.device, shape: StepShape, steps: int, triton: bool) -> dict[str, Any]:
-    """Per guarded step of the GPT example at ``shape`` (after 3 warm-up steps; none of them a weight-check
+def launches_and_syncs(device: torch.device, shape: StepShape, steps: int, triton: bool, warm: int = 3,
+                       ) -> dict[str, Any]:
+    """Per guarded step of the GPT example at ``shape`` (after ``warm`` warm-up steps; none of them a weight-check
     step): kernel launches (the profiler's launch calls, Triton's included) and host synchronisations (torch's
     sync debug mode), for the defaults, with clipping, with product checks and, with ``triton``, with the fused
     kernels and product checks."""
@@ -352,7 +368,7 @@ def launches_and_syncs(device: torch.device, shape: StepShape, steps: int, trito
     for name, kernel, config in configs:
         rows = StepRows(device, shape)
         try:  # a configuration that fails is its own row's failure ({"error": ...}), not the others'
-            out[name] = _count(rows, name, kernel, config, device, steps)
+            out[name] = _count(rows, name, kernel, config, device, steps, warm)
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
         finally:
@@ -361,19 +377,23 @@ def launches_and_syncs(device: torch.device, shape: StepShape, steps: int, trito
 
 
 def _count(rows: StepRows, name: str, kernel: str | None, config: dict[str, Any], device: torch.device,
-           steps: int) -> dict[str, Any]:
+           steps: int, warm: int) -> dict[str, Any]:
     """One configuration's launches and syncs per step (``launches_and_syncs``)."""
     from torch.profiler import ProfilerActivity, profile
 
     rows.guarded(name, kernel=kernel, fingerprint_every=1000, **config)
-    for n in range(1, 4):
+    for n in range(1, 1 + warm):
         rows.run(name, n)
     synchronize(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    counted = range(1 + warm, 1 + warm + steps)
+    if device.type != "cuda":  # nothing to count (and the profiler costs seconds on the CPU): the path alone
+        for n in counted:
+            rows.run(name, n)
+        return {"launches_per_step": 0.0, "syncs_per_step": 0.0, "syncs": [], "steps": steps}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         # The profiler's own waits (at its start and end) and the one below stay outside the count.
         with counting_syncs(device) as syncs:
-            for n in range(4, 4 + steps):
+            for n in counted:
                 rows.run(name, n)
         synchronize(device)
     launches = sum(1 for e in prof.events() if e.name in LAUNCH_NAMES)

@@ -227,3 +227,16 @@ def test_a_step_row_that_fails_is_a_fail_row_and_the_other_rows_stand(
     assert statuses["the GPT example's world-1 step: defaults + product checks"] == "INFO"  # the others stand
     assert statuses["the magnitude trigger runs under deterministic mode"] == "PASS"  # and the sections after
     assert os.environ.get("SDCGUARD_FINGERPRINT_KERNEL") == before  # the setting restored
+
+
+def test_the_kernels_counts_and_offsets_are_not_specialised() -> None:
+    # The compile budget: a count that equals 1 or a multiple of 16 would otherwise compile a variant of its own.
+    jit = pytest.importorskip("sdcguard.agent.kernels._triton_jit")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("the interpreter keeps no specialisation")
+    unspecialised = {name: {p.name for p in getattr(jit, name).params if p.do_not_specialize}
+                     for name in ("fingerprint_kernel", "many_kernel", "bucket_kernel", "finish_kernel",
+                                  "dual_matvec_kernel", "row_check_kernel", "row_parts_kernel", "row_finish_kernel")}
+    assert unspecialised["fingerprint_kernel"] == {"start", "n_tiles"}
+    assert unspecialised["row_finish_kernel"] == {"split", "total", "plane", "start"}
+    assert all(unspecialised.values())
