@@ -379,7 +379,7 @@ def _layer(run: Run) -> None:
 
 def _step(run: Run) -> None:
     shape = figures.ONE_B if run.cuda else figures.EXAMPLE
-    rounds = run.args.step_rounds or (20 if run.cuda else 2)
+    rounds = run.args.step_rounds or (20 if run.cuda else 1)
     found = figures.step_figures(run.device, shape, rounds, triton=run.triton)
     run.report.figures["step"] = found
     label = f"a {found['params'] / 1e9:.2f} B" if run.cuda else "the GPT example's"
@@ -400,7 +400,7 @@ def _step(run: Run) -> None:
 
 def _launches(run: Run) -> None:
     steps = 3 if run.cuda else 1
-    found = figures.launches_and_syncs(run.device, figures.EXAMPLE, steps, triton=run.triton)
+    found = figures.launches_and_syncs(run.device, figures.EXAMPLE, steps, triton=run.triton, warm=3 if run.cuda else 1)
     run.report.figures["launches"] = found
     for name, row in found.items():
         if "error" in row:
@@ -485,7 +485,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="micro-batches recomputed per setting")
     parser.add_argument("--step-rounds", type=int, default=None,
-                        help="interleaved rounds of the whole-step timing (default 20 on a GPU, 2 on the CPU)")
+                        help="interleaved rounds of the whole-step timing (default 20 on a GPU, 1 on the CPU)")
     parser.add_argument("--only", default="", help="comma-separated sections to run (default: all: "
                         + ",".join(s.name for s in SECTIONS) + ")")
     parser.add_argument("--fail-section", default="", help=argparse.SUPPRESS)  # the tests' proof of isolation

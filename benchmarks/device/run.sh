@@ -36,15 +36,18 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# The imports and the device first: one line naming everything that is missing.
-"$PY" - <<'PY' || exit 5
-import importlib, sys
+# The imports and the device first: one line naming everything that is missing (exit 5); exit 10 without a GPU.
+"$PY" - <<'PY'
+import importlib, importlib.util, sys
 missing = []
-for name in ("torch", "pydantic", "sdcguard.agent.guard", "benchmarks.bench_device"):
+for name in ("torch", "pydantic", "pydantic_core"):
     try:
         importlib.import_module(name)
     except Exception as exc:  # an ImportError, or a package that fails on import
         missing.append(f"{name} ({type(exc).__name__}: {exc})")
+for name in ("sdcguard.agent", "benchmarks.bench_device"):
+    if importlib.util.find_spec(name) is None:
+        missing.append(f"{name} (not on PYTHONPATH: run from the repository)")
 try:
     import triton
     triton_says = f"triton {triton.__version__}"
@@ -53,17 +56,20 @@ except Exception as exc:
 if missing:
     print("device run: cannot start; missing: " + "; ".join(missing)
           + ". Carry wheels for them in .whl/ (./dev device wheels) or fix the import named.")
-    sys.exit(1)
+    sys.exit(5)
 import torch
-gpu = (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})" if torch.cuda.is_available()
-       else "no GPU: the CPU smoke run")
-print(f"device run: torch {torch.__version__}, {triton_says}, {gpu}")
+gpu = torch.cuda.is_available()
+print(f"device run: torch {torch.__version__}, {triton_says}, pydantic {importlib.import_module('pydantic').VERSION}, "
+      + (f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})" if gpu else "no GPU: the CPU smoke run"))
+sys.exit(0 if gpu else 10)
 PY
-
+checked=$?
 args=("$@")
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    args=(--smoke "${args[@]}")
-fi
+case $checked in
+    0) ;;
+    10) args=(--smoke "${args[@]}") ;;
+    *) exit "$checked" ;;
+esac
 SDCGUARD_DEVICE_BUDGET_S=$BUDGET timeout -k 10 $((${BUDGET%.*} + 30)) \
     "$PY" -m benchmarks.bench_device --out "$OUT_DIR" --budget-s "$BUDGET" "${args[@]}"
 status=$?
