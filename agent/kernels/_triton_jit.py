@@ -30,6 +30,10 @@ _MIX2: tl.constexpr = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
 _LOW34: tl.constexpr = tl.constexpr((1 << 34) - 1)
 _LOW37: tl.constexpr = tl.constexpr((1 << 37) - 1)
 _LOW33: tl.constexpr = tl.constexpr((1 << 33) - 1)
+# The compile budget: Triton compiles a variant of a kernel for every integer argument that equals 1 or is a
+# multiple of 16, so a run over many sizes compiled each kernel several times over (60-110 variants before the
+# first timing on the device). Counts and offsets that only bound loops or place results are not specialised
+# (``do_not_specialize``); the sizes and strides that decide how memory is read still are.
 _CANONICAL_NAN: tl.constexpr = tl.constexpr(0x7FF8000000000000)
 """The bits of Python's ``math.nan``: a NaN sum is reported as this one, whatever its payload."""
 
@@ -75,7 +79,7 @@ def _nonfinite(v, exponent):
     return tl.max(tl.max(((v & exponent) == exponent).to(tl.int32), axis=1), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("start", "n_tiles"))
 def fingerprint_kernel(x_ptr, n, start, size1, size2, size3, stride0, stride1, stride2, stride3,
                        table_ptr, out_ptr, n_tiles, flag_ptr,
                        WIDE: tl.constexpr, STRIDED: tl.constexpr, ROWS: tl.constexpr, EXPONENT: tl.constexpr):
@@ -118,7 +122,7 @@ def fingerprint_kernel(x_ptr, n, start, size1, size2, size3, stride0, stride1, s
         tl.atomic_max(flag_ptr, flag)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_tiles", "tiles_per_program"))
 def many_kernel(pieces_ptr, sizes_ptr, tile_piece_ptr, tile_block_ptr, table_ptr, out_ptr, flag_ptr,
                 n_tiles, tiles_per_program,
                 ELEMENT: tl.constexpr, WIDE: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
@@ -203,7 +207,7 @@ def _round_to_bf16(x):
     return out.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_chunks",))
 def bucket_kernel(x_ptr, n, n_chunks, divisor, table_ptr, sums_ptr, parts_ptr,
                   BITS: tl.constexpr, EXPONENT: tl.constexpr, BF16: tl.constexpr,
                   FINGERPRINT: tl.constexpr, DIVIDE: tl.constexpr):
@@ -254,7 +258,7 @@ def bucket_kernel(x_ptr, n, n_chunks, divisor, table_ptr, sums_ptr, parts_ptr,
     tl.store(parts_ptr + pid * 4 + index, values)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_chunks", "n_parts"))
 def finish_kernel(sums_ptr, n_chunks, parts_ptr, n_parts, descriptor_ptr, out_ptr,
                   PARTS: tl.constexpr, RUN: tl.constexpr):
     """One program: the chunks' sums of squares added in order from 0 (the definition's; a NaN made the
@@ -304,7 +308,7 @@ def _dual_rows(a_ptr, batch, rows, row_ok, begin, end, a_batch, a_row, a_col, s_
     return dot, dot_abs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("row_blocks", "total"))
 def dual_matvec_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
                        out_ptr, total, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     """``(a @ s, |a| @ t)`` of a product check (``sdcguard.agent.product_checks``) in one read of ``a``
@@ -323,7 +327,7 @@ def dual_matvec_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_
     tl.store(out_ptr + total + out, dot_abs, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("row_blocks", "start"))
 def row_check_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
                      c_ptr, n, c_batch, c_row, c_col, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
                      start, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -383,7 +387,7 @@ def _store_rows(dot, dot_abs, observed, numbers, ok, n, alpha, bias_ptr, bias_st
     tl.store(rows_ptr + rows_stride + out, tl.abs(alpha) * dot_abs + shift_abs, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("row_blocks", "total", "p_chunk", "n_chunk"))
 def row_parts_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_ptr, vector_stride,
                      c_ptr, n, c_batch, c_row, c_col, parts_ptr, total, p_chunk, n_chunk,
                      BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
@@ -410,7 +414,7 @@ def row_parts_kernel(a_ptr, r, p, row_blocks, a_batch, a_row, a_col, s_ptr, t_pt
     tl.store(parts_ptr + 2 * plane + out, observed, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("split", "total", "plane", "start"))
 def row_finish_kernel(parts_ptr, split, total, plane, n, alpha, bias_ptr, bias_stride, beta, rows_ptr, rows_stride,
                       start, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     """The second half: each row's ``split`` partial sums added in order ``0, 1, ...`` (the same sum on every

@@ -314,18 +314,24 @@ class FingerprintLayout:
 
 _layouts: dict[tuple[object, ...], FingerprintLayout] = {}
 _layouts_lock = threading.Lock()
-LAYOUTS_KEPT = 16
-"""Layouts ``layout_for`` keeps (a training step uses a handful: weights, optimizer state, buckets)."""
+LAYOUTS_KEPT = 1024
+"""Layouts ``layout_for`` keeps, the least recently used dropped first. A step uses one per DDP bucket on audit
+steps (80-160 on a large model: each bucket's gradients are fingerprinted apart) besides the weights' and the
+optimizer state's: with 16 kept, every bucket's layout was built again on every audit step, each build a copy of
+its metadata from the host (a wait on the host each, hundreds a step). A layout holds addresses and a few small
+int64 tensors on the device (about 12 KB for a 25 MB bucket), so 1,024 cost a few MB at most."""
 
 
 def layout_for(rows: Sequence[Sequence[torch.Tensor]]) -> FingerprintLayout:
     """The ``FingerprintLayout`` for ``rows``, cached by every tensor's address, dtype, shape and strides
     (which determine the layout's metadata entirely, so a layout found again is valid for whatever tensors
-    are at those addresses now); at most ``LAYOUTS_KEPT`` are kept, the oldest dropped. A layout with a
-    non-contiguous tensor holds it, so it is built afresh each time instead of cached."""
+    are at those addresses now); at most ``LAYOUTS_KEPT`` are kept, the least recently used dropped first. A
+    layout with a non-contiguous tensor holds it, so it is built afresh each time instead of cached."""
     key = tuple(tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device) for t in row) for row in rows)
     with _layouts_lock:
-        layout = _layouts.get(key)
+        layout = _layouts.pop(key, None)
+        if layout is not None:
+            _layouts[key] = layout  # the most recently used last: dropped last
     if layout is not None:
         return layout
     layout = FingerprintLayout(rows)
