@@ -367,7 +367,7 @@ def _product_kernels(run: Run) -> None:
 
 def _layer(run: Run) -> None:
     shape = figures.LayerShape() if run.cuda else figures.SMOKE_LAYER
-    found = figures.layer_figures(run.device, shape, repeats=run.args.repeats)
+    found = figures.layer_figures(run.device, shape, repeats=run.args.repeats, triton=run.triton)
     run.report.figures["layer"] = found
     name = f"{'an 8 B' if run.cuda else 'a tiny'} layer's forward + backward ({shape.tokens} tokens, bf16 autocast)"
     run.report.add(f"{name}: product checks silent on a clean pass",
@@ -375,6 +375,12 @@ def _layer(run: Run) -> None:
     run.report.add(f"{name}: product checks' cost", None,
                    f"{found['checked_ms']:.2f} ms against {found['plain_ms']:.2f} / {found['plain_again_ms']:.2f} ms "
                    f"plain = {found['x_plain']:.3f}x ({found['products_checked']} products; target <= 1.05x)", found)
+    if "triton_error" in found:
+        run.report.add(f"{name}: product checks in the fused kernels", [f"raised {found['triton_error']}"])
+    elif "x_plain_triton" in found:
+        run.report.add(f"{name}: product checks in the fused kernels", [] if found["failing_sites_triton"] == 0
+                       else [f"{found['failing_sites_triton']} site(s) failed on a clean pass"],
+                       f"{found['checked_triton_ms']:.2f} ms = {found['x_plain_triton']:.3f}x plain (target <= 1.05x)")
 
 
 def _step(run: Run) -> None:

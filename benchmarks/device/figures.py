@@ -95,11 +95,11 @@ def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> 
     return statistics.median(times)
 
 
-def layer_figures(device: torch.device, shape: LayerShape, repeats: int) -> dict[str, Any]:
+def layer_figures(device: torch.device, shape: LayerShape, repeats: int, triton: bool = False) -> dict[str, Any]:
     """The decoder layer's forward and backward under bf16 autocast (``shape.tokens`` tokens): plain before any
-    checks exist, with the product checks, and plain again after they are removed. Returns the medians (ms), the
-    ratio of the checked pass to the mean of the two plain ones, the products checked per pass and the checks'
-    verdict (failing sites: 0 on a clean pass)."""
+    checks exist, with the product checks (and, with ``triton``, with them in the fused kernels), and plain again
+    after they are removed. Returns the medians (ms), the ratios of the checked passes to the mean of the two
+    plain ones, the products checked per pass and the checks' verdict (failing sites: 0 on a clean pass)."""
     from sdcguard.agent.product_checks import ProductChecks
 
     torch.manual_seed(0)
@@ -121,18 +121,28 @@ def layer_figures(device: torch.device, shape: LayerShape, repeats: int) -> dict
         with checks.watching():
             step()
 
+    fused: dict[str, Any] = {}
     try:
         checked_ms = _median_ms(checked, device, repeats)
         failing = int(checks.summary()[1])
         products = checks.checked
+        if triton:
+            try:  # the fused form's failure is its own figure's, not the torch form's
+                with kernel_setting("triton"):
+                    fused["checked_triton_ms"] = _median_ms(checked, device, repeats)
+                    fused["failing_sites_triton"] = int(checks.summary()[1])
+            except Exception as exc:
+                fused["triton_error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
     finally:
         checks.remove()
     again_ms = _median_ms(step, device, repeats)
     plain = (plain_ms + again_ms) / 2
+    if "checked_triton_ms" in fused:
+        fused["x_plain_triton"] = fused["checked_triton_ms"] / plain
     return {"tokens": shape.tokens, "dim": shape.dim, "ffn": shape.ffn, "params": sum(p.numel() for p in layer.parameters()),
             "plain_ms": plain_ms, "checked_ms": checked_ms, "plain_again_ms": again_ms,
             "x_plain": checked_ms / plain, "products_checked": products, "failing_sites": failing,
-            "plain_intercepting": before or intercepting()}
+            "plain_intercepting": before or intercepting(), **fused}
 
 
 @dataclass(frozen=True)
@@ -286,8 +296,9 @@ class StepRows:
                 flags[row] |= intercepting()
                 if round_:
                     times[row].append((time.perf_counter() - started) * 1e3)
-        return {row: {"ms": statistics.median(t), "rounds": len(t), "intercepting": flags[row]}
-                for row, t in times.items()}
+        # The median is the every-step cost; the mean adds the weight check's (every ``fingerprint_every`` steps).
+        return {row: {"ms": statistics.median(t), "mean_ms": statistics.fmean(t), "rounds": len(t),
+                      "intercepting": flags[row]} for row, t in times.items()}
 
     def close(self) -> None:
         """Drop every row (their product checks removed) and the scratch folder."""
