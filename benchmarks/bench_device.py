@@ -417,7 +417,8 @@ def _launches(run: Run) -> None:
                             "counted on CUDA only (the profiler's launches, torch's sync debug mode); the path ran")
             continue
         run.report.add(f"launches and host syncs per step: {name}", None,
-                       f"{row['launches_per_step']:.0f} launches, {row['syncs_per_step']:.1f} syncs", row)
+                       f"{row['launches_per_step']:.0f} launches ({row['kernels_per_step']:.0f} kernels ran), "
+                       f"{row['syncs_per_step']:.1f} syncs", row)
 
 
 @dataclass(frozen=True)

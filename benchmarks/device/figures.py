@@ -103,7 +103,8 @@ def layer_figures(device: torch.device, shape: LayerShape, repeats: int, triton:
     from sdcguard.agent.product_checks import ProductChecks
 
     torch.manual_seed(0)
-    layer = DecoderLayer(shape).to(device)
+    with torch.device(device):
+        layer = DecoderLayer(shape)
     x = torch.randn(1, shape.tokens, shape.dim, device=device)
 
     def step() -> None:
@@ -232,7 +233,8 @@ class StepRows:
 
     def _model(self) -> tuple[nn.parallel.DistributedDataParallel, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = self.example.GPT(self.cfg).to(self.device)
+        with torch.device(self.device):  # made on the device: 0.87 B parameters initialised on the host took seconds
+            model = self.example.GPT(self.cfg)
         self.params = sum(p.numel() for p in model.parameters())
         ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -400,13 +402,17 @@ def _count(rows: StepRows, name: str, kernel: str | None, config: dict[str, Any]
     if device.type != "cuda":  # nothing to count (and the profiler costs seconds on the CPU): the path alone
         for n in counted:
             rows.run(name, n)
-        return {"launches_per_step": 0.0, "syncs_per_step": 0.0, "syncs": [], "steps": steps}
+        return {"launches_per_step": 0.0, "kernels_per_step": 0.0, "syncs_per_step": 0.0, "syncs": [], "steps": steps}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         # The profiler's own waits (at its start and end) and the one below stay outside the count.
         with counting_syncs(device) as syncs:
             for n in counted:
                 rows.run(name, n)
         synchronize(device)
-    launches = sum(1 for e in prof.events() if e.name in LAUNCH_NAMES)
-    return {"launches_per_step": launches / steps, "syncs_per_step": len(syncs) / steps,
-            "syncs": sorted(set(syncs))[:5], "steps": steps}
+    events = prof.events()
+    launches = sum(1 for e in events if e.name in LAUNCH_NAMES)
+    # The device's side too: kernels that ran (copies and fills apart), whichever API launched them.
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.lower().startswith(("memcpy", "memset")))
+    return {"launches_per_step": launches / steps, "kernels_per_step": kernels / steps,
+            "syncs_per_step": len(syncs) / steps, "syncs": sorted(set(syncs))[:5], "steps": steps}
