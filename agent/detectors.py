@@ -35,6 +35,7 @@ own: :class:`WeightCheck` gives only its cadence.
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,13 +45,15 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm
+from sdcguard.agent.alarm import fingerprint_evidence, nonfinite_evidence, ring_evidence
+from sdcguard.agent.decide import AlarmDecision, Context, Decision, Mismatch, Reproduced, Verdicts
 from sdcguard.agent.findings import GatheredFindings, StepFindings
 from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
 from sdcguard.agent.ring_audit import AuditVerdict
 from sdcguard.agent.ring_audit import judge as judge_audit
 from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
 from sdcguard.agent.weights import GroupVerdict, vote_in_groups
-from sdcguard.contract import Detector, ProductSite
+from sdcguard.contract import Detector, NonFiniteEvidence, ProductCheckEvidence, ProductSite, RingPair
 
 if TYPE_CHECKING:
     from sdcguard.agent.config import GuardConfig
@@ -98,6 +101,30 @@ class StepDetector(ABC, Generic[V]):
     def passed(self, step: int) -> None:
         """``step`` passed every check and updates (the detector may learn from it)."""
 
+    # -- its blame rule (read by sdcguard.agent.decide, pure) -----------------------------------------------
+
+    precedence: int = 100
+    """Which detector's alarm wins when the recomputations disagree with owners several detectors asked for,
+    and which saying wins among equals when they all reproduced (the lowest first)."""
+    unconfirmed_precedence: int = 100
+    """Which detector's alarm wins when no other node recomputed (the lowest first)."""
+
+    def at_once(self, verdict: V, context: Context) -> Decision:
+        """The decision on a :meth:`final` verdict."""
+        raise NotImplementedError(f"{type(self).__name__} gave a final verdict but says nothing of it (at_once)")
+
+    def unconfirmed(self, verdict: V, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The alarm ``verdict`` raises when no other node can recompute (None: it raises none)."""
+        return None
+
+    def confirmed(self, verdict: V, mismatch: Mismatch, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The alarm when other nodes' recomputations disagree with an owner (None: not this detector's)."""
+        return None
+
+    def reproduced(self, verdict: V, reproduced: Reproduced, verdicts: Verdicts, context: Context) -> Decision | None:
+        """What it says when every recomputation reproduced the owners' claims (None: nothing; the step updates)."""
+        return None
+
 
 class ReducedGradCheck(StepDetector[GroupVerdict]):
     """The reduced gradients, which every replica of a vote group must hold bit for bit: a majority vote of
@@ -117,6 +144,14 @@ class ReducedGradCheck(StepDetector[GroupVerdict]):
 
     def final(self, verdict: GroupVerdict) -> bool:
         return True
+
+    def at_once(self, verdict: GroupVerdict, context: Context) -> Decision:
+        suspects = verdict.dissenters
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.REDUCED_GRAD, suspects, verdict.localized,
+            fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(), "reduced_gradients"),
+            f"replicas received different reduced gradients; outside the strict majority: {suspects}"
+            if verdict.localized else "replicas received different reduced gradients and no strict majority"))
 
 
 class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
@@ -145,6 +180,57 @@ class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
 
     def asks(self, verdict: NonFiniteVerdict) -> list[int]:
         return sorted(set(verdict.local_ranks) | set(verdict.loss_ranks))
+
+    precedence = 10
+    unconfirmed_precedence = 10
+
+    def at_once(self, verdict: NonFiniteVerdict, context: Context) -> Decision:
+        """The GradScaler's routine backoff (an alarm past ``max_scaler_overflow_steps`` in a row), or a
+        reduction that delivered non-finite sums from finite inputs."""
+        if self.overflow(verdict):
+            streak = context.overflow_streak + 1
+            if streak <= context.max_scaler_overflow_steps:
+                return Decision("overflow", scaler_overflow=True)
+            message = (f"gradients non-finite on every rank for {streak} consecutive steps, "
+                       f"past the GradScaler's backoff ({context.max_scaler_overflow_steps} allowed)")
+            return Decision.raise_alarm(AlarmDecision(Detector.NONFINITE_GRAD, [], False, evidence_of(verdict),
+                                                      message), scaler_overflow=True)
+        # Finite inputs everywhere, non-finite sums: the reduction itself.
+        strict = 0 < len(verdict.reduced_ranks) < context.world_size
+        suspects = verdict.reduced_ranks if strict else []
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.NONFINITE_GRAD, suspects, bool(suspects), nonfinite_evidence([], True, verdict.buckets),
+            f"the reduction delivered non-finite gradients to rank(s) {verdict.reduced_ranks}"))
+
+    def unconfirmed(self, verdict: NonFiniteVerdict, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        if not (verdict.local_ranks or verdict.loss_ranks):
+            return None
+        # The ranks whose own pass went non-finite: their local gradients, or only their loss.
+        named = sorted(set(verdict.local_ranks) | set(verdict.loss_ranks))
+        suspects = [] if len(verdict.local_ranks) == context.world_size else named
+        return AlarmDecision(Detector.NONFINITE_GRAD, suspects, bool(suspects), evidence_of(verdict),
+                             f"non-finite local gradients on rank(s) {named}")
+
+    def confirmed(self, verdict: NonFiniteVerdict, mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.NONFINITE not in mismatch.reasons:
+            return None
+        message = (f"non-finite gradients on rank(s) {verdict.local_ranks or verdict.loss_ranks} that another "
+                   f"node's recomputation did not reproduce; suspects {mismatch.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.NONFINITE_GRAD, mismatch.suspects, mismatch.localized,
+                             evidence_of(verdict).model_copy(update={"confirmation": mismatch.pairs}), message,
+                             mismatch.persistence)
+
+    def reproduced(self, verdict: NonFiniteVerdict, reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        """The recomputations reproduced the NaN/Inf: the data's (every rank skips the update)."""
+        owners = sorted(o.owner for o in reproduced.verdict.outcomes if confirm.NONFINITE in o.reasons)
+        return Decision("data_fault", ranks=owners) if owners else None
+
+
+def evidence_of(verdict: NonFiniteVerdict) -> NonFiniteEvidence:
+    """Detector 1's evidence from its reading of the gathered rows (per DDP bucket, or per FSDP group)."""
+    return nonfinite_evidence(verdict.local_ranks, bool(verdict.reduced_ranks), verdict.buckets)
 
 
 class ProductCheck(StepDetector[list[ProductSite]]):
@@ -177,6 +263,36 @@ class ProductCheck(StepDetector[list[ProductSite]]):
 
     def asks(self, verdict: list[ProductSite]) -> list[int]:
         return [site.rank for site in verdict]
+
+    precedence = 20
+    unconfirmed_precedence = 35  # after the audit's: without a recomputation, a failed audit pair names first
+
+    def unconfirmed(self, verdict: list[ProductSite], verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The checksums' bound is rigorous: a mismatch alone is an alarm, localised to the rank that made it."""
+        ranks = sorted({s.rank for s in verdict})
+        sites = ", ".join(f"rank {s.rank}: {s.site}" for s in verdict[:8])
+        return AlarmDecision(Detector.PRODUCT_CHECK, ranks, True, ProductCheckEvidence(sites=verdict),
+                             f"a matrix product failed its checksums ({sites}); no other node recomputed it")
+
+    def confirmed(self, verdict: list[ProductSite], mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        mismatched = mismatch.owners
+        sites = [s for s in verdict if s.rank in mismatched]
+        if confirm.PRODUCT not in mismatch.reasons or not sites:
+            return None
+        named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
+        message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
+                   f"disagree with rank(s) {mismatched}; suspects {mismatch.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.PRODUCT_CHECK, mismatch.suspects, mismatch.localized,
+                             ProductCheckEvidence(sites=sites, confirmation=mismatch.pairs), message,
+                             mismatch.persistence)
+
+    def reproduced(self, verdict: list[ProductSite], reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        return Decision("update", notes=((logging.WARNING, (
+            f"step {context.step}: product checks fired ({', '.join(f'rank {s.rank}: {s.site}' for s in verdict[:8])}); "
+            f"the recomputations on other nodes reproduced the micro-batch's loss and gradients, so the fault did "
+            f"not reach them: the update goes ahead")),))
 
 
 class RingAuditCheck(StepDetector[AuditVerdict]):
@@ -220,6 +336,57 @@ class RingAuditCheck(StepDetector[AuditVerdict]):
     def asks(self, verdict: AuditVerdict) -> list[int]:
         return [pair.audited for pair in verdict.mismatched]
 
+    precedence = 30
+    unconfirmed_precedence = 30
+
+    def unconfirmed(self, verdict: AuditVerdict, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        if verdict.clean:
+            return None
+        where = "disagrees with both ring neighbours" if verdict.localized else "involved in a failed audit"
+        return AlarmDecision(Detector.RING_AUDIT, verdict.suspects, verdict.localized,
+                             ring_evidence(ring_pairs(verdict, context)), f"rank(s) {verdict.suspects} {where}")
+
+    def confirmed(self, verdict: AuditVerdict, mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.AUDIT not in mismatch.reasons:
+            return None
+        return recomputed_alarm(Detector.RING_AUDIT, mismatch, verdicts, context)
+
+    def reproduced(self, verdict: AuditVerdict, reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        """Every recomputation reproduces the audited ranks' claims: the auditor got it wrong once."""
+        if verdict.clean:
+            return None
+        auditors = sorted({p.auditor for p in verdict.mismatched})
+        evidence = ring_evidence(ring_pairs(verdict, context)).model_copy(update={"confirmation": reproduced.pairs})
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.RING_AUDIT, auditors, context.ring.units >= 3, evidence,
+            f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced the audited "
+            f"claims: the auditors' hardware", "transient"))
+
+
+def ring_pairs(verdict: AuditVerdict, context: Context) -> list[RingPair]:
+    """The audit's disagreeing pairs as the evidence gives them (at most 4096, 64 parameters each)."""
+    return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
+                     expected_loss=p.expected_loss, observed_loss=p.observed_loss,
+                     mismatched_params=[context.param_label(n) for n in p.mismatched_params[:64]])
+            for p in verdict.mismatched][:4096]
+
+
+def recomputed_alarm(detector: Detector, mismatch: Mismatch, verdicts: Verdicts, context: Context) -> AlarmDecision:
+    """The alarm of a recomputation that disagreed with an owner the audit (``ring_audit``) or the magnitude
+    trigger (``magnitude_trigger``) asked for, with the ring audit's evidence layout: the audit's own failed
+    pairs where it has any, else the confirmations that disagreed, else every confirmation."""
+    audit = verdicts.get(Detector.RING_AUDIT)
+    audit_pairs = ring_pairs(audit, context) if audit is not None and not audit.clean else []
+    trigger = "audit" if detector is Detector.RING_AUDIT else "magnitude"
+    evidence = ring_evidence(audit_pairs or mismatch.disagreed() or mismatch.pairs).model_copy(
+        update={"kind": detector.value, "trigger": trigger, "confirmation": mismatch.pairs})
+    what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
+    message = (f"rank(s) {mismatch.owners} {what} and other nodes' "
+               f"recomputations disagree; suspects {mismatch.suspects} ({mismatch.where})")
+    return AlarmDecision(detector, mismatch.suspects, mismatch.localized, evidence, message, mismatch.persistence)
+
 
 class MagnitudeCheck(StepDetector[list[int]]):
     """The magnitude trigger: a loss or gradient norm far from the rank's own history. It never blames by
@@ -256,6 +423,15 @@ class MagnitudeCheck(StepDetector[list[int]]):
 
     def asks(self, verdict: list[int]) -> list[int]:
         return verdict
+
+    precedence = 40  # alone never an alarm; after the audit, which claims a step both asked for
+
+    def confirmed(self, verdict: list[int], mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.MAGNITUDE not in mismatch.reasons:
+            return None
+        # Its own detector, with ring_audit's evidence layout.
+        return recomputed_alarm(Detector.MAGNITUDE_TRIGGER, mismatch, verdicts, context)
 
     def passed(self, step: int) -> None:
         self.trigger.observe()

@@ -68,18 +68,24 @@ from sdcguard.agent.alarm import (
     build_alarm,
     fingerprint_evidence,
     gather_identities,
-    nonfinite_evidence,
-    ring_evidence,
 )
 from sdcguard.agent.batches import BatchNotReplayable, check_replayable
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
 from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
 from sdcguard.agent.data_parallel import DataParallel
-from sdcguard.agent.detectors import NonFiniteCheck, StepDetector, WeightCheck, global_rank, step_detectors
+from sdcguard.agent.decide import (
+    AlarmDecision,
+    Confirmation,
+    Context,
+    Decision,
+    Verdicts,
+    decide,
+    replays_needed,
+)
+from sdcguard.agent.detectors import StepDetector, WeightCheck, global_rank, step_detectors
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
 from sdcguard.agent.exit_grace import settle_gloo_at_exit
 from sdcguard.agent.findings import GatheredFindings, StepFindings
-from sdcguard.agent.nonfinite import NonFiniteVerdict
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.publisher import (
@@ -89,22 +95,17 @@ from sdcguard.agent.publisher import (
     PublisherDefault,
     PublishOutcome,
 )
-from sdcguard.agent.ring_audit import AuditVerdict, loss_bits
+from sdcguard.agent.ring_audit import loss_bits
 from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes
 from sdcguard.agent.testing.inject import from_env as injection_from_env
 from sdcguard.agent.topology import Topology
 from sdcguard.agent.trigger import MagnitudeTrigger
-from sdcguard.agent.weights import GroupVerdict, vote_in_groups
+from sdcguard.agent.weights import vote_in_groups
 from sdcguard.contract import (
     Alarm,
     Detector,
     LastClean,
-    NonFiniteEvidence,
-    ProductCheckEvidence,
-    ProductSite,
-    RingPair,
 )
-from sdcguard.contract.alarm import FaultPersistence
 
 log = logging.getLogger(__name__)
 
@@ -187,15 +188,6 @@ class StepResult:
     rank."""
     published: PublishOutcome | None = None
     """On the publishing rank, what became of the alarm (with ``publisher=None``: not delivered, not spooled)."""
-
-
-@dataclass(frozen=True)
-class _Confirmation:
-    """The confirmations' verdict, and the gathered claims and records it was judged from."""
-
-    verdict: confirm.ConfirmationVerdict
-    claims: torch.Tensor
-    records: torch.Tensor
 
 
 class SDCGuard:
@@ -492,58 +484,60 @@ class SDCGuard:
     # -- the disagreement path ------------------------------------------------------------------------
 
     def _resolve(self, step: int, found: StepFindings, result: StepResult) -> Alarm | None:
-        """Something disagreed: gather every rank's findings, confirm before blaming, decide (same on every rank).
+        """Something disagreed: gather every rank's findings, judge, confirm before blaming, decide (pure,
+        sdcguard.agent.decide) and apply the decision (the same on every rank).
 
-        Returns the alarm, or None with ``result.overflow`` / ``result.data_fault``
-        set when the update must be skipped without one, or None alone when the
-        step may update (a magnitude jump that the recomputation reproduced).
+        Returns the alarm, or None with ``result.overflow`` / ``result.data_fault`` / ``result.nonreproducible``
+        set when the update must be skipped without one, or None alone when the step may update (a magnitude
+        jump that the recomputation reproduced).
         """
         claim = self.parallel.own_claim(found, digests=found.own_record is not None)
         rows = GatheredFindings.unpack(self._all_gather(findings.pack_row(found, claim)))
-        verdicts: dict[Detector, Any] = {}
-        owners: dict[int, list[str]] = {}
+        judged: list[tuple[StepDetector[Any], Any]] = []
         for detector in self.detectors:
-            verdict = verdicts[detector.detector] = detector.judge(rows, found)
-            if verdict is None:
-                continue
-            if detector.final(verdict):
-                return self._at_once(step, detector, verdict, result)
-            for rank in detector.asks(verdict):
-                owners.setdefault(rank, []).append(detector.reason)
-        return self._confirm_and_decide(step, result, rows.claims, owners, verdicts.get(Detector.NONFINITE_GRAD),
-                                        verdicts.get(Detector.RING_AUDIT), verdicts.get(Detector.PRODUCT_CHECK))
+            verdict = detector.judge(rows, found)
+            judged.append((detector, verdict))
+            if verdict is not None and detector.final(verdict):
+                break  # decided at once: no later detector's collective runs on this step
+        verdicts = Verdicts(judged)
+        owners = verdicts.owners()
+        confirmation: Confirmation | None = None
+        replays: confirm.ReplayVerdict | None = None
+        names: list[str] | None = None
+        if verdicts.final() is None and owners and self.config.confirm and self.ring.possible:
+            confirmation = self._confirm(step, rows.claims, owners, digests=result.audited)
+            names = self.parallel.digest_names() if result.audited else None
+            if replays_needed(confirmation):
+                replays = self._replays(step, confirmation, digests=result.audited)
+        context = Context(step=step, world_size=self.topology.world_size, ring=self.ring,
+                          max_scaler_overflow_steps=self.config.max_scaler_overflow_steps,
+                          overflow_streak=self.overflow_streak, param_label=self.parallel.param_label,
+                          digest_names=names)
+        return self._apply(step, decide(verdicts, confirmation, replays, context=context), result)
 
-    def _at_once(self, step: int, detector: StepDetector[Any], verdict: Any, result: StepResult) -> Alarm | None:
-        """A verdict no recomputation could change: replicas that received different reduced gradients, a
-        reduction that delivered non-finite sums from finite inputs, or the GradScaler's overflow."""
-        if isinstance(verdict, GroupVerdict):
-            suspects = verdict.dissenters
-            return self._alarm(step, Detector.REDUCED_GRAD, suspects, verdict.localized,
-                               fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(),
-                                                    "reduced_gradients"),
-                               f"replicas received different reduced gradients; outside the strict majority: "
-                               f"{suspects}" if verdict.localized else
-                               "replicas received different reduced gradients and no strict majority")
-        assert isinstance(detector, NonFiniteCheck)
-        assert isinstance(verdict, NonFiniteVerdict)
-        if detector.overflow(verdict):
-            return self._scaler_overflow(step, result, verdict)
-        # Finite inputs everywhere, non-finite sums: the reduction itself.
-        strict = 0 < len(verdict.reduced_ranks) < self.topology.world_size
-        suspects = verdict.reduced_ranks if strict else []
-        return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                           nonfinite_evidence([], True, verdict.buckets),
-                           f"the reduction delivered non-finite gradients to rank(s) {verdict.reduced_ranks}")
-
-    def _scaler_overflow(self, step: int, result: StepResult, nonfinite: NonFiniteVerdict) -> Alarm | None:
-        """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
-        self.overflow_streak += 1
-        if self.overflow_streak <= self.config.max_scaler_overflow_steps:
+    def _apply(self, step: int, decision: Decision, result: StepResult) -> Alarm | None:
+        """Do what ``decision`` says: the alarm built (the caller publishes it), or the skip recorded in
+        ``result``. Raises BatchNotReplayable, DataFaultLimit and NonReproducible where the decision is one."""
+        result.confirmed = decision.confirmed
+        for level, note in decision.notes:
+            log.log(level, "%s", note)
+        if decision.scaler_overflow:
+            self.overflow_streak += 1
+        if decision.kind == "alarm":
+            assert decision.alarm is not None
+            return self._alarm(step, decision.alarm)
+        if decision.kind == "overflow":
             result.overflow = True
-            return None
-        message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
-                   f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
-        return self._alarm(step, Detector.NONFINITE_GRAD, [], False, self._nonfinite_evidence(nonfinite), message)
+        elif decision.kind == "unreplayable":
+            owner, confirmer = decision.ranks
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BatchNotReplayable(step, owner, f"rank {confirmer} rebuilt micro-batches whose digest differs "
+                                                  f"from those rank {owner} trained on")
+        elif decision.kind == "nonreproducible":
+            return self._nonreproducible(step, result, decision.ranks)
+        elif decision.kind == "data_fault":
+            return self._data_fault(step, result, decision.ranks)
+        return None
 
     def _recomputed_claims(self, step: int, assigned: dict[int, int], width: int, slots: int,
                            *, digests: bool) -> torch.Tensor:
@@ -564,7 +558,7 @@ class SDCGuard:
         return torch.stack(rows)
 
     def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]],
-                 *, digests: bool) -> _Confirmation:
+                 *, digests: bool) -> Confirmation:
         """Recompute each owner's micro-batch on its confirmers (this rank does at most two), gather, judge."""
         assigned = dict(self.ring.assignments(self.topology.rank, set(owners)))
         # Every owner's previous unit recomputes it in slot 0; with 3 or more units the next one in slot 1.
@@ -574,113 +568,9 @@ class SDCGuard:
             recomputed = torch.cat([recomputed, torch.zeros_like(recomputed)])
         records = self._all_gather(recomputed.reshape(-1)).reshape(-1, 2, 1 + claims.shape[1])
         verdict = confirm.judge_confirmations(claims, records, owners, self.ring)
-        return _Confirmation(verdict, claims, records)
+        return Confirmation(verdict, claims, records)
 
-    def _confirm_and_decide(self, step: int, result: StepResult, claims: torch.Tensor,
-                            owners: dict[int, list[str]], nonfinite: NonFiniteVerdict | None,
-                            audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
-        """Confirm before blame (the same on every rank): recompute each owner's micro-batch on other nodes and
-        decide, or without a confirmation (``confirm`` off, or no other node) take the detectors' own verdicts.
-
-        ``owners`` maps each rank to why it is confirmed. Returns what :meth:`_decide` returns; None at once
-        without an owner.
-        """
-        if not owners:
-            return None
-        result.confirmed = sorted(owners)
-        if not (self.config.confirm and self.ring.possible):
-            return self._unconfirmed(step, nonfinite, audit, products or [])
-        confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=result.audited)
-        return self._decide(step, result, confirmation, nonfinite, audit, products or [])
-
-    def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: NonFiniteVerdict | None,
-                audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
-        """What the confirmations say: an alarm (the suspects' hardware, or a failed audit's auditors'), or None
-        with ``result.data_fault`` set (the NaN/Inf reproduced), or None alone (a jump the recomputations
-        reproduced). Raises DataFaultLimit past ``max_data_faults``."""
-        verdict = c.verdict
-        if verdict.unreplayable:
-            owner, confirmer = verdict.unreplayable[0]
-            self.optimizer.zero_grad(set_to_none=True)
-            raise BatchNotReplayable(step, owner, f"rank {confirmer} rebuilt micro-batches whose digest differs "
-                                                  f"from those rank {owner} trained on")
-        if verdict.nonreproducible and not verdict.mismatched:
-            return self._nonreproducible(step, result, verdict.nonreproducible)
-        names = self.parallel.digest_names() if result.audited else None
-        pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
-                          mismatched_params=[self.parallel.param_label(n) for n in p[:64]])
-                 for outcome in verdict.outcomes
-                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring, names)][:4096]
-        if verdict.mismatched:
-            replays = self._replays(step, c, digests=result.audited)
-            if replays.nonreproducible:
-                # A suspect cannot reproduce its own computation: not a fault of its hardware.
-                return self._nonreproducible(step, result, replays.nonreproducible)
-            persistence = replays.persistence
-            suspects, localized = verdict.suspects, verdict.localized
-            reasons = {r for o in verdict.mismatched for r in o.reasons}
-            where = "localised by the recomputations on other nodes" if localized else "not localised"
-            if confirm.NONFINITE in reasons and nonfinite is not None:
-                evidence: Any = self._nonfinite_evidence(nonfinite).model_copy(update={"confirmation": pairs})
-                message = (f"non-finite gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks} that "
-                           f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
-                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
-                                   persistence)
-            mismatched = sorted(o.owner for o in verdict.mismatched)
-            sites = [s for s in products or [] if s.rank in mismatched]
-            if confirm.PRODUCT in reasons and sites:
-                named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
-                message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
-                           f"disagree with rank(s) {mismatched}; suspects {suspects} ({where})")
-                return self._alarm(step, Detector.PRODUCT_CHECK, suspects, localized,
-                                   ProductCheckEvidence(sites=sites, confirmation=pairs), message, persistence)
-            disagreed = [p for p in pairs if p.audited in {o.owner for o in verdict.mismatched}
-                         and not self._pair_agrees(p, verdict)]
-            audit_pairs = self._ring_pairs(audit) if audit is not None and not audit.clean else []
-            trigger = "audit" if confirm.AUDIT in reasons else "magnitude"
-            # Asked by the magnitude trigger (no audit step): its own detector, ring_audit's evidence layout.
-            detector = Detector.RING_AUDIT if trigger == "audit" else Detector.MAGNITUDE_TRIGGER
-            evidence = ring_evidence(audit_pairs or disagreed or pairs).model_copy(
-                update={"kind": detector.value, "trigger": trigger, "confirmation": pairs})
-            what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
-            message = (f"rank(s) {mismatched} {what} and other nodes' "
-                       f"recomputations disagree; suspects {suspects} ({where})")
-            return self._alarm(step, detector, suspects, localized, evidence, message, persistence)
-        if audit is not None and not audit.clean:
-            # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
-            auditors = sorted({p.auditor for p in audit.mismatched})
-            evidence = ring_evidence(self._ring_pairs(audit)).model_copy(update={"confirmation": pairs})
-            return self._alarm(step, Detector.RING_AUDIT, auditors, self.ring.units >= 3, evidence,
-                               f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced "
-                               f"the audited claims: the auditors' hardware", "transient")
-        data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
-        if data_owners:
-            return self._data_fault(step, result, data_owners)
-        if products:
-            log.warning("step %d: product checks fired (%s); the recomputations on other nodes reproduced the "
-                        "micro-batch's loss and gradients, so the fault did not reach them: the update goes ahead",
-                        step, ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8]))
-        log.info("step %d: the check(s) of rank(s) %s fired; the recomputations reproduced it", step,
-                 [o.owner for o in verdict.outcomes])
-        return None
-
-    def _pair_agrees(self, pair: RingPair, verdict: confirm.ConfirmationVerdict) -> bool:
-        for outcome in verdict.outcomes:
-            if outcome.owner == pair.audited and pair.auditor in outcome.confirmers:
-                return outcome.agrees[outcome.confirmers.index(pair.auditor)]
-        return True
-
-    def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
-        return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
-                         expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                         mismatched_params=[self.parallel.param_label(n) for n in p.mismatched_params[:64]])
-                for p in audit.mismatched][:4096]
-
-    def _nonfinite_evidence(self, nonfinite: NonFiniteVerdict) -> NonFiniteEvidence:
-        """Detector 1's evidence from its reading of the gathered rows (per DDP bucket, or per FSDP group)."""
-        return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.buckets)
-
-    def _replays(self, step: int, c: _Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
+    def _replays(self, step: int, c: Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
         """Each localised suspect replays once the micro-batch it got wrong, and each outcome's witness (a rank
         of its majority) its own result, in one collective (under FSDP2 every other rank replays its own in lock
         step, the result unused); their verdict."""
@@ -721,27 +611,6 @@ class SDCGuard:
             raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
         return None
 
-    def _unconfirmed(self, step: int, nonfinite: NonFiniteVerdict | None, audit: AuditVerdict | None,
-                     products: list[ProductSite] | None = None) -> Alarm | None:
-        """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts (the product
-        checks' bound is rigorous, so their mismatch alone is an alarm, localised to the rank that made it)."""
-        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
-            # The ranks whose own pass went non-finite: their local gradients, or only their loss.
-            named = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
-            suspects = [] if len(nonfinite.local_ranks) == self.topology.world_size else named
-            return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                               self._nonfinite_evidence(nonfinite), f"non-finite local gradients on rank(s) {named}")
-        if audit is not None and not audit.clean:
-            where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
-            return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
-                               ring_evidence(self._ring_pairs(audit)), f"rank(s) {audit.suspects} {where}")
-        if products:
-            ranks = sorted({s.rank for s in products})
-            sites = ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8])
-            return self._alarm(step, Detector.PRODUCT_CHECK, ranks, True, ProductCheckEvidence(sites=products),
-                               f"a matrix product failed its checksums ({sites}); no other node recomputed it")
-        return None  # the magnitude trigger alone never raises an alarm
-
     # -- detector 3 -----------------------------------------------------------------------------------
 
     def state_fingerprint_hex(self) -> str:
@@ -767,11 +636,11 @@ class SDCGuard:
                 self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
             return parallel.agreed_digest(verdict), None
         suspects = verdict.dissenters
-        alarm = self._alarm(step, Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
-                            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(),
-                                                 "weights+optimizer"),
-                            f"replicas hold different weights; outside the strict majority: {suspects}"
-                            if verdict.localized else "replicas hold different weights and no strict majority")
+        alarm = self._alarm(step, AlarmDecision(
+            Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
+            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(), "weights+optimizer"),
+            f"replicas hold different weights; outside the strict majority: {suspects}"
+            if verdict.localized else "replicas hold different weights and no strict majority"))
         return None, alarm
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -927,21 +796,20 @@ class SDCGuard:
 
     # -- alarms ---------------------------------------------------------------------------------------
 
-    def _alarm(self, step: int, detector: Detector, suspects: list[int], localized: bool,
-               evidence: Any, message: str, persistence: FaultPersistence = "unknown") -> Alarm:
+    def _alarm(self, step: int, said: AlarmDecision) -> Alarm:
         return build_alarm(
-            alarm_id=f"{self.run_id:016x}-{step}-{detector.value}",
+            alarm_id=f"{self.run_id:016x}-{step}-{said.detector.value}",
             config=self.config,
             topology=self.topology,
             identities=self.identities,
-            detector=detector,
+            detector=said.detector,
             step=step,
-            suspects=suspects,
-            localized=localized and bool(suspects),
-            evidence=evidence,
+            suspects=said.suspects,
+            localized=said.localized and bool(said.suspects),
+            evidence=said.evidence,
             last_clean=LastClean(**self.last_clean),
-            message=message,
-            fault_persistence=persistence,
+            message=said.message,
+            fault_persistence=said.persistence,
         )
 
     def _handle(self, alarm: Alarm, result: StepResult) -> StepResult:
