@@ -8,9 +8,11 @@ in it) and runs every step through it:
 - :meth:`StepDetector.watching`: around the rank's own forward and backward
   only (the product checks' hooks; nothing for the others);
 - :meth:`StepDetector.observe`: after the rank's own forward and backward, it
-  puts its flag into the step's :class:`~sdcguard.agent.findings.StepFindings`,
-  which :func:`sdcguard.agent.findings.agreement_vector` packs into the step's
-  one all-reduce. Detector 1 and the reduced-gradient comparison observe
+  puts its flag into the step's :class:`~sdcguard.agent.findings.StepFindings`;
+  its declared slots (``flag_width``, ``lane_width``, ``row_width``, filled by
+  :meth:`StepDetector.flags`, ``lanes``, ``row``) are what
+  :class:`sdcguard.agent.findings.Layout` packs into the step's one all-reduce
+  and, on disagreement, into the gathered row. Detector 1 and the reduced-gradient comparison observe
   nothing here: the gradient observer (DDP's hook, FSDP2's reduce-scatter) has
   already filled their part of the summary;
 - :meth:`StepDetector.judge`: only when something disagreed, its verdict from
@@ -19,7 +21,12 @@ in it) and runs every step through it:
   flag is clear everywhere (it then gathers nothing);
 - :meth:`StepDetector.asks`: the ranks whose micro-batch another node must
   recompute before that verdict blames anyone, or :meth:`StepDetector.final`
-  when the verdict needs no recomputation (the guard decides at once).
+  when the verdict needs no recomputation (decided at once);
+- its blame rule, read by the pure :func:`sdcguard.agent.decide.decide`: what
+  it says at once (:meth:`StepDetector.at_once`), without a confirmation
+  (:meth:`StepDetector.unconfirmed`), when other nodes' recomputations
+  disagree (:meth:`StepDetector.confirmed`) or reproduce the claims
+  (:meth:`StepDetector.reproduced`), and its ``precedence``.
 
 The list's order is the order of observation and of judgement: the detectors
 that may decide at once (the reduced gradients, then detector 1) come first,
@@ -27,8 +34,8 @@ so no later detector's collective (the audit's gather of its records) runs on
 a step they settle; the audit observes before the trigger, whose norm is read
 after the audit's recomputation, as it always was. Among the detectors that
 ask, the order is immaterial: the confirmation sorts the ranks. Which alarm wins
-when several fire is the guard's decision (``_decide``, ``_unconfirmed``), not
-the list's. Detector 3 (the weights) runs before the pass on a gather of its
+when several fire is said by the detectors' ``precedence`` (sdcguard.agent.decide),
+not the list's. Detector 3 (the weights) runs before the pass on a gather of its
 own: :class:`WeightCheck` gives only its cadence.
 """
 
@@ -45,10 +52,18 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm
+from sdcguard.agent import fingerprint as fp
 from sdcguard.agent.alarm import fingerprint_evidence, nonfinite_evidence, ring_evidence
 from sdcguard.agent.decide import AlarmDecision, Context, Decision, Mismatch, Reproduced, Verdicts
-from sdcguard.agent.findings import GatheredFindings, StepFindings
-from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from sdcguard.agent.findings import GatheredFindings, StepFindings, flag_of
+from sdcguard.agent.nonfinite import (
+    LOCAL_ANY,
+    LOSS_NONFINITE,
+    REDUCED_ANY,
+    REDUCED_FP,
+    NonFiniteVerdict,
+    judge_nonfinite,
+)
 from sdcguard.agent.ring_audit import AuditVerdict
 from sdcguard.agent.ring_audit import judge as judge_audit
 from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
@@ -84,6 +99,37 @@ class StepDetector(ABC, Generic[V]):
 
     def observe(self, step: int, found: StepFindings) -> None:
         """After the own pass: put its flag into ``found`` (on the device; nothing comes back to the host)."""
+
+    # -- its slots on the wire (sdcguard.agent.findings.Layout lays them out) ------------------------------
+
+    flag_width: int = 0
+    """Its flags in the step's agreement vector (any non-zero one anywhere: something disagreed). A detector
+    of one flag sets 1 here and in ``row_width`` and puts the flag in ``found.marks[self.detector]``."""
+    row_width: int = 0
+    """Its slots of the row every rank contributes when something disagreed (read back with ``rows.of(self)``)."""
+
+    def lane_width(self) -> int:
+        """Its values that must be equal within every vote group, in the agreement vector (0: none)."""
+        return 0
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[flag_width]`` on the findings' device (by default its one mark, 0 when it put none)."""
+        return self._mark(found, self.flag_width)
+
+    def lanes(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[lane_width()]`` on the findings' device."""
+        return torch.zeros(0, dtype=torch.int64, device=found.summary.device)
+
+    def row(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[row_width]`` on the findings' device (by default its one mark, 0 when it put none)."""
+        return self._mark(found, self.row_width)
+
+    def _mark(self, found: StepFindings, width: int) -> torch.Tensor:
+        if width == 1:
+            return flag_of(found.marks.get(self.detector), found.summary)
+        if width == 0:
+            return torch.zeros(0, dtype=torch.int64, device=found.summary.device)
+        raise NotImplementedError(f"{type(self).__name__} declares {width} slots: it fills them itself")
 
     @abstractmethod
     def judge(self, rows: GatheredFindings, found: StepFindings) -> V | None:
@@ -126,14 +172,34 @@ class StepDetector(ABC, Generic[V]):
         return None
 
 
+_LOWEST = torch.iinfo(torch.int64).min
+
+
 class ReducedGradCheck(StepDetector[GroupVerdict]):
     """The reduced gradients, which every replica of a vote group must hold bit for bit: a majority vote of
     their fingerprints. Its verdict is final: no recomputation can say who received what."""
 
     detector = Detector.REDUCED_GRAD
 
-    def __init__(self, vote_groups: list[list[int]]) -> None:
+    def __init__(self, vote_groups: list[list[int]], slot: int = 0) -> None:
         self.vote_groups = vote_groups
+        self.slot = slot
+        """This rank's vote group."""
+
+    def lane_width(self) -> int:
+        return len(self.vote_groups) * fp.LANES
+
+    def lanes(self, found: StepFindings) -> torch.Tensor:
+        """One slot of lanes per vote group: this rank's lanes in its own group's slot, the lowest int64
+        elsewhere (so the MAX and MIN of every slot are its own group's)."""
+        s = found.summary
+        mine = s.narrow(0, REDUCED_FP.start, fp.LANES)
+        slots = len(self.vote_groups)
+        if slots == 1:
+            return mine
+        lowest = torch.full((slots, fp.LANES), _LOWEST, dtype=torch.int64, device=s.device)
+        here = (torch.arange(slots, device=s.device) == self.slot).unsqueeze(1)
+        return torch.where(here, mine.unsqueeze(0), lowest).reshape(-1)
 
     def judge(self, rows: GatheredFindings, found: StepFindings) -> GroupVerdict | None:
         # A step with non-finite sums belongs to detector 1 (their bits carry no meaning).
@@ -166,6 +232,13 @@ class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
     def __init__(self, world_size: int, *, scaled: bool) -> None:
         self.world_size = world_size
         self.scaled = scaled
+
+    flag_width = 3  # any local, any reduced, the loss: the gradient observer's, in the summary (no row of its own)
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        s = found.summary
+        # Views, not an index tensor: nothing is copied from the host to the device.
+        return torch.cat([s.narrow(0, LOCAL_ANY, REDUCED_ANY + 1 - LOCAL_ANY), s.narrow(0, LOSS_NONFINITE, 1)])
 
     def judge(self, rows: GatheredFindings, found: StepFindings) -> NonFiniteVerdict | None:
         verdict = judge_nonfinite(rows.summaries)
@@ -255,10 +328,26 @@ class ProductCheck(StepDetector[list[ProductSite]]):
     def observe(self, step: int, found: StepFindings) -> None:
         found.products = self.checks.summary()
 
+    flag_width = 1
+    row_width = 2  # the first failing site (or -1), how many failed
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        # A view and a clamp (the count is >= 0): 1 where some product failed, with no scalar from the host.
+        hit = found.products.narrow(0, 1, 1).clamp(max=1) if found.products is not None else None
+        return flag_of(hit, found.summary)
+
+    def row(self, found: StepFindings) -> torch.Tensor:
+        if found.products is not None:
+            return found.products.to(torch.int64).reshape(2)
+        # "None failed", filled on the device: no copy from the host.
+        device = found.summary.device
+        return torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device),
+                          torch.zeros(1, dtype=torch.int64, device=device)])
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> list[ProductSite] | None:
         """The first failing product of each rank whose checks fired (named from this rank's sites: every rank
         runs the same model, so the same sites in the same order)."""
-        sites = [ProductSite(rank=rank, site=site[:256]) for rank, site in self.checks.findings(rows.products)]
+        sites = [ProductSite(rank=rank, site=site[:256]) for rank, site in self.checks.findings(rows.of(self))]
         return sites[:4096] or None
 
     def asks(self, verdict: list[ProductSite]) -> list[int]:
@@ -324,9 +413,16 @@ class RingAuditCheck(StepDetector[AuditVerdict]):
             received = found.audit_record
         found.audit_bad = (received != found.own_record).any()
 
+    flag_width = row_width = 1  # this rank's pair disagreed (0 on the steps it is not due)
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        return flag_of(found.audit_bad, found.summary)
+
+    row = flags
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> AuditVerdict | None:
         """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
-        if found.own_record is None or found.audit_record is None or not rows.audit_failed:
+        if found.own_record is None or found.audit_record is None or not bool(rows.of(self).any()):
             return None
         both = self.gather(torch.cat([found.own_record, found.audit_record]))
         width = both.shape[1] // 2
@@ -418,8 +514,15 @@ class MagnitudeCheck(StepDetector[list[int]]):
             fired = fired | cross_rank_outliers(torch.stack(rows))[topology.rank]
         found.trigger = fired
 
+    flag_width = row_width = 1  # this rank's trigger fired
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        return flag_of(found.trigger, found.summary)
+
+    row = flags
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> list[int] | None:
-        return rows.triggered or None
+        return torch.nonzero(rows.of(self)[:, 0]).reshape(-1).tolist() or None
 
     def asks(self, verdict: list[int]) -> list[int]:
         return verdict
@@ -460,7 +563,7 @@ def step_detectors(config: GuardConfig, parallel: Parallelism, *, audit: bool, g
     the magnitude trigger's and the product checks' state (None when off)."""
     detectors: list[StepDetector[Any]] = []
     if config.reduced_grad:
-        detectors.append(ReducedGradCheck(parallel.vote_groups))
+        detectors.append(ReducedGradCheck(parallel.vote_groups, parallel.vote_slot))
     if config.nonfinite:
         detectors.append(NonFiniteCheck(parallel.job.topology.world_size, scaled=scaled))
     if products is not None:

@@ -85,7 +85,7 @@ from sdcguard.agent.decide import (
 from sdcguard.agent.detectors import StepDetector, WeightCheck, global_rank, step_detectors
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
 from sdcguard.agent.exit_grace import settle_gloo_at_exit
-from sdcguard.agent.findings import GatheredFindings, StepFindings
+from sdcguard.agent.findings import Layout, StepFindings
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.publisher import (
@@ -289,6 +289,8 @@ class SDCGuard:
             cfg, self.parallel, audit=self.audit_enabled, gather=self._all_gather, group=group, trigger=self.trigger,
             products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None)
         """The step's detectors, in the order they observe and judge (sdcguard.agent.detectors)."""
+        self.layout = Layout(self.detectors)
+        """The step's wire, laid out from the detectors' slots (sdcguard.agent.findings)."""
         self.weight_check = WeightCheck(cfg.fingerprint_every) if cfg.fingerprint_every > 0 else None
         if isinstance(injection, str):
             injection = injection_from_env()
@@ -418,9 +420,8 @@ class SDCGuard:
 
         The answer, this rank's loss, the reduced-gradient norm and the trigger's flag come back to the host
         in one copy, into ``result``."""
-        cfg, parallel = self.config, self.parallel
-        vector = findings.agreement_vector(found, nonfinite=cfg.nonfinite, reduced=cfg.reduced_grad,
-                                           slot=parallel.vote_slot, slots=len(parallel.vote_groups))
+        parallel = self.parallel
+        vector = self.layout.agreement(found)
         if self.topology.world_size > 1:
             dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
         measured = parallel.reduced_norm()
@@ -434,7 +435,7 @@ class SDCGuard:
         if measured is not None:
             result.grad_norm = findings.float_of_bits(host[-2])
         result.triggered = bool(host[-1])
-        return findings.agreed(host[:-3])
+        return self.layout.agreed(host[:-3])
 
     def _update(self, step: int, result: StepResult) -> StepResult:
         """Every check passed (or a trigger was confirmed as real): record the clean steps and update."""
@@ -492,7 +493,7 @@ class SDCGuard:
         jump that the recomputation reproduced).
         """
         claim = self.parallel.own_claim(found, digests=found.own_record is not None)
-        rows = GatheredFindings.unpack(self._all_gather(findings.pack_row(found, claim)))
+        rows = self.layout.unpack(self._all_gather(self.layout.row(found, claim)))
         judged: list[tuple[StepDetector[Any], Any]] = []
         for detector in self.detectors:
             verdict = detector.judge(rows, found)
