@@ -53,7 +53,6 @@ import functools
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,15 +62,11 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm, findings, native, replay
-from sdcguard.agent.alarm import (
-    RankIdentity,
-    build_alarm,
-    fingerprint_evidence,
-    gather_identities,
-)
+from sdcguard.agent.alarm import RankIdentity, fingerprint_evidence, gather_identities
+from sdcguard.agent.alarms import AlarmPolicy, GuardAlarm
 from sdcguard.agent.batches import BatchNotReplayable, check_replayable
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
-from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
+from sdcguard.agent.config import GuardConfig
 from sdcguard.agent.data_parallel import DataParallel
 from sdcguard.agent.decide import (
     AlarmDecision,
@@ -86,6 +81,7 @@ from sdcguard.agent.detectors import StepDetector, WeightCheck, global_rank, ste
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
 from sdcguard.agent.exit_grace import settle_gloo_at_exit
 from sdcguard.agent.findings import Layout, StepFindings
+from sdcguard.agent.loop_state import LOOP_STATE, loop_state, restore_loop_state
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.publisher import (
@@ -101,33 +97,12 @@ from sdcguard.agent.testing.inject import from_env as injection_from_env
 from sdcguard.agent.topology import Topology
 from sdcguard.agent.trigger import MagnitudeTrigger
 from sdcguard.agent.weights import vote_in_groups
-from sdcguard.contract import (
-    Alarm,
-    Detector,
-    LastClean,
-)
+from sdcguard.contract import Alarm, Detector
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LOOP_STATE", "BatchFor", "DataFaultLimit", "GuardAlarm", "LossFn", "NonReproducible", "SDCGuard",
            "StepResult"]
-
-LOOP_STATE = "sdcguard_loop"
-"""The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state
-and every rank's magnitude-trigger history."""
-
-
-_RECOMPUTED = (Detector.RING_AUDIT, Detector.NONFINITE_GRAD, Detector.MAGNITUDE_TRIGGER, Detector.PRODUCT_CHECK)
-"""The detectors whose localised alarms rest on a recomputation on another node (they get a replay capsule)."""
-
-
-class GuardAlarm(RuntimeError):
-    """Raised by ``SDCGuard.step`` under ``on_alarm="raise"``; ``.alarm`` is the published alarm."""
-
-    def __init__(self, alarm: Alarm) -> None:
-        super().__init__(f"SDC alarm at step {alarm.step} ({alarm.detector.value}): suspects {alarm.suspect_ranks}")
-        self.alarm = alarm
-
 
 class DataFaultLimit(RuntimeError):
     """Raised on every rank after more than ``max_data_faults`` consecutive data faults: the run is broken
@@ -298,6 +273,10 @@ class SDCGuard:
         self.injector.install(self.parallel.injection_site(optimizer, self.register_step_hook))
         self.identities: list[RankIdentity] = gather_identities(self.topology, self.device, group)
         self.run_id = self._agree_run_id()
+        self.alarm_policy = AlarmPolicy(self.parallel, topology=self.topology, identities=self.identities,
+                                        run_id=self.run_id, publisher=self.publisher, optimizer=optimizer,
+                                        scaler=self.scaler, group=group)
+        """Building, publishing and the policy of this guard's alarms (sdcguard.agent.alarms)."""
         if cfg.audit_every > 0 and not self.audit_enabled:
             log.warning("ring audit off: it needs %s (world %d, %d ranks per node)", self.parallel.audit_needs,
                         self.topology.world_size, self.topology.ranks_per_node)
@@ -306,7 +285,8 @@ class SDCGuard:
         self.data_fault_streak = 0
         self.nonreproducible_steps = 0
         """Steps whose recomputations showed the computation is not bit-reproducible (no rank blamed)."""
-        self.alarms: list[Alarm] = []
+        self.alarms: list[Alarm] = self.alarm_policy.raised
+        """Every alarm raised so far, in order."""
         self._checkpoints = checkpoints
         self.resumed: LoadedCheckpoint | None = None
         """The checkpoint :meth:`resume_step` loaded (None before, or when there was none)."""
@@ -689,7 +669,9 @@ class SDCGuard:
             try:
                 return self.checkpoints.save(
                     step, model=self.model, optimizer=self.optimizer, fingerprint=fingerprint,
-                    data_position=data_position, extra={**(extra or {}), **self._loop_state()},
+                    data_position=data_position,
+                    extra={**(extra or {}), **loop_state(scheduler=self.scheduler, scaler=self.scaler,
+                                                         trigger=self.trigger, gather=self._all_gather)},
                     last_clean_audit_step=self.last_clean[Detector.RING_AUDIT.value],
                     last_clean_fingerprint_step=self.last_clean[Detector.WEIGHT_FINGERPRINT.value],
                 )
@@ -730,7 +712,8 @@ class SDCGuard:
         if loaded is None:
             return 0
         self.resumed = loaded
-        self._restore_loop_state(loaded)
+        restore_loop_state(loaded, scheduler=self.scheduler, scaler=self.scaler, trigger=self.trigger,
+                           rank=self.topology.rank)
         self.last_clean = {d.value: None for d in Detector}
         self.last_clean[Detector.RING_AUDIT.value] = loaded.manifest.last_clean_audit_step
         self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = loaded.manifest.last_clean_fingerprint_step
@@ -745,185 +728,17 @@ class SDCGuard:
             return {}
         return {k: v for k, v in self.resumed.extra.items() if k != LOOP_STATE}
 
-    def _loop_state(self) -> dict[str, Any]:
-        """The schedule's and the GradScaler's state and every rank's trigger state, for the checkpoint (under the
-        extra key LOOP_STATE; a collective when the trigger is on)."""
-        state: dict[str, Any] = {}
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        if self.trigger is not None:
-            state["trigger"] = self._trigger_states()
-        return {LOOP_STATE: state} if state else {}
-
-    def _trigger_states(self) -> list[dict[str, Any]]:
-        """Every rank's magnitude-trigger state, indexed by rank (a collective: rank 0 alone writes the
-        checkpoint's extra, and each rank's history is its own loss and gradient norm)."""
-        assert self.trigger is not None
-        history = self.trigger.history.detach().to(torch.float64)
-        mine = torch.cat([history.reshape(-1), torch.tensor([float(self.trigger.seen)], dtype=torch.float64,
-                                                              device=history.device)])
-        rows = self._all_gather(mine)
-        window = history.shape[0]
-        return [{"history": row[:-1].reshape(window, 2).clone(), "seen": int(row[-1]), "window": window,
-                 "warmup": self.trigger.warmup} for row in rows]
-
-    def _restore_loop_state(self, loaded: LoadedCheckpoint) -> None:
-        """Put the schedule and the GradScaler back where the checkpoint left them (a warning when it lacks one)."""
-        state = loaded.extra.get(LOOP_STATE) or {}
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
-            if obj is None:
-                continue
-            if name in state:
-                obj.load_state_dict(state[name])
-            else:
-                log.warning("%s holds no %s state: the %s starts afresh, so this run will not be the one that "
-                            "saved it", loaded.uri, name, name)
-        if self.trigger is not None:
-            self._restore_trigger(loaded, state.get("trigger"))
-
-    def _restore_trigger(self, loaded: LoadedCheckpoint, states: Any) -> None:
-        """Give this rank's trigger its saved history, so the resumed job watches from its first step. Saved by
-        a world of another size: the history of rank ``rank mod saved world`` (the ranks train the same model
-        on like data, so their losses and norms are of one magnitude). None saved (an older checkpoint): a
-        warning, and the trigger warms up again with the cross-rank test."""
-        assert self.trigger is not None
-        if not isinstance(states, list) or not states:
-            log.warning("%s holds no magnitude-trigger state: the trigger warms up again (the cross-rank test "
-                        "watches meanwhile)", loaded.uri)
-            return
-        self.trigger.load_state_dict(states[self.topology.rank % len(states)])
-
     # -- alarms ---------------------------------------------------------------------------------------
 
     def _alarm(self, step: int, said: AlarmDecision) -> Alarm:
-        return build_alarm(
-            alarm_id=f"{self.run_id:016x}-{step}-{said.detector.value}",
-            config=self.config,
-            topology=self.topology,
-            identities=self.identities,
-            detector=said.detector,
-            step=step,
-            suspects=said.suspects,
-            localized=said.localized and bool(said.suspects),
-            evidence=said.evidence,
-            last_clean=LastClean(**self.last_clean),
-            message=said.message,
-            fault_persistence=said.persistence,
-        )
+        """The contract's Alarm of what a detector said (sdcguard.agent.alarms)."""
+        return self.alarm_policy.build(step, said, self.last_clean)
 
     def _handle(self, alarm: Alarm, result: StepResult) -> StepResult:
-        """Skip the update, publish from one rank (after writing a replay capsule where one applies: its
-        location goes into the message), wait for it, then apply the policy."""
-        self.optimizer.zero_grad(set_to_none=True)
-        # Every rank: under a mesh the capsule's state is gathered by all (the note is the publisher's alone).
-        note = self._capsule_note(alarm)
-        if self.topology.rank == alarm.publisher_rank and note:
-            # The alarm's message is capped (1024 characters): the capsule's sentence is kept whole.
-            head = alarm.message[:max(0, 1022 - len(note))]
-            alarm = alarm.model_copy(update={"message": f"{head}; {note}" if head else note[:1024]})
-        result.alarm = alarm
+        """Skip the update, write the capsules, publish, apply the policy (sdcguard.agent.alarms.AlarmPolicy)."""
         result.updated = False
-        self.alarms.append(alarm)
-        log.error("SDC alarm at step %d by %s: suspects %s (%s)", alarm.step, alarm.detector.value,
-                  alarm.suspect_ranks, alarm.message)
-        if self.topology.rank == alarm.publisher_rank:
-            result.published = self.publisher.publish(alarm)
-        # The others wait for the publisher: under "stop", torchrun would
-        # otherwise kill it when the first rank exits.
-        if self.topology.world_size > 1:
-            dist.barrier(group=self.group)
-        if self.config.on_alarm == "raise":
-            raise GuardAlarm(alarm)
-        if self.config.on_alarm == "stop":
-            log.error("stopping: exit code %d (on_alarm=stop)", ALARM_EXIT_CODE)
-            sys.stderr.flush()
-            raise SystemExit(ALARM_EXIT_CODE)
+        result.alarm, result.published = self.alarm_policy.handle(alarm)
         return result
-
-    def _capsule_note(self, alarm: Alarm) -> str:
-        """Write a replay capsule (sdcguard.agent.capsule) of each localised suspect whose own step a recomputation on
-        another node disagreed with, before the alarm is published; on the publishing rank the sentence for
-        the alarm's message ("" when none applies, and on every other rank). Never raises: a capsule that
-        fails to be written is logged and said in the message, never a reason not to publish.
-
-        Every rank calls it with the same alarm. Under DDP only the publishing rank works, with no
-        collective: the alarm skipped the update, so the module's weights are still the ones the failing
-        step started from, and the healthy result is this (non-suspect) rank's recomputation of the
-        suspect's step. Under a mesh (FSDP2, HSDP) every rank agrees whether a capsule is due and gathers
-        the unsharded state, and the publishing rank recomputes the step on the factory's plain model
-        (sdcguard.agent.sharded_capsule)."""
-        cfg = self.config
-        evidence = alarm.evidence
-        pairs = [*getattr(evidence, "pairs", []), *getattr(evidence, "confirmation", [])]
-        if not (alarm.localized and alarm.detector in _RECOMPUTED and pairs):
-            return ""  # not a recomputation-based, localised alarm
-        disagreed = {p.audited for p in pairs if not p.loss_match or p.mismatched_params}
-        rank_of = {ident.global_rank: r for r, ident in enumerate(self.identities)}
-        nodes = {rank_of.get(s.global_rank, s.global_rank): s.node for s in alarm.suspects}
-        # From the alarm alone, so every rank names the same suspects.
-        suspects = [r for r in sorted(nodes) if r in disagreed and r != alarm.publisher_rank]
-        if not suspects:
-            return ""  # e.g. an auditor blamed for its recomputation of another rank's step
-        publishing = self.topology.rank == alarm.publisher_rank
-        if not cfg.capsule_factory and publishing and not getattr(self, "_capsule_unset_logged", False):
-            # Said once per guard in the log, not in every alarm (the flag lives here, beside its only use).
-            self._capsule_unset_logged = True
-            log.warning("no replay capsule for localised alarms: capsule_factory (SDCGUARD_CAPSULE_FACTORY) "
-                        "is unset; see docs/replay.md")
-        parallel = self.parallel
-        origins = {s: {"alarm_id": alarm.alarm_id, "detector": alarm.detector.value, "suspect_rank": str(s),
-                       "node": nodes[s], "written_by_rank": str(alarm.publisher_rank)} for s in suspects}
-        if not isinstance(parallel, DataParallel):
-            from sdcguard.agent.sharded import ShardedDataParallel
-            from sdcguard.agent.sharded_capsule import write_sharded_capsules  # only on an alarm
-
-            assert isinstance(parallel, ShardedDataParallel)
-            try:
-                written = write_sharded_capsules(parallel, step=alarm.step, suspects=suspects,
-                                                 publisher=alarm.publisher_rank, origins=origins)
-            except Exception as exc:  # the alarm is published whatever became of its capsule
-                log.exception("step %d: no replay capsule of rank(s) %s", alarm.step, suspects)
-                written = {s: f"no replay capsule: gathering the state failed ({type(exc).__name__}: {exc})"
-                           for s in suspects} if publishing else {}
-            if not publishing or not cfg.capsule_factory:
-                return ""
-            return self._capsule_sentence(alarm.step, suspects, written)
-        if not (publishing and cfg.capsule_factory):
-            return ""
-        from sdcguard.agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
-        from sdcguard.agent.determinism import environment_signature
-
-        notes: dict[int, str] = {}
-        for suspect in suspects:
-            try:
-                batches = parallel.job.micro_batches(alarm.step, suspect)
-                healthy = parallel._recompute(alarm.step, suspect, batches)
-                module = parallel.model.module
-                written_one = write_capsule(
-                    cfg.checkpoint_prefix, module=module, batches=batches,
-                    settings=ReplaySettings.capture(
-                        module, seed=cfg.seed, step=alarm.step, rank=suspect, autocast_dtype=cfg.autocast_dtype,
-                        grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None),
-                        eager=cfg.product_checks),
-                    expected=Expected.from_recomputation(healthy), signature=environment_signature(self.device),
-                    factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes, origin=origins[suspect])
-                notes[suspect] = written_one.describe()
-            except Exception as exc:  # the alarm is published whatever became of its capsule
-                log.exception("step %d: the replay capsule of rank %d was not written", alarm.step, suspect)
-                notes[suspect] = f"no replay capsule: writing it failed ({type(exc).__name__}: {exc})"
-        return self._capsule_sentence(alarm.step, suspects, notes)
-
-    @staticmethod
-    def _capsule_sentence(step: int, suspects: list[int], notes: dict[int, str]) -> str:
-        """Each suspect's capsule note, logged, joined into the alarm's sentence."""
-        said = []
-        for suspect in suspects:
-            note = notes.get(suspect, "no replay capsule: none was written")
-            (log.warning if note.startswith("no ") else log.info)("step %d, rank %d: %s", step, suspect, note)
-            said.append(f"rank {suspect}: {note}" if len(suspects) > 1 else note)
-        return "; ".join(said) + "."
 
     # -- collectives ----------------------------------------------------------------------------------
 
