@@ -54,7 +54,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +189,10 @@ class SDCGuard:
     are turned off with a warning) and calls ``batch_for(0, rank)`` twice
     (``sdcguard.agent.batches.BatchNotReplayable`` when the two differ).
 
+    ``detectors`` are the job's own detectors (sdcguard.agent.detectors.StepDetector; see
+    docs/adding-a-detector.md), run after the built-in ones on every step; ``ValueError`` for one that
+    is not a StepDetector.
+
     With ``mesh`` (a ``DeviceMesh``), ``model`` is an FSDP2 model
     (``fully_shard(..., mesh=mesh)``) and the step runs through
     :class:`sdcguard.agent.sharded.ShardedDataParallel` (see there for what it raises).
@@ -210,8 +214,12 @@ class SDCGuard:
         checkpoints: Checkpoints | None = None,
         unchecked_buffers: tuple[str, ...] = (),
         mesh: Any = None,
+        detectors: Sequence[StepDetector[Any]] = (),
     ) -> None:
         cfg = config if config is not None else GuardConfig.from_env()
+        for own in detectors:
+            if not isinstance(own, StepDetector):
+                raise ValueError(f"detectors: {own!r} is not a sdcguard.agent.detectors.StepDetector")
         # A disabled GradScaler (GradScaler(enabled=False), the usual "fp16 only" switch) scales nothing.
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node, rank=dist.get_rank(group),
@@ -260,9 +268,9 @@ class SDCGuard:
         # fully_shard model itself): forward hooks that name the sites, nothing else.
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.products = ProductChecks(bare, device=self.device) if cfg.product_checks else None
-        self.detectors: list[StepDetector[Any]] = step_detectors(
+        self.detectors: list[StepDetector[Any]] = [*step_detectors(
             cfg, self.parallel, audit=self.audit_enabled, gather=self._all_gather, group=group, trigger=self.trigger,
-            products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None)
+            products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None), *detectors]
         """The step's detectors, in the order they observe and judge (sdcguard.agent.detectors)."""
         self.layout = Layout(self.detectors)
         """The step's wire, laid out from the detectors' slots (sdcguard.agent.findings)."""
