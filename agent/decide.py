@@ -156,10 +156,12 @@ class Mismatch:
 
     @property
     def suspects(self) -> list[int]:
+        """Every suspect of every mismatch, sorted (the confirmation's)."""
         return self.verdict.suspects
 
     @property
     def localized(self) -> bool:
+        """Every mismatch was localised (the confirmation's)."""
         return self.verdict.localized
 
     @property
