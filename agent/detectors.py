@@ -552,6 +552,16 @@ class WeightCheck:
         """Whether ``step`` starts with the weight check."""
         return step % self.every == 0
 
+    @staticmethod
+    def alarm(verdict: GroupVerdict) -> AlarmDecision:
+        """Its blame rule: replicas that disagree, outside the strict majority (all of them without one); final."""
+        suspects = verdict.dissenters
+        return AlarmDecision(
+            Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
+            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(), "weights+optimizer"),
+            f"replicas hold different weights; outside the strict majority: {suspects}"
+            if verdict.localized else "replicas hold different weights and no strict majority")
+
 
 def step_detectors(config: GuardConfig, parallel: Parallelism, *, audit: bool, gather: Gather,
                    group: dist.ProcessGroup | None, trigger: MagnitudeTrigger | None,

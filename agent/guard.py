@@ -4,8 +4,12 @@ One step for every parallelism: what differs between DDP and FSDP2 (HSDP or
 pure FSDP) sits behind :class:`sdcguard.agent.parallelism.Parallelism`
 (sdcguard.agent.data_parallel, sdcguard.agent.sharded), chosen when the guard is built;
 the detectors are components with one interface (sdcguard.agent.detectors: when
-each is due, what it observes, how it judges the gathered rows), in a list
-built from the settings.
+each is due, its slots on the wire, what it observes, how it judges the
+gathered rows, its blame rule), in a list built from the settings (and the
+job's own, ``detectors=``). The guard builds, runs the step, holds the one
+agreement and applies the decision; deciding is pure
+(sdcguard.agent.decide), alarms are sdcguard.agent.alarms', the loop's
+checkpointed state sdcguard.agent.loop_state's.
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
@@ -27,15 +31,17 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 4. The magnitude trigger compares this rank's loss and gradient norm with its
    own history (restored from the checkpoint on a resume); during a fresh
    job's warm-up, also with the other ranks' (an all-gather on those steps).
-5. One small all-reduce (sdcguard.agent.findings: flags, and the min and max of each
-   vote group's reduced-gradient fingerprint) tells every rank whether all
+5. One small all-reduce (sdcguard.agent.findings, laid out from the detectors'
+   slots: flags, and the min and max of each vote group's reduced-gradient
+   fingerprint) tells every rank whether all
    agree: O(1) in the world size; its result, the loss, the gradient norm and
    the trigger's flag come back to the host in one copy. Only when something
    disagrees are the ranks' findings gathered (:meth:`SDCGuard._resolve`),
    and a suspicious micro-batch is recomputed on other nodes before anything
    is blamed (sdcguard.agent.confirm): the same data fault on any GPU is the data's;
    a recomputation that differs is the hardware's, and the suspect replays
-   once to say whether it persists.
+   once to say whether it persists. ``decide`` turns the verdicts, the
+   confirmation and the replays into one Decision, which the guard applies.
 6. Update (unscale, clip to ``max_grad_norm``, ``optimizer.step()`` or the
    GradScaler's step, then the LR scheduler's step), or skip it all: on an
    alarm (publish, then the policy), on a data fault (every rank skips, a
@@ -62,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm, findings, native, replay
-from sdcguard.agent.alarm import RankIdentity, fingerprint_evidence, gather_identities
+from sdcguard.agent.alarm import RankIdentity, gather_identities
 from sdcguard.agent.alarms import AlarmPolicy, GuardAlarm
 from sdcguard.agent.batches import BatchNotReplayable, check_replayable
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
@@ -624,13 +630,7 @@ class SDCGuard:
             if parallel.replicated:
                 self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
             return parallel.agreed_digest(verdict), None
-        suspects = verdict.dissenters
-        alarm = self._alarm(step, AlarmDecision(
-            Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
-            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(), "weights+optimizer"),
-            f"replicas hold different weights; outside the strict majority: {suspects}"
-            if verdict.localized else "replicas hold different weights and no strict majority"))
-        return None, alarm
+        return None, self._alarm(step, WeightCheck.alarm(verdict))
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
