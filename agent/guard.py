@@ -97,6 +97,7 @@ from sdcguard.agent.publisher import (
     PublisherDefault,
     PublishOutcome,
 )
+from sdcguard.agent.recomputations import Recomputations
 from sdcguard.agent.ring_audit import loss_bits
 from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes
 from sdcguard.agent.testing.inject import from_env as injection_from_env
@@ -250,6 +251,8 @@ class SDCGuard:
         if dist.is_initialized():
             settle_gloo_at_exit(group)
         self.ring = self.parallel.ring
+        self.recomputations = Recomputations(self.parallel, self.ring, self.topology.rank, self._all_gather)
+        """The disagreement path's recomputations on other nodes (sdcguard.agent.recomputations)."""
         # None publishes nothing (no bus, no spool); the default builds the EventBridge publisher.
         if isinstance(publisher, PublisherDefault):
             publisher = Publisher(cfg)
@@ -500,10 +503,10 @@ class SDCGuard:
         replays: confirm.ReplayVerdict | None = None
         names: list[str] | None = None
         if verdicts.final() is None and owners and self.config.confirm and self.ring.possible:
-            confirmation = self._confirm(step, rows.claims, owners, digests=result.audited)
+            confirmation = self.recomputations.confirm(step, rows.claims, owners, digests=result.audited)
             names = self.parallel.digest_names() if result.audited else None
             if replays_needed(confirmation):
-                replays = self._replays(step, confirmation, digests=result.audited)
+                replays = self.recomputations.replays(step, confirmation, digests=result.audited)
         context = Context(step=step, world_size=self.topology.world_size, ring=self.ring,
                           max_scaler_overflow_steps=self.config.max_scaler_overflow_steps,
                           overflow_streak=self.overflow_streak, param_label=self.parallel.param_label,
@@ -533,51 +536,6 @@ class SDCGuard:
         elif decision.kind == "data_fault":
             return self._data_fault(step, result, decision.ranks)
         return None
-
-    def _recomputed_claims(self, step: int, assigned: dict[int, int], width: int, slots: int,
-                           *, digests: bool) -> torch.Tensor:
-        """``[slots, 1 + width]``: per slot, 1 and the claim of the owner this rank recomputes there, or zeros.
-
-        Where a recomputation is a collective (FSDP2), every rank runs every slot in lock step, its own
-        micro-batch where it has no owner (the result unused)."""
-        rank, parallel = self.topology.rank, self.parallel
-        rows = [torch.zeros(1 + width, dtype=torch.int64, device=self.device) for _ in range(slots)]
-        for slot in range(slots):
-            owner = assigned.get(slot)
-            if owner is None and not parallel.collective_recompute:
-                continue
-            claim = parallel.recompute_claim(step, rank if owner is None else owner, digests=digests)
-            if owner is not None:
-                # "Recomputed" (1), then the claim; made on the device.
-                rows[slot] = torch.cat([torch.ones(1, dtype=torch.int64, device=self.device), claim.to(self.device)])
-        return torch.stack(rows)
-
-    def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]],
-                 *, digests: bool) -> Confirmation:
-        """Recompute each owner's micro-batch on its confirmers (this rank does at most two), gather, judge."""
-        assigned = dict(self.ring.assignments(self.topology.rank, set(owners)))
-        # Every owner's previous unit recomputes it in slot 0; with 3 or more units the next one in slot 1.
-        slots = 2 if self.ring.units >= 3 else 1
-        recomputed = self._recomputed_claims(step, assigned, claims.shape[1], slots, digests=digests)
-        if slots < 2:  # every rank sends two slots (the gathered layout), the second empty
-            recomputed = torch.cat([recomputed, torch.zeros_like(recomputed)])
-        records = self._all_gather(recomputed.reshape(-1)).reshape(-1, 2, 1 + claims.shape[1])
-        verdict = confirm.judge_confirmations(claims, records, owners, self.ring)
-        return Confirmation(verdict, claims, records)
-
-    def _replays(self, step: int, c: Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
-        """Each localised suspect replays once the micro-batch it got wrong, and each outcome's witness (a rank
-        of its majority) its own result, in one collective (under FSDP2 every other rank replays its own in lock
-        step, the result unused); their verdict."""
-        plan = confirm.replay_plan(c.verdict)
-        if not plan:
-            return confirm.ReplayVerdict("unknown")
-        rank, width = self.topology.rank, c.claims.shape[1]
-        witnesses = confirm.witness_plan(plan)
-        assigned = {slot: roles[rank].owner for slot, roles in enumerate((plan, witnesses)) if rank in roles}
-        replayed = self._recomputed_claims(step, assigned, width, confirm.REPLAY_SLOTS, digests=digests)
-        gathered = self._all_gather(replayed.reshape(-1)).reshape(-1, confirm.REPLAY_SLOTS, 1 + width)
-        return confirm.judge_replays(gathered, plan, c.claims, c.records, self.ring)
 
     def _nonreproducible(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
         """The computation of ``ranks``' micro-batches is not bit-reproducible: no alarm, no rank blamed; the

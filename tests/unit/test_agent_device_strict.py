@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+from sdcguard.agent import confirm, sharded
 from sdcguard.agent import fingerprint as fp
-from sdcguard.agent import sharded
 from sdcguard.agent.ddp_hook import GradientHook, _flag_weights
 from sdcguard.agent.detectors import (
     MagnitudeCheck,
@@ -31,6 +31,7 @@ from sdcguard.agent.detectors import (
 from sdcguard.agent.findings import Layout, StepFindings
 from sdcguard.agent.guard import SDCGuard, StepResult
 from sdcguard.agent.nonfinite import SUMMARY_WIDTH
+from sdcguard.agent.recomputations import Recomputations
 from sdcguard.agent.reduce_scatter_observer import GroupFindings
 from sdcguard.agent.sharded import ShardedDataParallel
 
@@ -97,10 +98,10 @@ def test_the_step_packs_its_one_copy_to_the_host_on_the_device(fake: None) -> No
 
 
 def test_recomputed_claims_are_laid_out_on_the_device(fake: None) -> None:
-    parallel = types.SimpleNamespace(
-        collective_recompute=True,
+    parallel: Any = types.SimpleNamespace(
+        collective_recompute=True, device=CUDA,
         recompute_claim=lambda step, owner, digests: torch.zeros(5, dtype=torch.int64, device=CUDA))
-    claims = SDCGuard._recomputed_claims(_guard_stub(parallel), 3, {1: 0}, 5, 2, digests=False)
+    claims = Recomputations(parallel, confirm.Ring(1, 1), 0, lambda t: t).claims(3, {1: 0}, 5, 2, digests=False)
     assert claims.device == CUDA
     assert tuple(claims.shape) == (2, 6)
 
