@@ -155,16 +155,6 @@ class Mismatch:
     persistence: FaultPersistence
 
     @property
-    def suspects(self) -> list[int]:
-        """Every suspect of every mismatch, sorted (the confirmation's)."""
-        return self.verdict.suspects
-
-    @property
-    def localized(self) -> bool:
-        """Every mismatch was localised (the confirmation's)."""
-        return self.verdict.localized
-
-    @property
     def reasons(self) -> set[str]:
         """Why the mismatched owners were confirmed (sdcguard.agent.confirm's reasons)."""
         return {r for o in self.verdict.mismatched for r in o.reasons}
@@ -176,7 +166,7 @@ class Mismatch:
 
     @property
     def where(self) -> str:
-        return "localised by the recomputations on other nodes" if self.localized else "not localised"
+        return "localised by the recomputations on other nodes" if self.verdict.localized else "not localised"
 
     def disagreed(self) -> list[RingPair]:
         """The recomputations of the mismatched owners that disagreed with the owner's claim."""

@@ -289,8 +289,8 @@ class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
         if confirm.NONFINITE not in mismatch.reasons:
             return None
         message = (f"non-finite gradients on rank(s) {verdict.local_ranks or verdict.loss_ranks} that another "
-                   f"node's recomputation did not reproduce; suspects {mismatch.suspects} ({mismatch.where})")
-        return AlarmDecision(Detector.NONFINITE_GRAD, mismatch.suspects, mismatch.localized,
+                   f"node's recomputation did not reproduce; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.NONFINITE_GRAD, mismatch.verdict.suspects, mismatch.verdict.localized,
                              evidence_of(verdict).model_copy(update={"confirmation": mismatch.pairs}), message,
                              mismatch.persistence)
 
@@ -371,8 +371,8 @@ class ProductCheck(StepDetector[list[ProductSite]]):
             return None
         named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
         message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
-                   f"disagree with rank(s) {mismatched}; suspects {mismatch.suspects} ({mismatch.where})")
-        return AlarmDecision(Detector.PRODUCT_CHECK, mismatch.suspects, mismatch.localized,
+                   f"disagree with rank(s) {mismatched}; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.PRODUCT_CHECK, mismatch.verdict.suspects, mismatch.verdict.localized,
                              ProductCheckEvidence(sites=sites, confirmation=mismatch.pairs), message,
                              mismatch.persistence)
 
@@ -480,8 +480,8 @@ def recomputed_alarm(detector: Detector, mismatch: Mismatch, verdicts: Verdicts,
         update={"kind": detector.value, "trigger": trigger, "confirmation": mismatch.pairs})
     what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
     message = (f"rank(s) {mismatch.owners} {what} and other nodes' "
-               f"recomputations disagree; suspects {mismatch.suspects} ({mismatch.where})")
-    return AlarmDecision(detector, mismatch.suspects, mismatch.localized, evidence, message, mismatch.persistence)
+               f"recomputations disagree; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+    return AlarmDecision(detector, mismatch.verdict.suspects, mismatch.verdict.localized, evidence, message, mismatch.persistence)
 
 
 class MagnitudeCheck(StepDetector[list[int]]):
