@@ -8,9 +8,11 @@ in it) and runs every step through it:
 - :meth:`StepDetector.watching`: around the rank's own forward and backward
   only (the product checks' hooks; nothing for the others);
 - :meth:`StepDetector.observe`: after the rank's own forward and backward, it
-  puts its flag into the step's :class:`~sdcguard.agent.findings.StepFindings`,
-  which :func:`sdcguard.agent.findings.agreement_vector` packs into the step's
-  one all-reduce. Detector 1 and the reduced-gradient comparison observe
+  puts its flag into the step's :class:`~sdcguard.agent.findings.StepFindings`;
+  its declared slots (``flag_width``, ``lane_width``, ``row_width``, filled by
+  :meth:`StepDetector.flags`, ``lanes``, ``row``) are what
+  :class:`sdcguard.agent.findings.Layout` packs into the step's one all-reduce
+  and, on disagreement, into the gathered row. Detector 1 and the reduced-gradient comparison observe
   nothing here: the gradient observer (DDP's hook, FSDP2's reduce-scatter) has
   already filled their part of the summary;
 - :meth:`StepDetector.judge`: only when something disagreed, its verdict from
@@ -19,7 +21,12 @@ in it) and runs every step through it:
   flag is clear everywhere (it then gathers nothing);
 - :meth:`StepDetector.asks`: the ranks whose micro-batch another node must
   recompute before that verdict blames anyone, or :meth:`StepDetector.final`
-  when the verdict needs no recomputation (the guard decides at once).
+  when the verdict needs no recomputation (decided at once);
+- its blame rule, read by the pure :func:`sdcguard.agent.decide.decide`: what
+  it says at once (:meth:`StepDetector.at_once`), without a confirmation
+  (:meth:`StepDetector.unconfirmed`), when other nodes' recomputations
+  disagree (:meth:`StepDetector.confirmed`) or reproduce the claims
+  (:meth:`StepDetector.reproduced`), and its ``precedence``.
 
 The list's order is the order of observation and of judgement: the detectors
 that may decide at once (the reduced gradients, then detector 1) come first,
@@ -27,14 +34,15 @@ so no later detector's collective (the audit's gather of its records) runs on
 a step they settle; the audit observes before the trigger, whose norm is read
 after the audit's recomputation, as it always was. Among the detectors that
 ask, the order is immaterial: the confirmation sorts the ranks. Which alarm wins
-when several fire is the guard's decision (``_decide``, ``_unconfirmed``), not
-the list's. Detector 3 (the weights) runs before the pass on a gather of its
+when several fire is said by the detectors' ``precedence`` (sdcguard.agent.decide),
+not the list's. Detector 3 (the weights) runs before the pass on a gather of its
 own: :class:`WeightCheck` gives only its cadence.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,13 +52,23 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm
-from sdcguard.agent.findings import GatheredFindings, StepFindings
-from sdcguard.agent.nonfinite import NonFiniteVerdict, judge_nonfinite
+from sdcguard.agent import fingerprint as fp
+from sdcguard.agent.alarm import fingerprint_evidence, nonfinite_evidence, ring_evidence
+from sdcguard.agent.decide import AlarmDecision, Context, Decision, Mismatch, Reproduced, Verdicts
+from sdcguard.agent.findings import GatheredFindings, StepFindings, flag_of
+from sdcguard.agent.nonfinite import (
+    LOCAL_ANY,
+    LOSS_NONFINITE,
+    REDUCED_ANY,
+    REDUCED_FP,
+    NonFiniteVerdict,
+    judge_nonfinite,
+)
 from sdcguard.agent.ring_audit import AuditVerdict
 from sdcguard.agent.ring_audit import judge as judge_audit
 from sdcguard.agent.trigger import MagnitudeTrigger, cross_rank_outliers
 from sdcguard.agent.weights import GroupVerdict, vote_in_groups
-from sdcguard.contract import Detector, ProductSite
+from sdcguard.contract import Detector, NonFiniteEvidence, ProductCheckEvidence, ProductSite, RingPair
 
 if TYPE_CHECKING:
     from sdcguard.agent.config import GuardConfig
@@ -82,6 +100,37 @@ class StepDetector(ABC, Generic[V]):
     def observe(self, step: int, found: StepFindings) -> None:
         """After the own pass: put its flag into ``found`` (on the device; nothing comes back to the host)."""
 
+    # -- its slots on the wire (sdcguard.agent.findings.Layout lays them out) ------------------------------
+
+    flag_width: int = 0
+    """Its flags in the step's agreement vector (any non-zero one anywhere: something disagreed). A detector
+    of one flag sets 1 here and in ``row_width`` and puts the flag in ``found.marks[self.detector]``."""
+    row_width: int = 0
+    """Its slots of the row every rank contributes when something disagreed (read back with ``rows.of(self)``)."""
+
+    def lane_width(self) -> int:
+        """Its values that must be equal within every vote group, in the agreement vector (0: none)."""
+        return 0
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[flag_width]`` on the findings' device (by default its one mark, 0 when it put none)."""
+        return self._mark(found, self.flag_width)
+
+    def lanes(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[lane_width()]`` on the findings' device."""
+        return torch.zeros(0, dtype=torch.int64, device=found.summary.device)
+
+    def row(self, found: StepFindings) -> torch.Tensor:
+        """int64 ``[row_width]`` on the findings' device (by default its one mark, 0 when it put none)."""
+        return self._mark(found, self.row_width)
+
+    def _mark(self, found: StepFindings, width: int) -> torch.Tensor:
+        if width == 1:
+            return flag_of(found.marks.get(self.detector), found.summary)
+        if width == 0:
+            return torch.zeros(0, dtype=torch.int64, device=found.summary.device)
+        raise NotImplementedError(f"{type(self).__name__} declares {width} slots: it fills them itself")
+
     @abstractmethod
     def judge(self, rows: GatheredFindings, found: StepFindings) -> V | None:
         """Its verdict from every rank's gathered row (the same on every rank); None when its flag is clear
@@ -98,6 +147,33 @@ class StepDetector(ABC, Generic[V]):
     def passed(self, step: int) -> None:
         """``step`` passed every check and updates (the detector may learn from it)."""
 
+    # -- its blame rule (read by sdcguard.agent.decide, pure) -----------------------------------------------
+
+    precedence: int = 100
+    """Which detector's alarm wins when the recomputations disagree with owners several detectors asked for,
+    and which saying wins among equals when they all reproduced (the lowest first)."""
+    unconfirmed_precedence: int = 100
+    """Which detector's alarm wins when no other node recomputed (the lowest first)."""
+
+    def at_once(self, verdict: V, context: Context) -> Decision:
+        """The decision on a :meth:`final` verdict."""
+        raise NotImplementedError(f"{type(self).__name__} gave a final verdict but says nothing of it (at_once)")
+
+    def unconfirmed(self, verdict: V, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The alarm ``verdict`` raises when no other node can recompute (None: it raises none)."""
+        return None
+
+    def confirmed(self, verdict: V, mismatch: Mismatch, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The alarm when other nodes' recomputations disagree with an owner (None: not this detector's)."""
+        return None
+
+    def reproduced(self, verdict: V, reproduced: Reproduced, verdicts: Verdicts, context: Context) -> Decision | None:
+        """What it says when every recomputation reproduced the owners' claims (None: nothing; the step updates)."""
+        return None
+
+
+_LOWEST = torch.iinfo(torch.int64).min
+
 
 class ReducedGradCheck(StepDetector[GroupVerdict]):
     """The reduced gradients, which every replica of a vote group must hold bit for bit: a majority vote of
@@ -105,8 +181,25 @@ class ReducedGradCheck(StepDetector[GroupVerdict]):
 
     detector = Detector.REDUCED_GRAD
 
-    def __init__(self, vote_groups: list[list[int]]) -> None:
+    def __init__(self, vote_groups: list[list[int]], slot: int = 0) -> None:
         self.vote_groups = vote_groups
+        self.slot = slot
+        """This rank's vote group."""
+
+    def lane_width(self) -> int:
+        return len(self.vote_groups) * fp.LANES
+
+    def lanes(self, found: StepFindings) -> torch.Tensor:
+        """One slot of lanes per vote group: this rank's lanes in its own group's slot, the lowest int64
+        elsewhere (so the MAX and MIN of every slot are its own group's)."""
+        s = found.summary
+        mine = s.narrow(0, REDUCED_FP.start, fp.LANES)
+        slots = len(self.vote_groups)
+        if slots == 1:
+            return mine
+        lowest = torch.full((slots, fp.LANES), _LOWEST, dtype=torch.int64, device=s.device)
+        here = (torch.arange(slots, device=s.device) == self.slot).unsqueeze(1)
+        return torch.where(here, mine.unsqueeze(0), lowest).reshape(-1)
 
     def judge(self, rows: GatheredFindings, found: StepFindings) -> GroupVerdict | None:
         # A step with non-finite sums belongs to detector 1 (their bits carry no meaning).
@@ -117,6 +210,14 @@ class ReducedGradCheck(StepDetector[GroupVerdict]):
 
     def final(self, verdict: GroupVerdict) -> bool:
         return True
+
+    def at_once(self, verdict: GroupVerdict, context: Context) -> Decision:
+        suspects = verdict.dissenters
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.REDUCED_GRAD, suspects, verdict.localized,
+            fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(), "reduced_gradients"),
+            f"replicas received different reduced gradients; outside the strict majority: {suspects}"
+            if verdict.localized else "replicas received different reduced gradients and no strict majority"))
 
 
 class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
@@ -132,6 +233,13 @@ class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
         self.world_size = world_size
         self.scaled = scaled
 
+    flag_width = 3  # any local, any reduced, the loss: the gradient observer's, in the summary (no row of its own)
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        s = found.summary
+        # Views, not an index tensor: nothing is copied from the host to the device.
+        return torch.cat([s.narrow(0, LOCAL_ANY, REDUCED_ANY + 1 - LOCAL_ANY), s.narrow(0, LOSS_NONFINITE, 1)])
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> NonFiniteVerdict | None:
         verdict = judge_nonfinite(rows.summaries)
         return verdict if verdict.local_ranks or verdict.loss_ranks or verdict.reduced_ranks else None
@@ -145,6 +253,57 @@ class NonFiniteCheck(StepDetector[NonFiniteVerdict]):
 
     def asks(self, verdict: NonFiniteVerdict) -> list[int]:
         return sorted(set(verdict.local_ranks) | set(verdict.loss_ranks))
+
+    precedence = 10
+    unconfirmed_precedence = 10
+
+    def at_once(self, verdict: NonFiniteVerdict, context: Context) -> Decision:
+        """The GradScaler's routine backoff (an alarm past ``max_scaler_overflow_steps`` in a row), or a
+        reduction that delivered non-finite sums from finite inputs."""
+        if self.overflow(verdict):
+            streak = context.overflow_streak + 1
+            if streak <= context.max_scaler_overflow_steps:
+                return Decision("overflow", scaler_overflow=True)
+            message = (f"gradients non-finite on every rank for {streak} consecutive steps, "
+                       f"past the GradScaler's backoff ({context.max_scaler_overflow_steps} allowed)")
+            return Decision.raise_alarm(AlarmDecision(Detector.NONFINITE_GRAD, [], False, evidence_of(verdict),
+                                                      message), scaler_overflow=True)
+        # Finite inputs everywhere, non-finite sums: the reduction itself.
+        strict = 0 < len(verdict.reduced_ranks) < context.world_size
+        suspects = verdict.reduced_ranks if strict else []
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.NONFINITE_GRAD, suspects, bool(suspects), nonfinite_evidence([], True, verdict.buckets),
+            f"the reduction delivered non-finite gradients to rank(s) {verdict.reduced_ranks}"))
+
+    def unconfirmed(self, verdict: NonFiniteVerdict, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        if not (verdict.local_ranks or verdict.loss_ranks):
+            return None
+        # The ranks whose own pass went non-finite: their local gradients, or only their loss.
+        named = sorted(set(verdict.local_ranks) | set(verdict.loss_ranks))
+        suspects = [] if len(verdict.local_ranks) == context.world_size else named
+        return AlarmDecision(Detector.NONFINITE_GRAD, suspects, bool(suspects), evidence_of(verdict),
+                             f"non-finite local gradients on rank(s) {named}")
+
+    def confirmed(self, verdict: NonFiniteVerdict, mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.NONFINITE not in mismatch.reasons:
+            return None
+        message = (f"non-finite gradients on rank(s) {verdict.local_ranks or verdict.loss_ranks} that another "
+                   f"node's recomputation did not reproduce; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.NONFINITE_GRAD, mismatch.verdict.suspects, mismatch.verdict.localized,
+                             evidence_of(verdict).model_copy(update={"confirmation": mismatch.pairs}), message,
+                             mismatch.persistence)
+
+    def reproduced(self, verdict: NonFiniteVerdict, reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        """The recomputations reproduced the NaN/Inf: the data's (every rank skips the update)."""
+        owners = sorted(o.owner for o in reproduced.verdict.outcomes if confirm.NONFINITE in o.reasons)
+        return Decision("data_fault", ranks=owners) if owners else None
+
+
+def evidence_of(verdict: NonFiniteVerdict) -> NonFiniteEvidence:
+    """Detector 1's evidence from its reading of the gathered rows (per DDP bucket, or per FSDP group)."""
+    return nonfinite_evidence(verdict.local_ranks, bool(verdict.reduced_ranks), verdict.buckets)
 
 
 class ProductCheck(StepDetector[list[ProductSite]]):
@@ -169,14 +328,60 @@ class ProductCheck(StepDetector[list[ProductSite]]):
     def observe(self, step: int, found: StepFindings) -> None:
         found.products = self.checks.summary()
 
+    flag_width = 1
+    row_width = 2  # the first failing site (or -1), how many failed
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        # A view and a clamp (the count is >= 0): 1 where some product failed, with no scalar from the host.
+        hit = found.products.narrow(0, 1, 1).clamp(max=1) if found.products is not None else None
+        return flag_of(hit, found.summary)
+
+    def row(self, found: StepFindings) -> torch.Tensor:
+        if found.products is not None:
+            return found.products.to(torch.int64).reshape(2)
+        # "None failed", filled on the device: no copy from the host.
+        device = found.summary.device
+        return torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device),
+                          torch.zeros(1, dtype=torch.int64, device=device)])
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> list[ProductSite] | None:
         """The first failing product of each rank whose checks fired (named from this rank's sites: every rank
         runs the same model, so the same sites in the same order)."""
-        sites = [ProductSite(rank=rank, site=site[:256]) for rank, site in self.checks.findings(rows.products)]
+        sites = [ProductSite(rank=rank, site=site[:256]) for rank, site in self.checks.findings(rows.of(self))]
         return sites[:4096] or None
 
     def asks(self, verdict: list[ProductSite]) -> list[int]:
         return [site.rank for site in verdict]
+
+    precedence = 20
+    unconfirmed_precedence = 35  # after the audit's: without a recomputation, a failed audit pair names first
+
+    def unconfirmed(self, verdict: list[ProductSite], verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        """The checksums' bound is rigorous: a mismatch alone is an alarm, localised to the rank that made it."""
+        ranks = sorted({s.rank for s in verdict})
+        sites = ", ".join(f"rank {s.rank}: {s.site}" for s in verdict[:8])
+        return AlarmDecision(Detector.PRODUCT_CHECK, ranks, True, ProductCheckEvidence(sites=verdict),
+                             f"a matrix product failed its checksums ({sites}); no other node recomputed it")
+
+    def confirmed(self, verdict: list[ProductSite], mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        mismatched = mismatch.owners
+        sites = [s for s in verdict if s.rank in mismatched]
+        if confirm.PRODUCT not in mismatch.reasons or not sites:
+            return None
+        named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
+        message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
+                   f"disagree with rank(s) {mismatched}; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+        return AlarmDecision(Detector.PRODUCT_CHECK, mismatch.verdict.suspects, mismatch.verdict.localized,
+                             ProductCheckEvidence(sites=sites, confirmation=mismatch.pairs), message,
+                             mismatch.persistence)
+
+    def reproduced(self, verdict: list[ProductSite], reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        return Decision("update", notes=((logging.WARNING, (
+            f"step {context.step}: product checks fired ({', '.join(f'rank {s.rank}: {s.site}' for s in verdict[:8])}); "
+            f"the recomputations on other nodes reproduced the micro-batch's loss and gradients, so the fault did "
+            f"not reach them: the update goes ahead")),))
 
 
 class RingAuditCheck(StepDetector[AuditVerdict]):
@@ -208,9 +413,16 @@ class RingAuditCheck(StepDetector[AuditVerdict]):
             received = found.audit_record
         found.audit_bad = (received != found.own_record).any()
 
+    flag_width = row_width = 1  # this rank's pair disagreed (0 on the steps it is not due)
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        return flag_of(found.audit_bad, found.summary)
+
+    row = flags
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> AuditVerdict | None:
         """A pair disagreed: gather both sides' records (O(world), only now) and judge them."""
-        if found.own_record is None or found.audit_record is None or not rows.audit_failed:
+        if found.own_record is None or found.audit_record is None or not bool(rows.of(self).any()):
             return None
         both = self.gather(torch.cat([found.own_record, found.audit_record]))
         width = both.shape[1] // 2
@@ -219,6 +431,57 @@ class RingAuditCheck(StepDetector[AuditVerdict]):
 
     def asks(self, verdict: AuditVerdict) -> list[int]:
         return [pair.audited for pair in verdict.mismatched]
+
+    precedence = 30
+    unconfirmed_precedence = 30
+
+    def unconfirmed(self, verdict: AuditVerdict, verdicts: Verdicts, context: Context) -> AlarmDecision | None:
+        if verdict.clean:
+            return None
+        where = "disagrees with both ring neighbours" if verdict.localized else "involved in a failed audit"
+        return AlarmDecision(Detector.RING_AUDIT, verdict.suspects, verdict.localized,
+                             ring_evidence(ring_pairs(verdict, context)), f"rank(s) {verdict.suspects} {where}")
+
+    def confirmed(self, verdict: AuditVerdict, mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.AUDIT not in mismatch.reasons:
+            return None
+        return recomputed_alarm(Detector.RING_AUDIT, mismatch, verdicts, context)
+
+    def reproduced(self, verdict: AuditVerdict, reproduced: Reproduced, verdicts: Verdicts,
+                   context: Context) -> Decision | None:
+        """Every recomputation reproduces the audited ranks' claims: the auditor got it wrong once."""
+        if verdict.clean:
+            return None
+        auditors = sorted({p.auditor for p in verdict.mismatched})
+        evidence = ring_evidence(ring_pairs(verdict, context)).model_copy(update={"confirmation": reproduced.pairs})
+        return Decision.raise_alarm(AlarmDecision(
+            Detector.RING_AUDIT, auditors, context.ring.units >= 3, evidence,
+            f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced the audited "
+            f"claims: the auditors' hardware", "transient"))
+
+
+def ring_pairs(verdict: AuditVerdict, context: Context) -> list[RingPair]:
+    """The audit's disagreeing pairs as the evidence gives them (at most 4096, 64 parameters each)."""
+    return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
+                     expected_loss=p.expected_loss, observed_loss=p.observed_loss,
+                     mismatched_params=[context.param_label(n) for n in p.mismatched_params[:64]])
+            for p in verdict.mismatched][:4096]
+
+
+def recomputed_alarm(detector: Detector, mismatch: Mismatch, verdicts: Verdicts, context: Context) -> AlarmDecision:
+    """The alarm of a recomputation that disagreed with an owner the audit (``ring_audit``) or the magnitude
+    trigger (``magnitude_trigger``) asked for, with the ring audit's evidence layout: the audit's own failed
+    pairs where it has any, else the confirmations that disagreed, else every confirmation."""
+    audit = verdicts.get(Detector.RING_AUDIT)
+    audit_pairs = ring_pairs(audit, context) if audit is not None and not audit.clean else []
+    trigger = "audit" if detector is Detector.RING_AUDIT else "magnitude"
+    evidence = ring_evidence(audit_pairs or mismatch.disagreed() or mismatch.pairs).model_copy(
+        update={"kind": detector.value, "trigger": trigger, "confirmation": mismatch.pairs})
+    what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
+    message = (f"rank(s) {mismatch.owners} {what} and other nodes' "
+               f"recomputations disagree; suspects {mismatch.verdict.suspects} ({mismatch.where})")
+    return AlarmDecision(detector, mismatch.verdict.suspects, mismatch.verdict.localized, evidence, message, mismatch.persistence)
 
 
 class MagnitudeCheck(StepDetector[list[int]]):
@@ -251,11 +514,27 @@ class MagnitudeCheck(StepDetector[list[int]]):
             fired = fired | cross_rank_outliers(torch.stack(rows))[topology.rank]
         found.trigger = fired
 
+    flag_width = row_width = 1  # this rank's trigger fired
+
+    def flags(self, found: StepFindings) -> torch.Tensor:
+        return flag_of(found.trigger, found.summary)
+
+    row = flags
+
     def judge(self, rows: GatheredFindings, found: StepFindings) -> list[int] | None:
-        return rows.triggered or None
+        return torch.nonzero(rows.of(self)[:, 0]).reshape(-1).tolist() or None
 
     def asks(self, verdict: list[int]) -> list[int]:
         return verdict
+
+    precedence = 40  # alone never an alarm; after the audit, which claims a step both asked for
+
+    def confirmed(self, verdict: list[int], mismatch: Mismatch, verdicts: Verdicts,
+                  context: Context) -> AlarmDecision | None:
+        if confirm.MAGNITUDE not in mismatch.reasons:
+            return None
+        # Its own detector, with ring_audit's evidence layout.
+        return recomputed_alarm(Detector.MAGNITUDE_TRIGGER, mismatch, verdicts, context)
 
     def passed(self, step: int) -> None:
         self.trigger.observe()
@@ -273,6 +552,16 @@ class WeightCheck:
         """Whether ``step`` starts with the weight check."""
         return step % self.every == 0
 
+    @staticmethod
+    def alarm(verdict: GroupVerdict) -> AlarmDecision:
+        """Its blame rule: replicas that disagree, outside the strict majority (all of them without one); final."""
+        suspects = verdict.dissenters
+        return AlarmDecision(
+            Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
+            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(), "weights+optimizer"),
+            f"replicas hold different weights; outside the strict majority: {suspects}"
+            if verdict.localized else "replicas hold different weights and no strict majority")
+
 
 def step_detectors(config: GuardConfig, parallel: Parallelism, *, audit: bool, gather: Gather,
                    group: dist.ProcessGroup | None, trigger: MagnitudeTrigger | None,
@@ -284,7 +573,7 @@ def step_detectors(config: GuardConfig, parallel: Parallelism, *, audit: bool, g
     the magnitude trigger's and the product checks' state (None when off)."""
     detectors: list[StepDetector[Any]] = []
     if config.reduced_grad:
-        detectors.append(ReducedGradCheck(parallel.vote_groups))
+        detectors.append(ReducedGradCheck(parallel.vote_groups, parallel.vote_slot))
     if config.nonfinite:
         detectors.append(NonFiniteCheck(parallel.job.topology.world_size, scaled=scaled))
     if products is not None:

@@ -4,8 +4,12 @@ One step for every parallelism: what differs between DDP and FSDP2 (HSDP or
 pure FSDP) sits behind :class:`sdcguard.agent.parallelism.Parallelism`
 (sdcguard.agent.data_parallel, sdcguard.agent.sharded), chosen when the guard is built;
 the detectors are components with one interface (sdcguard.agent.detectors: when
-each is due, what it observes, how it judges the gathered rows), in a list
-built from the settings.
+each is due, its slots on the wire, what it observes, how it judges the
+gathered rows, its blame rule), in a list built from the settings (and the
+job's own, ``detectors=``). The guard builds, runs the step, holds the one
+agreement and applies the decision; deciding is pure
+(sdcguard.agent.decide), alarms are sdcguard.agent.alarms', the loop's
+checkpointed state sdcguard.agent.loop_state's.
 Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 
 1. On weight-check steps, detector 3 compares the fingerprints of the weights
@@ -27,15 +31,17 @@ Order inside a step; nothing reaches ``optimizer.step()`` unchecked:
 4. The magnitude trigger compares this rank's loss and gradient norm with its
    own history (restored from the checkpoint on a resume); during a fresh
    job's warm-up, also with the other ranks' (an all-gather on those steps).
-5. One small all-reduce (sdcguard.agent.findings: flags, and the min and max of each
-   vote group's reduced-gradient fingerprint) tells every rank whether all
+5. One small all-reduce (sdcguard.agent.findings, laid out from the detectors'
+   slots: flags, and the min and max of each vote group's reduced-gradient
+   fingerprint) tells every rank whether all
    agree: O(1) in the world size; its result, the loss, the gradient norm and
    the trigger's flag come back to the host in one copy. Only when something
    disagrees are the ranks' findings gathered (:meth:`SDCGuard._resolve`),
    and a suspicious micro-batch is recomputed on other nodes before anything
    is blamed (sdcguard.agent.confirm): the same data fault on any GPU is the data's;
    a recomputation that differs is the hardware's, and the suspect replays
-   once to say whether it persists.
+   once to say whether it persists. ``decide`` turns the verdicts, the
+   confirmation and the replays into one Decision, which the guard applies.
 6. Update (unscale, clip to ``max_grad_norm``, ``optimizer.step()`` or the
    GradScaler's step, then the LR scheduler's step), or skip it all: on an
    alarm (publish, then the policy), on a data fault (every rank skips, a
@@ -53,9 +59,8 @@ import functools
 import logging
 import math
 import os
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,23 +68,26 @@ import torch
 import torch.distributed as dist
 
 from sdcguard.agent import confirm, findings, native, replay
-from sdcguard.agent.alarm import (
-    RankIdentity,
-    build_alarm,
-    fingerprint_evidence,
-    gather_identities,
-    nonfinite_evidence,
-    ring_evidence,
-)
+from sdcguard.agent.alarm import RankIdentity, gather_identities
+from sdcguard.agent.alarms import AlarmPolicy, GuardAlarm
 from sdcguard.agent.batches import BatchNotReplayable, check_replayable
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, LoadedCheckpoint, SaveResult
-from sdcguard.agent.config import ALARM_EXIT_CODE, GuardConfig
+from sdcguard.agent.config import GuardConfig
 from sdcguard.agent.data_parallel import DataParallel
-from sdcguard.agent.detectors import NonFiniteCheck, StepDetector, WeightCheck, global_rank, step_detectors
+from sdcguard.agent.decide import (
+    AlarmDecision,
+    Confirmation,
+    Context,
+    Decision,
+    Verdicts,
+    decide,
+    replays_needed,
+)
+from sdcguard.agent.detectors import StepDetector, WeightCheck, global_rank, step_detectors
 from sdcguard.agent.determinism import DeterminismUnavailable, gather_signatures, signature_differences
 from sdcguard.agent.exit_grace import settle_gloo_at_exit
-from sdcguard.agent.findings import GatheredFindings, StepFindings
-from sdcguard.agent.nonfinite import NonFiniteVerdict
+from sdcguard.agent.findings import Layout, StepFindings
+from sdcguard.agent.loop_state import LOOP_STATE, loop_state, restore_loop_state
 from sdcguard.agent.parallelism import BatchFor, Checkpoints, Job, LossFn, Parallelism, gather_rows
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.publisher import (
@@ -89,44 +97,19 @@ from sdcguard.agent.publisher import (
     PublisherDefault,
     PublishOutcome,
 )
-from sdcguard.agent.ring_audit import AuditVerdict, loss_bits
+from sdcguard.agent.recomputations import Recomputations
+from sdcguard.agent.ring_audit import loss_bits
 from sdcguard.agent.testing.inject import Injection, Injector, corrupt_checkpoint_bytes
 from sdcguard.agent.testing.inject import from_env as injection_from_env
 from sdcguard.agent.topology import Topology
 from sdcguard.agent.trigger import MagnitudeTrigger
-from sdcguard.agent.weights import GroupVerdict, vote_in_groups
-from sdcguard.contract import (
-    Alarm,
-    Detector,
-    LastClean,
-    NonFiniteEvidence,
-    ProductCheckEvidence,
-    ProductSite,
-    RingPair,
-)
-from sdcguard.contract.alarm import FaultPersistence
+from sdcguard.agent.weights import vote_in_groups
+from sdcguard.contract import Alarm, Detector
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LOOP_STATE", "BatchFor", "DataFaultLimit", "GuardAlarm", "LossFn", "NonReproducible", "SDCGuard",
            "StepResult"]
-
-LOOP_STATE = "sdcguard_loop"
-"""The key of a checkpoint's ``extra`` under which the guard keeps the LR schedule's and the GradScaler's state
-and every rank's magnitude-trigger history."""
-
-
-_RECOMPUTED = (Detector.RING_AUDIT, Detector.NONFINITE_GRAD, Detector.MAGNITUDE_TRIGGER, Detector.PRODUCT_CHECK)
-"""The detectors whose localised alarms rest on a recomputation on another node (they get a replay capsule)."""
-
-
-class GuardAlarm(RuntimeError):
-    """Raised by ``SDCGuard.step`` under ``on_alarm="raise"``; ``.alarm`` is the published alarm."""
-
-    def __init__(self, alarm: Alarm) -> None:
-        super().__init__(f"SDC alarm at step {alarm.step} ({alarm.detector.value}): suspects {alarm.suspect_ranks}")
-        self.alarm = alarm
-
 
 class DataFaultLimit(RuntimeError):
     """Raised on every rank after more than ``max_data_faults`` consecutive data faults: the run is broken
@@ -189,15 +172,6 @@ class StepResult:
     """On the publishing rank, what became of the alarm (with ``publisher=None``: not delivered, not spooled)."""
 
 
-@dataclass(frozen=True)
-class _Confirmation:
-    """The confirmations' verdict, and the gathered claims and records it was judged from."""
-
-    verdict: confirm.ConfirmationVerdict
-    claims: torch.Tensor
-    records: torch.Tensor
-
-
 class SDCGuard:
     """Wraps a DDP (or FSDP2) model and its optimizer; ``step(step)`` runs one checked training step.
 
@@ -222,6 +196,10 @@ class SDCGuard:
     are turned off with a warning) and calls ``batch_for(0, rank)`` twice
     (``sdcguard.agent.batches.BatchNotReplayable`` when the two differ).
 
+    ``detectors`` are the job's own detectors (sdcguard.agent.detectors.StepDetector; see
+    docs/adding-a-detector.md), run after the built-in ones on every step; ``ValueError`` for one that
+    is not a StepDetector.
+
     With ``mesh`` (a ``DeviceMesh``), ``model`` is an FSDP2 model
     (``fully_shard(..., mesh=mesh)``) and the step runs through
     :class:`sdcguard.agent.sharded.ShardedDataParallel` (see there for what it raises).
@@ -243,8 +221,12 @@ class SDCGuard:
         checkpoints: Checkpoints | None = None,
         unchecked_buffers: tuple[str, ...] = (),
         mesh: Any = None,
+        detectors: Sequence[StepDetector[Any]] = (),
     ) -> None:
         cfg = config if config is not None else GuardConfig.from_env()
+        for own in detectors:
+            if not isinstance(own, StepDetector):
+                raise ValueError(f"detectors: {own!r} is not a sdcguard.agent.detectors.StepDetector")
         # A disabled GradScaler (GradScaler(enabled=False), the usual "fp16 only" switch) scales nothing.
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.topology = Topology.from_env(ranks_per_node=cfg.ranks_per_node, rank=dist.get_rank(group),
@@ -269,6 +251,8 @@ class SDCGuard:
         if dist.is_initialized():
             settle_gloo_at_exit(group)
         self.ring = self.parallel.ring
+        self.recomputations = Recomputations(self.parallel, self.ring, self.topology.rank, self._all_gather)
+        """The disagreement path's recomputations on other nodes (sdcguard.agent.recomputations)."""
         # None publishes nothing (no bus, no spool); the default builds the EventBridge publisher.
         if isinstance(publisher, PublisherDefault):
             publisher = Publisher(cfg)
@@ -293,10 +277,12 @@ class SDCGuard:
         # fully_shard model itself): forward hooks that name the sites, nothing else.
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.products = ProductChecks(bare, device=self.device) if cfg.product_checks else None
-        self.detectors: list[StepDetector[Any]] = step_detectors(
+        self.detectors: list[StepDetector[Any]] = [*step_detectors(
             cfg, self.parallel, audit=self.audit_enabled, gather=self._all_gather, group=group, trigger=self.trigger,
-            products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None)
+            products=self.products, unscaled=self._unscaled, scaled=self.scaler is not None), *detectors]
         """The step's detectors, in the order they observe and judge (sdcguard.agent.detectors)."""
+        self.layout = Layout(self.detectors)
+        """The step's wire, laid out from the detectors' slots (sdcguard.agent.findings)."""
         self.weight_check = WeightCheck(cfg.fingerprint_every) if cfg.fingerprint_every > 0 else None
         if isinstance(injection, str):
             injection = injection_from_env()
@@ -304,6 +290,10 @@ class SDCGuard:
         self.injector.install(self.parallel.injection_site(optimizer, self.register_step_hook))
         self.identities: list[RankIdentity] = gather_identities(self.topology, self.device, group)
         self.run_id = self._agree_run_id()
+        self.alarm_policy = AlarmPolicy(self.parallel, topology=self.topology, identities=self.identities,
+                                        run_id=self.run_id, publisher=self.publisher, optimizer=optimizer,
+                                        scaler=self.scaler, group=group)
+        """Building, publishing and the policy of this guard's alarms (sdcguard.agent.alarms)."""
         if cfg.audit_every > 0 and not self.audit_enabled:
             log.warning("ring audit off: it needs %s (world %d, %d ranks per node)", self.parallel.audit_needs,
                         self.topology.world_size, self.topology.ranks_per_node)
@@ -312,7 +302,8 @@ class SDCGuard:
         self.data_fault_streak = 0
         self.nonreproducible_steps = 0
         """Steps whose recomputations showed the computation is not bit-reproducible (no rank blamed)."""
-        self.alarms: list[Alarm] = []
+        self.alarms: list[Alarm] = self.alarm_policy.raised
+        """Every alarm raised so far, in order."""
         self._checkpoints = checkpoints
         self.resumed: LoadedCheckpoint | None = None
         """The checkpoint :meth:`resume_step` loaded (None before, or when there was none)."""
@@ -426,9 +417,8 @@ class SDCGuard:
 
         The answer, this rank's loss, the reduced-gradient norm and the trigger's flag come back to the host
         in one copy, into ``result``."""
-        cfg, parallel = self.config, self.parallel
-        vector = findings.agreement_vector(found, nonfinite=cfg.nonfinite, reduced=cfg.reduced_grad,
-                                           slot=parallel.vote_slot, slots=len(parallel.vote_groups))
+        parallel = self.parallel
+        vector = self.layout.agreement(found)
         if self.topology.world_size > 1:
             dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
         measured = parallel.reduced_norm()
@@ -442,7 +432,7 @@ class SDCGuard:
         if measured is not None:
             result.grad_norm = findings.float_of_bits(host[-2])
         result.triggered = bool(host[-1])
-        return findings.agreed(host[:-3])
+        return self.layout.agreed(host[:-3])
 
     def _update(self, step: int, result: StepResult) -> StepResult:
         """Every check passed (or a trigger was confirmed as real): record the clean steps and update."""
@@ -492,207 +482,60 @@ class SDCGuard:
     # -- the disagreement path ------------------------------------------------------------------------
 
     def _resolve(self, step: int, found: StepFindings, result: StepResult) -> Alarm | None:
-        """Something disagreed: gather every rank's findings, confirm before blaming, decide (same on every rank).
+        """Something disagreed: gather every rank's findings, judge, confirm before blaming, decide (pure,
+        sdcguard.agent.decide) and apply the decision (the same on every rank).
 
-        Returns the alarm, or None with ``result.overflow`` / ``result.data_fault``
-        set when the update must be skipped without one, or None alone when the
-        step may update (a magnitude jump that the recomputation reproduced).
+        Returns the alarm, or None with ``result.overflow`` / ``result.data_fault`` / ``result.nonreproducible``
+        set when the update must be skipped without one, or None alone when the step may update (a magnitude
+        jump that the recomputation reproduced).
         """
         claim = self.parallel.own_claim(found, digests=found.own_record is not None)
-        rows = GatheredFindings.unpack(self._all_gather(findings.pack_row(found, claim)))
-        verdicts: dict[Detector, Any] = {}
-        owners: dict[int, list[str]] = {}
+        rows = self.layout.unpack(self._all_gather(self.layout.row(found, claim)))
+        judged: list[tuple[StepDetector[Any], Any]] = []
         for detector in self.detectors:
-            verdict = verdicts[detector.detector] = detector.judge(rows, found)
-            if verdict is None:
-                continue
-            if detector.final(verdict):
-                return self._at_once(step, detector, verdict, result)
-            for rank in detector.asks(verdict):
-                owners.setdefault(rank, []).append(detector.reason)
-        return self._confirm_and_decide(step, result, rows.claims, owners, verdicts.get(Detector.NONFINITE_GRAD),
-                                        verdicts.get(Detector.RING_AUDIT), verdicts.get(Detector.PRODUCT_CHECK))
+            verdict = detector.judge(rows, found)
+            judged.append((detector, verdict))
+            if verdict is not None and detector.final(verdict):
+                break  # decided at once: no later detector's collective runs on this step
+        verdicts = Verdicts(judged)
+        owners = verdicts.owners()
+        confirmation: Confirmation | None = None
+        replays: confirm.ReplayVerdict | None = None
+        names: list[str] | None = None
+        if verdicts.final() is None and owners and self.config.confirm and self.ring.possible:
+            confirmation = self.recomputations.confirm(step, rows.claims, owners, digests=result.audited)
+            names = self.parallel.digest_names() if result.audited else None
+            if replays_needed(confirmation):
+                replays = self.recomputations.replays(step, confirmation, digests=result.audited)
+        context = Context(step=step, world_size=self.topology.world_size, ring=self.ring,
+                          max_scaler_overflow_steps=self.config.max_scaler_overflow_steps,
+                          overflow_streak=self.overflow_streak, param_label=self.parallel.param_label,
+                          digest_names=names)
+        return self._apply(step, decide(verdicts, confirmation, replays, context=context), result)
 
-    def _at_once(self, step: int, detector: StepDetector[Any], verdict: Any, result: StepResult) -> Alarm | None:
-        """A verdict no recomputation could change: replicas that received different reduced gradients, a
-        reduction that delivered non-finite sums from finite inputs, or the GradScaler's overflow."""
-        if isinstance(verdict, GroupVerdict):
-            suspects = verdict.dissenters
-            return self._alarm(step, Detector.REDUCED_GRAD, suspects, verdict.localized,
-                               fingerprint_evidence("reduced_grad", verdict.groups(), verdict.majority(),
-                                                    "reduced_gradients"),
-                               f"replicas received different reduced gradients; outside the strict majority: "
-                               f"{suspects}" if verdict.localized else
-                               "replicas received different reduced gradients and no strict majority")
-        assert isinstance(detector, NonFiniteCheck)
-        assert isinstance(verdict, NonFiniteVerdict)
-        if detector.overflow(verdict):
-            return self._scaler_overflow(step, result, verdict)
-        # Finite inputs everywhere, non-finite sums: the reduction itself.
-        strict = 0 < len(verdict.reduced_ranks) < self.topology.world_size
-        suspects = verdict.reduced_ranks if strict else []
-        return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                           nonfinite_evidence([], True, verdict.buckets),
-                           f"the reduction delivered non-finite gradients to rank(s) {verdict.reduced_ranks}")
-
-    def _scaler_overflow(self, step: int, result: StepResult, nonfinite: NonFiniteVerdict) -> Alarm | None:
-        """Every rank's scaled gradients overflowed, every loss is finite: the GradScaler's routine backoff."""
-        self.overflow_streak += 1
-        if self.overflow_streak <= self.config.max_scaler_overflow_steps:
+    def _apply(self, step: int, decision: Decision, result: StepResult) -> Alarm | None:
+        """Do what ``decision`` says: the alarm built (the caller publishes it), or the skip recorded in
+        ``result``. Raises BatchNotReplayable, DataFaultLimit and NonReproducible where the decision is one."""
+        result.confirmed = decision.confirmed
+        for level, note in decision.notes:
+            log.log(level, "%s", note)
+        if decision.scaler_overflow:
+            self.overflow_streak += 1
+        if decision.kind == "alarm":
+            assert decision.alarm is not None
+            return self._alarm(step, decision.alarm)
+        if decision.kind == "overflow":
             result.overflow = True
-            return None
-        message = (f"gradients non-finite on every rank for {self.overflow_streak} consecutive steps, "
-                   f"past the GradScaler's backoff ({self.config.max_scaler_overflow_steps} allowed)")
-        return self._alarm(step, Detector.NONFINITE_GRAD, [], False, self._nonfinite_evidence(nonfinite), message)
-
-    def _recomputed_claims(self, step: int, assigned: dict[int, int], width: int, slots: int,
-                           *, digests: bool) -> torch.Tensor:
-        """``[slots, 1 + width]``: per slot, 1 and the claim of the owner this rank recomputes there, or zeros.
-
-        Where a recomputation is a collective (FSDP2), every rank runs every slot in lock step, its own
-        micro-batch where it has no owner (the result unused)."""
-        rank, parallel = self.topology.rank, self.parallel
-        rows = [torch.zeros(1 + width, dtype=torch.int64, device=self.device) for _ in range(slots)]
-        for slot in range(slots):
-            owner = assigned.get(slot)
-            if owner is None and not parallel.collective_recompute:
-                continue
-            claim = parallel.recompute_claim(step, rank if owner is None else owner, digests=digests)
-            if owner is not None:
-                # "Recomputed" (1), then the claim; made on the device.
-                rows[slot] = torch.cat([torch.ones(1, dtype=torch.int64, device=self.device), claim.to(self.device)])
-        return torch.stack(rows)
-
-    def _confirm(self, step: int, claims: torch.Tensor, owners: dict[int, tuple[str, ...]],
-                 *, digests: bool) -> _Confirmation:
-        """Recompute each owner's micro-batch on its confirmers (this rank does at most two), gather, judge."""
-        assigned = dict(self.ring.assignments(self.topology.rank, set(owners)))
-        # Every owner's previous unit recomputes it in slot 0; with 3 or more units the next one in slot 1.
-        slots = 2 if self.ring.units >= 3 else 1
-        recomputed = self._recomputed_claims(step, assigned, claims.shape[1], slots, digests=digests)
-        if slots < 2:  # every rank sends two slots (the gathered layout), the second empty
-            recomputed = torch.cat([recomputed, torch.zeros_like(recomputed)])
-        records = self._all_gather(recomputed.reshape(-1)).reshape(-1, 2, 1 + claims.shape[1])
-        verdict = confirm.judge_confirmations(claims, records, owners, self.ring)
-        return _Confirmation(verdict, claims, records)
-
-    def _confirm_and_decide(self, step: int, result: StepResult, claims: torch.Tensor,
-                            owners: dict[int, list[str]], nonfinite: NonFiniteVerdict | None,
-                            audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
-        """Confirm before blame (the same on every rank): recompute each owner's micro-batch on other nodes and
-        decide, or without a confirmation (``confirm`` off, or no other node) take the detectors' own verdicts.
-
-        ``owners`` maps each rank to why it is confirmed. Returns what :meth:`_decide` returns; None at once
-        without an owner.
-        """
-        if not owners:
-            return None
-        result.confirmed = sorted(owners)
-        if not (self.config.confirm and self.ring.possible):
-            return self._unconfirmed(step, nonfinite, audit, products or [])
-        confirmation = self._confirm(step, claims, {r: tuple(v) for r, v in owners.items()}, digests=result.audited)
-        return self._decide(step, result, confirmation, nonfinite, audit, products or [])
-
-    def _decide(self, step: int, result: StepResult, c: _Confirmation, nonfinite: NonFiniteVerdict | None,
-                audit: AuditVerdict | None, products: list[ProductSite] | None = None) -> Alarm | None:
-        """What the confirmations say: an alarm (the suspects' hardware, or a failed audit's auditors'), or None
-        with ``result.data_fault`` set (the NaN/Inf reproduced), or None alone (a jump the recomputations
-        reproduced). Raises DataFaultLimit past ``max_data_faults``."""
-        verdict = c.verdict
-        if verdict.unreplayable:
-            owner, confirmer = verdict.unreplayable[0]
+        elif decision.kind == "unreplayable":
+            owner, confirmer = decision.ranks
             self.optimizer.zero_grad(set_to_none=True)
             raise BatchNotReplayable(step, owner, f"rank {confirmer} rebuilt micro-batches whose digest differs "
                                                   f"from those rank {owner} trained on")
-        if verdict.nonreproducible and not verdict.mismatched:
-            return self._nonreproducible(step, result, verdict.nonreproducible)
-        names = self.parallel.digest_names() if result.audited else None
-        pairs = [RingPair(auditor=a, audited=t, loss_match=m, expected_loss=e, observed_loss=o,
-                          mismatched_params=[self.parallel.param_label(n) for n in p[:64]])
-                 for outcome in verdict.outcomes
-                 for a, t, m, e, o, p in confirm.pair_rows(outcome, c.claims, c.records, self.ring, names)][:4096]
-        if verdict.mismatched:
-            replays = self._replays(step, c, digests=result.audited)
-            if replays.nonreproducible:
-                # A suspect cannot reproduce its own computation: not a fault of its hardware.
-                return self._nonreproducible(step, result, replays.nonreproducible)
-            persistence = replays.persistence
-            suspects, localized = verdict.suspects, verdict.localized
-            reasons = {r for o in verdict.mismatched for r in o.reasons}
-            where = "localised by the recomputations on other nodes" if localized else "not localised"
-            if confirm.NONFINITE in reasons and nonfinite is not None:
-                evidence: Any = self._nonfinite_evidence(nonfinite).model_copy(update={"confirmation": pairs})
-                message = (f"non-finite gradients on rank(s) {nonfinite.local_ranks or nonfinite.loss_ranks} that "
-                           f"another node's recomputation did not reproduce; suspects {suspects} ({where})")
-                return self._alarm(step, Detector.NONFINITE_GRAD, suspects, localized, evidence, message,
-                                   persistence)
-            mismatched = sorted(o.owner for o in verdict.mismatched)
-            sites = [s for s in products or [] if s.rank in mismatched]
-            if confirm.PRODUCT in reasons and sites:
-                named = ", ".join(f"rank {s.rank}: {s.site}" for s in sites[:8])
-                message = (f"a matrix product failed its checksums ({named}) and other nodes' recomputations "
-                           f"disagree with rank(s) {mismatched}; suspects {suspects} ({where})")
-                return self._alarm(step, Detector.PRODUCT_CHECK, suspects, localized,
-                                   ProductCheckEvidence(sites=sites, confirmation=pairs), message, persistence)
-            disagreed = [p for p in pairs if p.audited in {o.owner for o in verdict.mismatched}
-                         and not self._pair_agrees(p, verdict)]
-            audit_pairs = self._ring_pairs(audit) if audit is not None and not audit.clean else []
-            trigger = "audit" if confirm.AUDIT in reasons else "magnitude"
-            # Asked by the magnitude trigger (no audit step): its own detector, ring_audit's evidence layout.
-            detector = Detector.RING_AUDIT if trigger == "audit" else Detector.MAGNITUDE_TRIGGER
-            evidence = ring_evidence(audit_pairs or disagreed or pairs).model_copy(
-                update={"kind": detector.value, "trigger": trigger, "confirmation": pairs})
-            what = "failed the ring audit" if trigger == "audit" else "jumped (magnitude trigger)"
-            message = (f"rank(s) {mismatched} {what} and other nodes' "
-                       f"recomputations disagree; suspects {suspects} ({where})")
-            return self._alarm(step, detector, suspects, localized, evidence, message, persistence)
-        if audit is not None and not audit.clean:
-            # Every recomputation now reproduces the audited ranks' claims: the auditor got it wrong once.
-            auditors = sorted({p.auditor for p in audit.mismatched})
-            evidence = ring_evidence(self._ring_pairs(audit)).model_copy(update={"confirmation": pairs})
-            return self._alarm(step, Detector.RING_AUDIT, auditors, self.ring.units >= 3, evidence,
-                               f"the audit by rank(s) {auditors} disagreed, but two other recomputations reproduced "
-                               f"the audited claims: the auditors' hardware", "transient")
-        data_owners = sorted(o.owner for o in verdict.outcomes if confirm.NONFINITE in o.reasons)
-        if data_owners:
-            return self._data_fault(step, result, data_owners)
-        if products:
-            log.warning("step %d: product checks fired (%s); the recomputations on other nodes reproduced the "
-                        "micro-batch's loss and gradients, so the fault did not reach them: the update goes ahead",
-                        step, ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8]))
-        log.info("step %d: the check(s) of rank(s) %s fired; the recomputations reproduced it", step,
-                 [o.owner for o in verdict.outcomes])
+        elif decision.kind == "nonreproducible":
+            return self._nonreproducible(step, result, decision.ranks)
+        elif decision.kind == "data_fault":
+            return self._data_fault(step, result, decision.ranks)
         return None
-
-    def _pair_agrees(self, pair: RingPair, verdict: confirm.ConfirmationVerdict) -> bool:
-        for outcome in verdict.outcomes:
-            if outcome.owner == pair.audited and pair.auditor in outcome.confirmers:
-                return outcome.agrees[outcome.confirmers.index(pair.auditor)]
-        return True
-
-    def _ring_pairs(self, audit: AuditVerdict) -> list[RingPair]:
-        return [RingPair(auditor=p.auditor, audited=p.audited, loss_match=p.loss_match,
-                         expected_loss=p.expected_loss, observed_loss=p.observed_loss,
-                         mismatched_params=[self.parallel.param_label(n) for n in p.mismatched_params[:64]])
-                for p in audit.mismatched][:4096]
-
-    def _nonfinite_evidence(self, nonfinite: NonFiniteVerdict) -> NonFiniteEvidence:
-        """Detector 1's evidence from its reading of the gathered rows (per DDP bucket, or per FSDP group)."""
-        return nonfinite_evidence(nonfinite.local_ranks, bool(nonfinite.reduced_ranks), nonfinite.buckets)
-
-    def _replays(self, step: int, c: _Confirmation, *, digests: bool) -> confirm.ReplayVerdict:
-        """Each localised suspect replays once the micro-batch it got wrong, and each outcome's witness (a rank
-        of its majority) its own result, in one collective (under FSDP2 every other rank replays its own in lock
-        step, the result unused); their verdict."""
-        plan = confirm.replay_plan(c.verdict)
-        if not plan:
-            return confirm.ReplayVerdict("unknown")
-        rank, width = self.topology.rank, c.claims.shape[1]
-        witnesses = confirm.witness_plan(plan)
-        assigned = {slot: roles[rank].owner for slot, roles in enumerate((plan, witnesses)) if rank in roles}
-        replayed = self._recomputed_claims(step, assigned, width, confirm.REPLAY_SLOTS, digests=digests)
-        gathered = self._all_gather(replayed.reshape(-1)).reshape(-1, confirm.REPLAY_SLOTS, 1 + width)
-        return confirm.judge_replays(gathered, plan, c.claims, c.records, self.ring)
 
     def _nonreproducible(self, step: int, result: StepResult, ranks: list[int]) -> Alarm | None:
         """The computation of ``ranks``' micro-batches is not bit-reproducible: no alarm, no rank blamed; the
@@ -721,27 +564,6 @@ class SDCGuard:
             raise DataFaultLimit(step, ranks, self.data_fault_streak, self.config.max_data_faults)
         return None
 
-    def _unconfirmed(self, step: int, nonfinite: NonFiniteVerdict | None, audit: AuditVerdict | None,
-                     products: list[ProductSite] | None = None) -> Alarm | None:
-        """No other node can recompute (confirmation off, or one rank): the detectors' own verdicts (the product
-        checks' bound is rigorous, so their mismatch alone is an alarm, localised to the rank that made it)."""
-        if nonfinite is not None and (nonfinite.local_ranks or nonfinite.loss_ranks):
-            # The ranks whose own pass went non-finite: their local gradients, or only their loss.
-            named = sorted(set(nonfinite.local_ranks) | set(nonfinite.loss_ranks))
-            suspects = [] if len(nonfinite.local_ranks) == self.topology.world_size else named
-            return self._alarm(step, Detector.NONFINITE_GRAD, suspects, bool(suspects),
-                               self._nonfinite_evidence(nonfinite), f"non-finite local gradients on rank(s) {named}")
-        if audit is not None and not audit.clean:
-            where = "disagrees with both ring neighbours" if audit.localized else "involved in a failed audit"
-            return self._alarm(step, Detector.RING_AUDIT, audit.suspects, audit.localized,
-                               ring_evidence(self._ring_pairs(audit)), f"rank(s) {audit.suspects} {where}")
-        if products:
-            ranks = sorted({s.rank for s in products})
-            sites = ", ".join(f"rank {s.rank}: {s.site}" for s in products[:8])
-            return self._alarm(step, Detector.PRODUCT_CHECK, ranks, True, ProductCheckEvidence(sites=products),
-                               f"a matrix product failed its checksums ({sites}); no other node recomputed it")
-        return None  # the magnitude trigger alone never raises an alarm
-
     # -- detector 3 -----------------------------------------------------------------------------------
 
     def state_fingerprint_hex(self) -> str:
@@ -766,13 +588,7 @@ class SDCGuard:
             if parallel.replicated:
                 self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = step
             return parallel.agreed_digest(verdict), None
-        suspects = verdict.dissenters
-        alarm = self._alarm(step, Detector.WEIGHT_FINGERPRINT, suspects, verdict.localized,
-                            fingerprint_evidence("weight_fingerprint", verdict.groups(), verdict.majority(),
-                                                 "weights+optimizer"),
-                            f"replicas hold different weights; outside the strict majority: {suspects}"
-                            if verdict.localized else "replicas hold different weights and no strict majority")
-        return None, alarm
+        return None, self._alarm(step, WeightCheck.alarm(verdict))
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -819,7 +635,9 @@ class SDCGuard:
             try:
                 return self.checkpoints.save(
                     step, model=self.model, optimizer=self.optimizer, fingerprint=fingerprint,
-                    data_position=data_position, extra={**(extra or {}), **self._loop_state()},
+                    data_position=data_position,
+                    extra={**(extra or {}), **loop_state(scheduler=self.scheduler, scaler=self.scaler,
+                                                         trigger=self.trigger, gather=self._all_gather)},
                     last_clean_audit_step=self.last_clean[Detector.RING_AUDIT.value],
                     last_clean_fingerprint_step=self.last_clean[Detector.WEIGHT_FINGERPRINT.value],
                 )
@@ -860,7 +678,8 @@ class SDCGuard:
         if loaded is None:
             return 0
         self.resumed = loaded
-        self._restore_loop_state(loaded)
+        restore_loop_state(loaded, scheduler=self.scheduler, scaler=self.scaler, trigger=self.trigger,
+                           rank=self.topology.rank)
         self.last_clean = {d.value: None for d in Detector}
         self.last_clean[Detector.RING_AUDIT.value] = loaded.manifest.last_clean_audit_step
         self.last_clean[Detector.WEIGHT_FINGERPRINT.value] = loaded.manifest.last_clean_fingerprint_step
@@ -875,186 +694,17 @@ class SDCGuard:
             return {}
         return {k: v for k, v in self.resumed.extra.items() if k != LOOP_STATE}
 
-    def _loop_state(self) -> dict[str, Any]:
-        """The schedule's and the GradScaler's state and every rank's trigger state, for the checkpoint (under the
-        extra key LOOP_STATE; a collective when the trigger is on)."""
-        state: dict[str, Any] = {}
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        if self.trigger is not None:
-            state["trigger"] = self._trigger_states()
-        return {LOOP_STATE: state} if state else {}
-
-    def _trigger_states(self) -> list[dict[str, Any]]:
-        """Every rank's magnitude-trigger state, indexed by rank (a collective: rank 0 alone writes the
-        checkpoint's extra, and each rank's history is its own loss and gradient norm)."""
-        assert self.trigger is not None
-        history = self.trigger.history.detach().to(torch.float64)
-        mine = torch.cat([history.reshape(-1), torch.tensor([float(self.trigger.seen)], dtype=torch.float64,
-                                                              device=history.device)])
-        rows = self._all_gather(mine)
-        window = history.shape[0]
-        return [{"history": row[:-1].reshape(window, 2).clone(), "seen": int(row[-1]), "window": window,
-                 "warmup": self.trigger.warmup} for row in rows]
-
-    def _restore_loop_state(self, loaded: LoadedCheckpoint) -> None:
-        """Put the schedule and the GradScaler back where the checkpoint left them (a warning when it lacks one)."""
-        state = loaded.extra.get(LOOP_STATE) or {}
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
-            if obj is None:
-                continue
-            if name in state:
-                obj.load_state_dict(state[name])
-            else:
-                log.warning("%s holds no %s state: the %s starts afresh, so this run will not be the one that "
-                            "saved it", loaded.uri, name, name)
-        if self.trigger is not None:
-            self._restore_trigger(loaded, state.get("trigger"))
-
-    def _restore_trigger(self, loaded: LoadedCheckpoint, states: Any) -> None:
-        """Give this rank's trigger its saved history, so the resumed job watches from its first step. Saved by
-        a world of another size: the history of rank ``rank mod saved world`` (the ranks train the same model
-        on like data, so their losses and norms are of one magnitude). None saved (an older checkpoint): a
-        warning, and the trigger warms up again with the cross-rank test."""
-        assert self.trigger is not None
-        if not isinstance(states, list) or not states:
-            log.warning("%s holds no magnitude-trigger state: the trigger warms up again (the cross-rank test "
-                        "watches meanwhile)", loaded.uri)
-            return
-        self.trigger.load_state_dict(states[self.topology.rank % len(states)])
-
     # -- alarms ---------------------------------------------------------------------------------------
 
-    def _alarm(self, step: int, detector: Detector, suspects: list[int], localized: bool,
-               evidence: Any, message: str, persistence: FaultPersistence = "unknown") -> Alarm:
-        return build_alarm(
-            alarm_id=f"{self.run_id:016x}-{step}-{detector.value}",
-            config=self.config,
-            topology=self.topology,
-            identities=self.identities,
-            detector=detector,
-            step=step,
-            suspects=suspects,
-            localized=localized and bool(suspects),
-            evidence=evidence,
-            last_clean=LastClean(**self.last_clean),
-            message=message,
-            fault_persistence=persistence,
-        )
+    def _alarm(self, step: int, said: AlarmDecision) -> Alarm:
+        """The contract's Alarm of what a detector said (sdcguard.agent.alarms)."""
+        return self.alarm_policy.build(step, said, self.last_clean)
 
     def _handle(self, alarm: Alarm, result: StepResult) -> StepResult:
-        """Skip the update, publish from one rank (after writing a replay capsule where one applies: its
-        location goes into the message), wait for it, then apply the policy."""
-        self.optimizer.zero_grad(set_to_none=True)
-        # Every rank: under a mesh the capsule's state is gathered by all (the note is the publisher's alone).
-        note = self._capsule_note(alarm)
-        if self.topology.rank == alarm.publisher_rank and note:
-            # The alarm's message is capped (1024 characters): the capsule's sentence is kept whole.
-            head = alarm.message[:max(0, 1022 - len(note))]
-            alarm = alarm.model_copy(update={"message": f"{head}; {note}" if head else note[:1024]})
-        result.alarm = alarm
+        """Skip the update, write the capsules, publish, apply the policy (sdcguard.agent.alarms.AlarmPolicy)."""
         result.updated = False
-        self.alarms.append(alarm)
-        log.error("SDC alarm at step %d by %s: suspects %s (%s)", alarm.step, alarm.detector.value,
-                  alarm.suspect_ranks, alarm.message)
-        if self.topology.rank == alarm.publisher_rank:
-            result.published = self.publisher.publish(alarm)
-        # The others wait for the publisher: under "stop", torchrun would
-        # otherwise kill it when the first rank exits.
-        if self.topology.world_size > 1:
-            dist.barrier(group=self.group)
-        if self.config.on_alarm == "raise":
-            raise GuardAlarm(alarm)
-        if self.config.on_alarm == "stop":
-            log.error("stopping: exit code %d (on_alarm=stop)", ALARM_EXIT_CODE)
-            sys.stderr.flush()
-            raise SystemExit(ALARM_EXIT_CODE)
+        result.alarm, result.published = self.alarm_policy.handle(alarm)
         return result
-
-    def _capsule_note(self, alarm: Alarm) -> str:
-        """Write a replay capsule (sdcguard.agent.capsule) of each localised suspect whose own step a recomputation on
-        another node disagreed with, before the alarm is published; on the publishing rank the sentence for
-        the alarm's message ("" when none applies, and on every other rank). Never raises: a capsule that
-        fails to be written is logged and said in the message, never a reason not to publish.
-
-        Every rank calls it with the same alarm. Under DDP only the publishing rank works, with no
-        collective: the alarm skipped the update, so the module's weights are still the ones the failing
-        step started from, and the healthy result is this (non-suspect) rank's recomputation of the
-        suspect's step. Under a mesh (FSDP2, HSDP) every rank agrees whether a capsule is due and gathers
-        the unsharded state, and the publishing rank recomputes the step on the factory's plain model
-        (sdcguard.agent.sharded_capsule)."""
-        cfg = self.config
-        evidence = alarm.evidence
-        pairs = [*getattr(evidence, "pairs", []), *getattr(evidence, "confirmation", [])]
-        if not (alarm.localized and alarm.detector in _RECOMPUTED and pairs):
-            return ""  # not a recomputation-based, localised alarm
-        disagreed = {p.audited for p in pairs if not p.loss_match or p.mismatched_params}
-        rank_of = {ident.global_rank: r for r, ident in enumerate(self.identities)}
-        nodes = {rank_of.get(s.global_rank, s.global_rank): s.node for s in alarm.suspects}
-        # From the alarm alone, so every rank names the same suspects.
-        suspects = [r for r in sorted(nodes) if r in disagreed and r != alarm.publisher_rank]
-        if not suspects:
-            return ""  # e.g. an auditor blamed for its recomputation of another rank's step
-        publishing = self.topology.rank == alarm.publisher_rank
-        if not cfg.capsule_factory and publishing and not getattr(self, "_capsule_unset_logged", False):
-            # Said once per guard in the log, not in every alarm (the flag lives here, beside its only use).
-            self._capsule_unset_logged = True
-            log.warning("no replay capsule for localised alarms: capsule_factory (SDCGUARD_CAPSULE_FACTORY) "
-                        "is unset; see docs/replay.md")
-        parallel = self.parallel
-        origins = {s: {"alarm_id": alarm.alarm_id, "detector": alarm.detector.value, "suspect_rank": str(s),
-                       "node": nodes[s], "written_by_rank": str(alarm.publisher_rank)} for s in suspects}
-        if not isinstance(parallel, DataParallel):
-            from sdcguard.agent.sharded import ShardedDataParallel
-            from sdcguard.agent.sharded_capsule import write_sharded_capsules  # only on an alarm
-
-            assert isinstance(parallel, ShardedDataParallel)
-            try:
-                written = write_sharded_capsules(parallel, step=alarm.step, suspects=suspects,
-                                                 publisher=alarm.publisher_rank, origins=origins)
-            except Exception as exc:  # the alarm is published whatever became of its capsule
-                log.exception("step %d: no replay capsule of rank(s) %s", alarm.step, suspects)
-                written = {s: f"no replay capsule: gathering the state failed ({type(exc).__name__}: {exc})"
-                           for s in suspects} if publishing else {}
-            if not publishing or not cfg.capsule_factory:
-                return ""
-            return self._capsule_sentence(alarm.step, suspects, written)
-        if not (publishing and cfg.capsule_factory):
-            return ""
-        from sdcguard.agent.capsule import Expected, ReplaySettings, write_capsule  # only on an alarm
-        from sdcguard.agent.determinism import environment_signature
-
-        notes: dict[int, str] = {}
-        for suspect in suspects:
-            try:
-                batches = parallel.job.micro_batches(alarm.step, suspect)
-                healthy = parallel._recompute(alarm.step, suspect, batches)
-                module = parallel.model.module
-                written_one = write_capsule(
-                    cfg.checkpoint_prefix, module=module, batches=batches,
-                    settings=ReplaySettings.capture(
-                        module, seed=cfg.seed, step=alarm.step, rank=suspect, autocast_dtype=cfg.autocast_dtype,
-                        grad_scale=None if self.scaler is None else getattr(self.scaler, "_scale", None),
-                        eager=cfg.product_checks),
-                    expected=Expected.from_recomputation(healthy), signature=environment_signature(self.device),
-                    factory=cfg.capsule_factory, cap_bytes=cfg.capsule_max_bytes, origin=origins[suspect])
-                notes[suspect] = written_one.describe()
-            except Exception as exc:  # the alarm is published whatever became of its capsule
-                log.exception("step %d: the replay capsule of rank %d was not written", alarm.step, suspect)
-                notes[suspect] = f"no replay capsule: writing it failed ({type(exc).__name__}: {exc})"
-        return self._capsule_sentence(alarm.step, suspects, notes)
-
-    @staticmethod
-    def _capsule_sentence(step: int, suspects: list[int], notes: dict[int, str]) -> str:
-        """Each suspect's capsule note, logged, joined into the alarm's sentence."""
-        said = []
-        for suspect in suspects:
-            note = notes.get(suspect, "no replay capsule: none was written")
-            (log.warning if note.startswith("no ") else log.info)("step %d, rank %d: %s", step, suspect, note)
-            said.append(f"rank {suspect}: {note}" if len(suspects) > 1 else note)
-        return "; ".join(said) + "."
 
     # -- collectives ----------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The guard's decisions that must never blame hardware: a loader that does not replay, work that is not
-reproducible, and ranks whose environments differ. Driven on the guard's own methods with the verdicts given
-(the verdicts themselves are sdcguard.agent.confirm's and sdcguard.agent.determinism's, tested there)."""
+reproducible, and ranks whose environments differ. Decided by sdcguard.agent.decide from the verdicts given and
+applied by the guard's own method (the verdicts themselves are sdcguard.agent.confirm's and
+sdcguard.agent.determinism's, tested there)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch
 from sdcguard.agent import confirm, guard
 from sdcguard.agent.batches import BatchNotReplayable
 from sdcguard.agent.config import GuardConfig
+from sdcguard.agent.decide import Confirmation, Context, Verdicts, decide
+from sdcguard.agent.detectors import StepDetector
 from sdcguard.agent.determinism import DeterminismUnavailable
-from sdcguard.agent.guard import NonReproducible, SDCGuard, StepResult, _Confirmation
+from sdcguard.agent.guard import NonReproducible, SDCGuard, StepResult
 
 
 def _stub(**config: Any) -> Any:
@@ -27,17 +30,37 @@ def _stub(**config: Any) -> Any:
                                  ring=confirm.Ring(3, 1),
                                  parallel=types.SimpleNamespace(audit_possible=True, job=types.SimpleNamespace(config=cfg)))
     stub._nonreproducible = lambda step, result, ranks: SDCGuard._nonreproducible(stub, step, result, ranks)
+    stub.overflow_streak = 0
     return stub
 
 
-def _confirmation(verdict: confirm.ConfirmationVerdict) -> _Confirmation:
-    return _Confirmation(verdict, torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 2, 9, dtype=torch.int64))
+def _confirmation(verdict: confirm.ConfirmationVerdict) -> Confirmation:
+    return Confirmation(verdict, torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 2, 9, dtype=torch.int64))
+
+
+class _Asks(StepDetector[list[int]]):
+    """A detector that asked for the confirmation of the ranks of its verdict (what it is does not matter here)."""
+
+    reason = confirm.AUDIT
+
+    def judge(self, rows: Any, found: Any) -> list[int] | None:
+        raise AssertionError("the verdict is given")
+
+    def asks(self, verdict: list[int]) -> list[int]:
+        return verdict
+
+
+def _decide(stub: Any, step: int, result: StepResult, confirmation: Confirmation) -> Any:
+    """Decide with rank 1 confirmed, then apply as the guard does."""
+    decision = decide(Verdicts([(_Asks(), [1, 2])]), confirmation, None,
+                      context=Context(step=step, world_size=3, ring=stub.ring))
+    return SDCGuard._apply(stub, step, decision, result)
 
 
 def test_a_recomputation_of_another_batch_is_the_loaders_error_not_an_alarm() -> None:
     verdict = confirm.ConfirmationVerdict([], unreplayable=[(2, 1)])
     with pytest.raises(BatchNotReplayable, match=r"batch_for\(7, 2\) is not replayable: rank 1 rebuilt"):
-        SDCGuard._decide(_stub(), 7, StepResult(step=7, loss=math.nan), _confirmation(verdict), None, None)
+        _decide(_stub(), 7, StepResult(step=7, loss=math.nan), _confirmation(verdict))
 
 
 def _nonreproducible_verdict() -> confirm.ConfirmationVerdict:
@@ -51,7 +74,7 @@ def test_work_that_is_not_reproducible_blames_no_rank_and_goes_on_when_asked(
     result = StepResult(step=5, loss=math.nan)
     stub = _stub(on_nonreproducible="continue")
     with caplog.at_level(logging.WARNING, logger="sdcguard.agent.guard"):
-        alarm = SDCGuard._decide(stub, 5, result, _confirmation(_nonreproducible_verdict()), None, None)
+        alarm = _decide(stub, 5, result, _confirmation(_nonreproducible_verdict()))
     assert alarm is None
     assert result.nonreproducible
     assert stub.nonreproducible_steps == 1
@@ -60,8 +83,7 @@ def test_work_that_is_not_reproducible_blames_no_rank_and_goes_on_when_asked(
 
 def test_work_that_is_not_reproducible_stops_the_job_without_an_alarm_by_default() -> None:
     with pytest.raises(NonReproducible, match=r"step 5: the recomputations of rank\(s\) \[1\]"):
-        SDCGuard._decide(_stub(), 5, StepResult(step=5, loss=math.nan), _confirmation(_nonreproducible_verdict()),
-                         None, None)
+        _decide(_stub(), 5, StepResult(step=5, loss=math.nan), _confirmation(_nonreproducible_verdict()))
 
 
 def _differing(monkeypatch: pytest.MonkeyPatch) -> None:

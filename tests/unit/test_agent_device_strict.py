@@ -18,12 +18,20 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from sdcguard.agent import findings, sharded
+from sdcguard.agent import confirm, sharded
 from sdcguard.agent import fingerprint as fp
 from sdcguard.agent.ddp_hook import GradientHook, _flag_weights
-from sdcguard.agent.findings import StepFindings
+from sdcguard.agent.detectors import (
+    MagnitudeCheck,
+    NonFiniteCheck,
+    ProductCheck,
+    ReducedGradCheck,
+    RingAuditCheck,
+)
+from sdcguard.agent.findings import Layout, StepFindings
 from sdcguard.agent.guard import SDCGuard, StepResult
 from sdcguard.agent.nonfinite import SUMMARY_WIDTH
+from sdcguard.agent.recomputations import Recomputations
 from sdcguard.agent.reduce_scatter_observer import GroupFindings
 from sdcguard.agent.sharded import ShardedDataParallel
 
@@ -56,18 +64,26 @@ def test_the_harness_refuses_a_cpu_tensor_among_cuda_ones(fake: None) -> None:
 def test_the_agreement_vector_and_the_gathered_row_stay_on_the_device(fake: None, trigger: bool, audit: bool,
                                                                        slots: int, products: bool) -> None:
     found = _findings(trigger=trigger, audit=audit, products=products)
-    vector = findings.agreement_vector(found, nonfinite=True, reduced=True, slot=slots - 1, slots=slots)
+    layout = Layout(_every_detector(slots))
+    vector = layout.agreement(found)
     assert vector.device == CUDA
-    assert vector.numel() == findings.FLAG_COUNT + 2 * slots * fp.LANES
-    row = findings.pack_row(found, torch.zeros(7, dtype=torch.int64, device=CUDA))
+    assert vector.numel() == 6 + 2 * slots * fp.LANES  # the six flags, then each vote group's lanes twice
+    row = layout.row(found, torch.zeros(7, dtype=torch.int64, device=CUDA))
     assert row.device == CUDA
-    assert row.numel() == findings.ROW_CLAIM + 7
+    assert row.numel() == SUMMARY_WIDTH + 4 + 7  # the summary, trigger, audit, the products' two, the claim
+
+
+def _every_detector(slots: int) -> list[Any]:
+    """Every detector of the step as it lays out its slots (this rank in the last of ``slots`` vote groups)."""
+    stub: Any = types.SimpleNamespace()
+    return [ReducedGradCheck([[r] for r in range(slots)], slot=slots - 1), NonFiniteCheck(slots, scaled=False),
+            ProductCheck(stub), RingAuditCheck(1, stub, lambda t: t, None), MagnitudeCheck(stub, stub, lambda t: t, None)]
 
 
 def _guard_stub(parallel: Any) -> Any:
     stub = types.SimpleNamespace(config=types.SimpleNamespace(nonfinite=True, reduced_grad=True),
                                  parallel=parallel, topology=types.SimpleNamespace(world_size=1, rank=0),
-                                 device=CUDA, scaler=None)
+                                 device=CUDA, scaler=None, layout=Layout(_every_detector(1)[:2]))
     stub._unscaled = lambda norm: norm
     return stub
 
@@ -82,10 +98,10 @@ def test_the_step_packs_its_one_copy_to_the_host_on_the_device(fake: None) -> No
 
 
 def test_recomputed_claims_are_laid_out_on_the_device(fake: None) -> None:
-    parallel = types.SimpleNamespace(
-        collective_recompute=True,
+    parallel: Any = types.SimpleNamespace(
+        collective_recompute=True, device=CUDA,
         recompute_claim=lambda step, owner, digests: torch.zeros(5, dtype=torch.int64, device=CUDA))
-    claims = SDCGuard._recomputed_claims(_guard_stub(parallel), 3, {1: 0}, 5, 2, digests=False)
+    claims = Recomputations(parallel, confirm.Ring(1, 1), 0, lambda t: t).claims(3, {1: 0}, 5, 2, digests=False)
     assert claims.device == CUDA
     assert tuple(claims.shape) == (2, 6)
 

@@ -17,11 +17,14 @@ import torch.distributed as dist
 from sdcguard.agent import ALARM_EXIT_CODE, GuardAlarm, GuardConfig, SDCGuard, replay
 from sdcguard.agent.checkpoint import CheckpointSaveFailed, CheckpointWriter
 from sdcguard.agent.config import OnAlarm
+from sdcguard.agent.decide import AlarmDecision, Context, Decision
+from sdcguard.agent.detectors import StepDetector
+from sdcguard.agent.findings import GatheredFindings, StepFindings
 from sdcguard.agent.publisher import Publisher, PublishOutcome
 from sdcguard.agent.testing.inject import Injection
 from sdcguard.agent.testing.train import JobShape, SyntheticData, build, loss_fn
 from sdcguard.agent.weights import state_fingerprint_hex
-from sdcguard.contract import Alarm, ProductCheckEvidence
+from sdcguard.contract import Alarm, Detector, ProductCheckEvidence, ProductSite
 from sdcguard.lineage.store import ObjectStore, open_store
 from tests.functional.product_scenarios import script_defaults
 
@@ -362,3 +365,64 @@ def test_a_script_s_default_device_and_dtype_change_nothing_the_guard_does(tmp_p
     assert fresh.resume_step() == 5
     assert fresh.step(5).updated
     assert len(recorder.sent) == 2
+
+
+# -- a detector of the job's own ---------------------------------------------------------------------------
+# docs/adding-a-detector.md's LossCeiling, written here as a job would write it. The contract's Detector enum is
+# closed (a detector of sdcguard's own adds its value and its evidence to contract/alarm.py), so this one borrows
+# the product checks' name and evidence.
+
+
+class LossCeiling(StepDetector[list[int]]):
+    """Flags every rank whose loss is above ``ceiling``; its verdict (those ranks) is an alarm at once."""
+
+    detector = Detector.PRODUCT_CHECK  # borrowed: see above
+    flag_width = row_width = 1  # one flag, in found.marks[detector]
+
+    def __init__(self, ceiling: float) -> None:
+        self.ceiling = ceiling
+
+    def observe(self, step: int, found: StepFindings) -> None:
+        # On the device: nothing comes back to the host on a clean step.
+        found.marks[self.detector] = found.loss.detach() > self.ceiling
+
+    def judge(self, rows: GatheredFindings, found: StepFindings) -> list[int] | None:
+        return torch.nonzero(rows.of(self)[:, 0]).reshape(-1).tolist() or None
+
+    def final(self, verdict: list[int]) -> bool:
+        return True  # no recomputation asked: the ranks it names are the suspects
+
+    def at_once(self, verdict: list[int], context: Context) -> Decision:
+        return Decision.raise_alarm(AlarmDecision(
+            self.detector, verdict, True, ProductCheckEvidence(sites=[ProductSite(rank=r, site="loss") for r in verdict]),
+            f"the loss of rank(s) {verdict} is above {self.ceiling}"))
+
+
+def test_a_detector_of_the_jobs_own_fires_is_decided_and_raises_its_alarm(tmp_path: Path) -> None:
+    # Given the job's own detector beside the built-in ones, and a ceiling no loss reaches
+    ceiling = LossCeiling(1e9)
+    guard, recorder = guard_for(tmp_path, "continue", None, detectors=[ceiling])
+    assert guard.detectors[-1] is ceiling
+    # Then clean steps stay silent and update
+    clean = [guard.step(s) for s in range(2)]
+    assert [(r.updated, r.alarm) for r in clean] == [(True, None), (True, None)]
+    assert recorder.sent == []
+    assert guard.last_clean[Detector.PRODUCT_CHECK.value] == 1
+    # When every loss is above the ceiling
+    ceiling.ceiling = 0.0
+    before = state_fingerprint_hex(guard.params, guard.optimizer)
+    fired = guard.step(2)
+    # Then its verdict is decided at once: its alarm, published, the update skipped
+    assert fired.alarm is not None
+    assert fired.alarm.detector is Detector.PRODUCT_CHECK
+    assert fired.alarm.suspect_ranks == [0]
+    assert fired.alarm.message.startswith("the loss of rank(s) [0] is above 0.0")
+    assert fired.alarm.evidence == ProductCheckEvidence(sites=[ProductSite(rank=0, site="loss")])
+    assert not fired.updated
+    assert recorder.sent == [fired.alarm]
+    assert state_fingerprint_hex(guard.params, guard.optimizer) == before
+
+
+def test_a_detector_that_is_not_one_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^detectors: 'ceiling' is not a sdcguard.agent.detectors.StepDetector"):
+        guard_for(tmp_path, "continue", None, detectors=["ceiling"])

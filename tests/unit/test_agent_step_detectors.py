@@ -23,7 +23,7 @@ from sdcguard.agent.detectors import (
     WeightCheck,
     step_detectors,
 )
-from sdcguard.agent.findings import GatheredFindings, StepFindings, pack_row
+from sdcguard.agent.findings import GatheredFindings, Layout, StepFindings
 from sdcguard.agent.nonfinite import LOCAL_ANY, LOSS_NONFINITE, REDUCED_ANY, REDUCED_FP, SUMMARY_WIDTH
 from sdcguard.agent.product_checks import ProductChecks
 from sdcguard.agent.trigger import MagnitudeTrigger
@@ -34,8 +34,8 @@ WORLD = 4
 
 def _parallel() -> Any:
     topology = types.SimpleNamespace(world_size=WORLD, rank=0)
-    return types.SimpleNamespace(vote_groups=[list(range(WORLD))], job=types.SimpleNamespace(topology=topology),
-                                 audit_stride=1, digest_names=lambda: [])
+    return types.SimpleNamespace(vote_groups=[list(range(WORLD))], vote_slot=0,
+                                 job=types.SimpleNamespace(topology=topology), audit_stride=1, digest_names=lambda: [])
 
 
 def _no_gather(local: torch.Tensor) -> torch.Tensor:
@@ -51,15 +51,17 @@ def _every(*, config: GuardConfig | None = None, audit: bool = True, trigger: bo
                           unscaled=lambda norm: norm, scaled=scaled)
 
 
-def _rows(summaries: torch.Tensor, *, triggered: tuple[int, ...] = (), audit_bad: tuple[int, ...] = ()) -> GatheredFindings:
-    """Every rank's row as the disagreement path gathers them (sdcguard.agent.findings' layout)."""
+def _rows(summaries: torch.Tensor, *detectors: StepDetector[Any], triggered: tuple[int, ...] = (),
+          audit_bad: tuple[int, ...] = ()) -> GatheredFindings:
+    """Every rank's row as the disagreement path gathers them (laid out for ``detectors``, sdcguard.agent.findings)."""
+    layout = Layout(detectors)
     rows = []
     for rank in range(WORLD):
         found = StepFindings(loss=torch.zeros(()), summary=summaries[rank],
                              trigger=torch.tensor(rank in triggered), audit_bad=torch.tensor(rank in audit_bad),
                              products=torch.tensor([-1, 0]))
-        rows.append(pack_row(found, torch.zeros(3, dtype=torch.int64)))
-    return GatheredFindings.unpack(torch.stack(rows))
+        rows.append(layout.row(found, torch.zeros(3, dtype=torch.int64)))
+    return layout.unpack(torch.stack(rows))
 
 
 def _clean() -> torch.Tensor:
@@ -102,17 +104,19 @@ def test_with_every_flag_clear_no_detector_judges_anything() -> None:
     # The rows of a step that disagreed for no detector's reason (as when another vote group's lanes differed).
     found = StepFindings(loss=torch.zeros(()), summary=torch.zeros(SUMMARY_WIDTH, dtype=torch.int64),
                          own_record=torch.zeros(4, dtype=torch.int64), audit_record=torch.zeros(4, dtype=torch.int64))
-    for detector in _every():
-        assert detector.judge(_rows(_clean()), found) is None, detector.detector
+    detectors = _every()
+    for detector in detectors:
+        assert detector.judge(_rows(_clean(), *detectors), found) is None, detector.detector
 
 
 def test_a_raised_flag_is_judged_by_its_detector_alone() -> None:
     # Given rank 2's local gradients went non-finite and rank 1's trigger fired
     summaries = _clean()
     summaries[2, LOCAL_ANY] = 1
-    rows = _rows(summaries, triggered=(1,))
+    listed = _every()
+    rows = _rows(summaries, *listed, triggered=(1,))
     found = StepFindings(loss=torch.zeros(()), summary=summaries[0])
-    detectors = {d.detector: d for d in _every()}
+    detectors = {d.detector: d for d in listed}
     # Then detector 1 asks for a confirmation of rank 2, the trigger of rank 1, and the rest say nothing
     nonfinite = detectors[Detector.NONFINITE_GRAD].judge(rows, found)
     assert nonfinite is not None
@@ -131,7 +135,7 @@ def test_the_verdicts_no_recomputation_could_change_are_final() -> None:
     lanes = _clean()
     lanes[3, REDUCED_FP] = 7
     reduced = ReducedGradCheck([list(range(WORLD))])
-    verdict = reduced.judge(_rows(lanes), found)
+    verdict = reduced.judge(_rows(lanes, reduced), found)
     assert verdict is not None
     assert reduced.final(verdict)
     assert verdict.dissenters == [3]
@@ -149,7 +153,7 @@ def test_the_verdicts_no_recomputation_could_change_are_final() -> None:
 
 def _final(check: NonFiniteCheck, summaries: torch.Tensor) -> bool:
     found = StepFindings(loss=torch.zeros(()), summary=summaries[0])
-    verdict = check.judge(_rows(summaries), found)
+    verdict = check.judge(_rows(summaries, check), found)
     assert verdict is not None
     return check.final(verdict)
 
@@ -167,9 +171,9 @@ def test_a_failed_audit_gathers_both_records_and_judges_them() -> None:
     audit = RingAuditCheck(5, _parallel(), gather, None)
     found = StepFindings(loss=torch.zeros(()), summary=torch.zeros(SUMMARY_WIDTH, dtype=torch.int64),
                          own_record=torch.zeros(4, dtype=torch.int64), audit_record=torch.zeros(4, dtype=torch.int64))
-    assert audit.judge(_rows(_clean()), found) is None
+    assert audit.judge(_rows(_clean(), audit), found) is None
     assert gathered == []
-    verdict = audit.judge(_rows(_clean(), audit_bad=(2,)), found)
+    verdict = audit.judge(_rows(_clean(), audit, audit_bad=(2,)), found)
     assert len(gathered) == 1
     assert verdict is not None
     assert audit.asks(verdict) == [2]
