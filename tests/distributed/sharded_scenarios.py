@@ -147,6 +147,8 @@ def handed_mesh(scenario: dict[str, Any], mesh: Any) -> Any:
         return mesh["tp"]
     if hand == "fsdp":
         return mesh["replicate", "shard"]
+    if hand == "shard":
+        return mesh["shard"]
     if hand == "world_tp":
         return init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("tp",))
     return init_device_mesh("cpu", tuple(mesh.shape), mesh_dim_names=tuple(hand))
