@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -173,6 +174,12 @@ class ShardedDataParallel(Parallelism):
         """The ranks of this rank's TP group, which train on one micro-batch (itself alone without TP)."""
         self.tp_group = self.mesh.get_group("tp") if self.tp > 1 else None
         """The process group of this rank's TP group (None without TP)."""
+        if self.tp > 2 and self.device.type == "cuda" and not os.environ.get("NCCL_ALGO"):
+            # Two ranks' all-reduce is one commutative addition per element whatever NCCL picks; from three
+            # on the order depends on its algorithm, and the audit compares after the TP collectives.
+            log.warning("tensor parallel over %d ranks with NCCL_ALGO unset: NCCL may sum a TP all-reduce in "
+                        "another order for the auditing group than for the audited one, and a clean audit then "
+                        "fails; set NCCL_ALGO=Ring and NCCL_PROTO=Simple for the job (docs/gpu.md)", self.tp)
         self._batches_checked = False
         named = [(n, p) for n, p in cast("torch.nn.Module", model).named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
