@@ -29,6 +29,7 @@ from tests.distributed.tp_world import (
     NO_REPLICA_FAULTS,
     REDUCED,
     REFUSED,
+    TRIGGER,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -65,8 +66,8 @@ def test_torchtitans_dim_names_are_accepted(tp_six: Results) -> None:
     assert [t["losses"] for t in titan] == [r["tp_clean"]["losses"][:4] for r in tp_six[1]]
 
 
-@pytest.mark.parametrize(("name", "inject", "detector", "step", "suspects", "persistence"), FAULTS,
-                         ids=[f[0] for f in FAULTS])
+@pytest.mark.parametrize(("name", "inject", "detector", "step", "suspects", "persistence"), [*FAULTS, TRIGGER],
+                         ids=[f[0] for f in [*FAULTS, TRIGGER]])
 def test_a_tp_fault_is_caught_named_and_its_update_skipped(tp_six: Results, name: str, inject: str, detector: str,
                                                            step: int, suspects: list[int], persistence: str) -> None:
     results = tp_six[1]

@@ -38,6 +38,10 @@ FAULTS = [
     ("tp_nan", f"kind=nan_activation,rank=3,step=1,module={TP_SITE}", "nonfinite_grad", 1, [2, 3], "transient"),
     ("tp_grad_flip", "kind=grad_bitflip,rank=1,step=2,bit=22,repeat=2", "ring_audit", 2, [1], "persistent"),
 ]
+# The magnitude trigger (audits and weight checks off, a warm-up of 3 steps): the fault of rank 3's head at
+# step 2 spreads to its TP peer's gradients (the column-parallel backward all-reduce); both jump at step 3.
+TRIGGER = ("tp_trigger", "kind=finite_activation,rank=3,step=2,factor=1e4,repeat=2", "magnitude_trigger", 3, [2, 3],
+           "persistent")
 REDUCED = ("tp_reduced", "kind=reduced_grad_corrupt,rank=5,step=1,factor=2", "reduced_grad", 1, [5])
 NO_REPLICA_FAULTS = [
     ("tp_fsdp_nan", f"kind=nan_activation,rank=3,step=1,module={TP_SITE}", "nonfinite_grad", 1, [2, 3],
@@ -71,6 +75,8 @@ def scenarios(tmp: Path) -> list[dict[str, Any]]:
          "mesh_names": ["dp_replicate", "dp_shard", "tp"], "stop_at_alarm": False},
     ]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "mesh": TP_MESH} for n, i, *_ in FAULTS]
+    listed += [{"name": TRIGGER[0], "inject": TRIGGER[1], "steps": 5, "mesh": TP_MESH, "audit_every": 100,
+                "fingerprint_every": 100, "trigger_warmup": 3}]
     listed += [{"name": REDUCED[0], "inject": REDUCED[1], "steps": FAULT_STEPS, "mesh": TP_MESH}]
     listed += [{"name": "tp_no_replicas", "steps": FAULT_STEPS, "mesh": NO_REPLICAS, "stop_at_alarm": False}]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "mesh": NO_REPLICAS} for n, i, *_ in NO_REPLICA_FAULTS]
