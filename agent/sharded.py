@@ -137,8 +137,9 @@ class ShardedDataParallel(Parallelism):
     ``sdcguard.agent.tensor_parallel.read_mesh`` refuses (naming TP where it is
     the reason), a ``group`` (the mesh is the group), or a GradScaler; and at
     the first step or an audit, on every rank, when the ranks of a TP group
-    are given different micro-batches (naming ``batch_for``). Without replicas, the weight and reduced-gradient comparisons
-    are switched off in ``job.config`` (a warning says so).
+    are given different micro-batches (naming ``batch_for``). Without
+    replicas, the weight and reduced-gradient comparisons are switched off in
+    ``job.config`` (a warning says so).
     """
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, job: Job, *, mesh: Any,
@@ -174,18 +175,18 @@ class ShardedDataParallel(Parallelism):
         """The ranks of this rank's TP group, which train on one micro-batch (itself alone without TP)."""
         self.tp_group = self.mesh.get_group("tp") if self.tp > 1 else None
         """The process group of this rank's TP group (None without TP)."""
-        if self.tp > 2 and self.device.type == "cuda" and not os.environ.get("NCCL_ALGO"):
-            # Two ranks' all-reduce is one commutative addition per element whatever NCCL picks; from three
-            # on the order depends on its algorithm, and the audit compares after the TP collectives.
-            log.warning("tensor parallel over %d ranks with NCCL_ALGO unset: NCCL may sum a TP all-reduce in "
-                        "another order for the auditing group than for the audited one, and a clean audit then "
-                        "fails; set NCCL_ALGO=Ring and NCCL_PROTO=Simple for the job (docs/gpu.md)", self.tp)
         self._batches_checked = False
         named = [(n, p) for n, p in cast("torch.nn.Module", model).named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.frozen_names = [n for n, p in cast("torch.nn.Module", model).named_parameters() if not p.requires_grad]
         self.device = local(self.params[0]).device if self.params else torch.device("cpu")
+        if self.tp > 2 and self.device.type == "cuda" and not os.environ.get("NCCL_ALGO"):
+            # Two ranks' all-reduce is one commutative addition per element whatever NCCL picks; from three
+            # on the order depends on its algorithm, and the audit compares after the TP collectives.
+            log.warning("tensor parallel over %d ranks with NCCL_ALGO unset: NCCL may sum a TP all-reduce in "
+                        "another order for the auditing group than for the audited one, and a clean audit then "
+                        "fails; set NCCL_ALGO=Ring and NCCL_PROTO=Simple for the job (docs/gpu.md)", self.tp)
         # HSDP: the same (shard, tp) position in the next replica group; pure FSDP: the same local rank on the
         # next node (under TP the same tp position, as TP groups sit inside nodes: its TP group audits as one).
         self.audit_stride = self.shards if self.replicated else topo.ranks_per_node
