@@ -91,6 +91,16 @@ def sharded_model(mesh: Any, seed: int = 0, shape: JobShape = SHAPE) -> tuple[to
     return model, torch.optim.AdamW(model.parameters(), lr=shape.lr, fused=True)
 
 
+def plain_model() -> tuple[torch.nn.Module, Any]:
+    """The capsule factory of the scenarios' model: a plain (unsharded, not TP'd) TinyGPT of ``SHAPE`` and its
+    loss (the guard loads the gathered full state into it)."""
+    return TinyGPT(SHAPE.vocab, SHAPE.dim, SHAPE.heads, SHAPE.layers, SHAPE.seq, SHAPE.dropout), _capsule_loss
+
+
+def _capsule_loss(module: torch.nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
+    return loss_fn(module, batch[:2]) * batch[2]
+
+
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
     names = names or {3: ("replicate", "shard", "tp"), 2: ("replicate", "shard"), 1: ("shard",)}[len(shape)]
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -129,6 +139,7 @@ def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: in
                          product_checks=scenario.get("product_checks", False),
                          trigger_warmup=scenario.get("trigger_warmup", GuardConfig.trigger_warmup),
                          checkpoint_prefix=scenario.get("prefix", str(out / "unused-checkpoints")),
+                         capsule_factory=scenario.get("capsule_factory"),
                          spool_dir=str(out / "spool"), job_name="gpt-sharded-test")
     inject = scenario.get("inject") if injection else None
     outbox = FileOutbox(config, out / f"alarms-{scenario['name']}-rank-{dist.get_rank()}.jsonl")

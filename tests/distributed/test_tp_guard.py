@@ -10,11 +10,14 @@ check are refused at start naming TP; a TP checkpoint resumes bit-exact.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sdcguard.agent.capsule import load_capsule
+from sdcguard.cli import main
 from sdcguard.contract import Alarm
 from sdcguard.lineage.store import open_store
 from sdcguard.lineage.verify import read_manifest
@@ -147,3 +150,19 @@ def test_a_long_clean_tp_run_with_dropout_is_silent(tp_six: Results) -> None:
     assert all(x["audits"] == LONG_STEPS // LONG_AUDIT_EVERY for x in long)
     assert all(x["weight_checks"] == LONG_STEPS // LONG_FINGERPRINT_EVERY for x in long)
     assert all(x["updated"] == LONG_STEPS for x in long)
+
+
+def test_a_tp_faults_capsule_replays_unsharded_and_reproduces_with_the_fault(
+        tp_six: Results, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp, results = tp_six
+    alarm = _alarms(results, "tp_layer_fault")[0]
+    location = tmp / "capsules-tp" / "capsules" / "step-000000002-rank-00003"
+    assert f"replay capsule at {location}" in alarm.message
+    assert "+ TP, 3 replicas x 1 shards x TP 2" in load_capsule(str(location)).manifest.origin["sharding"]
+    # A healthy process gets the expected bits; the suspect's fault (its TP layer, installed as the injector
+    # does on the unsharded model) reproduces.
+    assert main(["replay", str(location), "--repeat", "2", "--json", "--quiet"]) == 0
+    monkeypatch.setenv("SDCGUARD_INJECT", FAULTS[1][1])
+    assert main(["replay", str(location), "--repeat", "2", "--json", "--quiet"]) == 1
+    reports = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["matched"], r["reproduced"]) for r in reports] == [(2, 0), (0, 2)]

@@ -59,6 +59,7 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "refuse_across_nodes": ({"ranks_per_node": 1}, "TP group must sit inside one node"),
     "refuse_batches": ({"tp_batches_differ": True}, "batch_for"),
 }
+CAPSULE_FACTORY = "tests.distributed.sharded_scenarios:plain_model"
 CLEAN_STEPS = 30
 LONG_STEPS, LONG_AUDIT_EVERY, LONG_FINGERPRINT_EVERY = 200, 10, 5
 FAULT_STEPS = 4
@@ -75,6 +76,9 @@ def scenarios(tmp: Path) -> list[dict[str, Any]]:
          "mesh_names": ["dp_replicate", "dp_shard", "tp"], "stop_at_alarm": False},
     ]
     listed += [{"name": n, "inject": i, "steps": FAULT_STEPS, "mesh": TP_MESH} for n, i, *_ in FAULTS]
+    # The persistent TP-layer fault's alarm carries a replay capsule of each suspect (the gathered full state).
+    listed[[s["name"] for s in listed].index("tp_layer_fault")].update(
+        capsule_factory=CAPSULE_FACTORY, prefix=str(tmp / "capsules-tp"))
     listed += [{"name": TRIGGER[0], "inject": TRIGGER[1], "steps": 5, "mesh": TP_MESH, "audit_every": 100,
                 "fingerprint_every": 100, "trigger_warmup": 3}]
     listed += [{"name": REDUCED[0], "inject": REDUCED[1], "steps": FAULT_STEPS, "mesh": TP_MESH}]
