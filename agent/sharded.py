@@ -253,6 +253,11 @@ class ShardedDataParallel(Parallelism):
         # Under loss parallel the loss is a DTensor, replicated over the TP group: its local value is the loss.
         return local(total), batches
 
+    @property
+    def split(self) -> tuple[int, int, int]:
+        """(replicas, FSDP shards, TP ranks) of the mesh (what a checkpoint records of it)."""
+        return self.layout.replicas, self.layout.shards, self.layout.tp
+
     def seed_rank(self, owner: int) -> int:
         """The rank whose seed ``owner``'s micro-batch is drawn with: the first of its TP group (itself without TP)."""
         return owner - owner % self.tp

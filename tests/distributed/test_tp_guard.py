@@ -135,6 +135,14 @@ def test_resume_from_a_tp_checkpoint_is_bit_exact(tp_six: Results) -> None:
         assert resumed["final"] == first["final"]
 
 
+def test_a_tp_checkpoint_is_refused_on_another_split_of_the_same_positions(tp_six: Results) -> None:
+    for r in tp_six[1]:
+        refused = r["tp_ckpt_other_split"]["refused"]
+        assert refused is not None
+        assert refused.startswith("CheckpointLayoutMismatch")
+        assert "3 replica(s) x 1 shard(s) x TP 2; this job runs 3 x 2 x 1" in refused
+
+
 def test_the_tp_manifest_records_one_agreed_fingerprint_per_position(tp_six: Results) -> None:
     tmp, results = tp_six
     manifest = read_manifest(open_store(str(tmp / "ckpt-tp")), CHECKPOINT_STEP)

@@ -92,6 +92,9 @@ def scenarios(tmp: Path) -> list[dict[str, Any]]:
         {"name": "tp_ckpt_first", "kind": "checkpoint", "steps": CHECKPOINT_STEP, "total": CHECKPOINT_TOTAL,
          "mesh": TP_MESH, "prefix": ckpt},
         {"name": "tp_ckpt_resume", "kind": "resume", "total": CHECKPOINT_TOTAL, "mesh": TP_MESH, "prefix": ckpt},
+        # The same replicas and positions, made by FSDP instead of TP: refused before anything is loaded.
+        {"name": "tp_ckpt_other_split", "kind": "resume", "total": CHECKPOINT_TOTAL, "mesh": [3, 2, 1],
+         "prefix": ckpt},
         {"name": "tp_long", "steps": LONG_STEPS, "mesh": TP_MESH, "audit_every": LONG_AUDIT_EVERY,
          "fingerprint_every": LONG_FINGERPRINT_EVERY, "stop_at_alarm": False},
     ]
