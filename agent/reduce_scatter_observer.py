@@ -88,11 +88,31 @@ class ReduceScatterObserver:
 
 
 class ObservedReduceScatter(DefaultReduceScatter):
-    """FSDP's default reduce-scatter, with the unsharded local gradients shown to the observer first."""
+    """FSDP's default reduce-scatter, with the unsharded local gradients shown to the observer first.
 
-    def __init__(self, name: str, observer: ReduceScatterObserver) -> None:
+    With ``local_only`` (a shard group of one rank, as under tensor parallelism on a ``(G, 1, T)`` mesh) FSDP
+    never calls the reduce-scatter: it copies its input to the output and all-reduces that across the
+    replicas. The input is then observed as the output buffer is allocated, its last allocation before
+    the copy: the local gradients are laid out by then and nothing has been sent."""
+
+    def __init__(self, name: str, observer: ReduceScatterObserver, *, local_only: bool = False) -> None:
         self.name = name
         self.observer = observer
+        self.local_only = local_only
+        self._pending: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's buffer; under ``local_only`` the first of a reduction's two is its input (kept), and the
+        second's allocation observes it (see the class)."""
+        buffer = super().allocate(size, dtype=dtype, device=device)
+        if self.local_only:
+            if self._pending is None:
+                self._pending = buffer
+            else:
+                flat, self._pending = self._pending, None
+                self.observer.observe(flat)
+                self.observer.on_input(self.name, flat)
+        return buffer
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Any:

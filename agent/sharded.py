@@ -5,7 +5,15 @@
 ``fully_shard(..., mesh=mesh)`` applied. ``mesh`` is 2-D with dims
 ``("replicate", "shard")`` (HSDP: G replica groups of S shards; rank
 ``(g, s)`` is ``g * S + s``, as ``init_device_mesh`` lays it out) or 1-D
-(pure FSDP: one group of S shards, no replica).
+(pure FSDP: one group of S shards, no replica), or 3-D ``("replicate",
+"shard", "tp")`` (torchtitan's ``dp_replicate``/``dp_shard``/``tp`` too):
+tensor parallelism inside each node, the model TP'd on ``mesh["tp"]`` before
+``fully_shard`` on ``mesh["replicate", "shard"]``. Under TP a "shard
+position" below is a (shard, tp) position: rank ``(g, s, t)`` is
+``g*S*T + s*T + t``, and the ranks of one position across the replicas hold
+the same bits (sdcguard.agent.tensor_parallel reads the mesh and refuses what
+it cannot check). A TP group trains on one micro-batch with one seed, and
+recomputes another TP group's as a group.
 
 Where each detector gets its data (nothing is copied whole):
 
@@ -50,13 +58,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -70,13 +78,11 @@ from sdcguard.agent.recompute import preserved
 from sdcguard.agent.reduce_scatter_observer import GroupFindings, ObservedReduceScatter, ReduceScatterObserver
 from sdcguard.agent.ring_audit import loss_bits
 from sdcguard.agent.sharded_checkpoint import ShardedCheckpointWriter
+from sdcguard.agent.tensor_parallel import check_tp_batches, read_mesh
 from sdcguard.agent.topology import node_of
 from sdcguard.agent.weights import GroupVerdict, packed_fingerprints, vote_in_groups
 
 log = logging.getLogger(__name__)
-
-MESH_DIMS = ("replicate", "shard")
-"""The dim names of an HSDP mesh."""
 
 MASK_GROUPS = MASK_BUCKETS
 """FSDP groups beyond this still count in the flags; they are left out of the per-group evidence."""
@@ -124,29 +130,38 @@ def reduced_shards(shards: Sequence[torch.Tensor], *, flag: bool, fingerprint: b
 
 
 class ShardedDataParallel(Parallelism):
-    """The guard's work on an FSDP2 model on a 1-D or ``("replicate", "shard")`` DeviceMesh.
+    """The guard's work on an FSDP2 model on a 1-D, ``("replicate", "shard")`` or ``("replicate", "shard", "tp")``
+    DeviceMesh.
 
-    Raises ``ValueError`` for a model without ``fully_shard``, a mesh that is
-    not 1-D or named ``("replicate", "shard")``, a mesh not laid out rank by
-    rank over the whole world, a ``group`` (the mesh is the group), or a
-    GradScaler. Without replicas, the weight and reduced-gradient comparisons
-    are switched off in ``job.config`` (a warning says so).
+    Raises ``ValueError`` for a model without ``fully_shard``, a mesh
+    ``sdcguard.agent.tensor_parallel.read_mesh`` refuses (naming TP where it is
+    the reason), a ``group`` (the mesh is the group), or a GradScaler; and at
+    the first step or an audit, on every rank, when the ranks of a TP group
+    are given different micro-batches (naming ``batch_for``). Without
+    replicas, the weight and reduced-gradient comparisons are switched off in
+    ``job.config`` (a warning says so).
     """
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, job: Job, *, mesh: Any,
                  group: dist.ProcessGroup | None) -> None:
+        cfg, topo = job.config, job.topology
+        # The mesh first: a TP model handed the wrong mesh is told so, whether or not it was sharded.
+        self.layout = read_mesh(mesh, model, world=dist.get_world_size(), ranks_per_node=topo.ranks_per_node)
         if not isinstance(model, FSDPModule):
             raise ValueError("model: with a mesh, must have had torch.distributed.fsdp.fully_shard applied")
         if group is not None:
             raise ValueError("group: not used with a mesh (the mesh is the job's process group)")
         if job.scaler is not None:
             raise ValueError("scaler: a GradScaler is not supported with a mesh yet")
-        self.mesh, self.replicas, self.shards = _check_mesh(mesh)
+        self.mesh, self.replicas = self.layout.mesh, self.layout.replicas
+        self.tp = self.layout.tp
+        """Ranks of a TP group (1: no tensor parallelism)."""
+        self.shards = self.layout.positions
+        """The (shard, tp) positions of a replica group (FSDP shards x TP): the ranks that hold different bits."""
         self.replicated = self.replicas >= 2
-        cfg, topo = job.config, job.topology
         if not self.replicated:
-            log.warning("no replicas (a %d-D mesh of %d): weight and reduced-gradient comparison need replicas "
-                        "and are off; the non-finite check and the ring audit run", self.mesh.ndim, self.shards)
+            log.warning("no replicas (%s): weight and reduced-gradient comparison need replicas "
+                        "and are off; the non-finite check and the ring audit run", self.layout.describe())
             cfg = dataclasses.replace(cfg, reduced_grad=False, fingerprint_every=0)
             job = dataclasses.replace(job, config=cfg)
         self.job = job
@@ -155,13 +170,25 @@ class ShardedDataParallel(Parallelism):
         self.group = None
         world = topo.world_size
         self.coordinate = divmod(topo.rank, self.shards)
-        """(replica group, shard position) of this rank."""
+        """(replica group, (shard, tp) position) of this rank."""
+        self.tp_ranks = self.layout.tp_group(topo.rank)
+        """The ranks of this rank's TP group, which train on one micro-batch (itself alone without TP)."""
+        self.tp_group = self.mesh.get_group("tp") if self.tp > 1 else None
+        """The process group of this rank's TP group (None without TP)."""
+        self._batches_checked = False
         named = [(n, p) for n, p in cast("torch.nn.Module", model).named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.frozen_names = [n for n, p in cast("torch.nn.Module", model).named_parameters() if not p.requires_grad]
         self.device = local(self.params[0]).device if self.params else torch.device("cpu")
-        # HSDP: the same shard position in the next replica group; pure FSDP: the same local rank on the next node.
+        if self.tp > 2 and self.device.type == "cuda" and not os.environ.get("NCCL_ALGO"):
+            # Two ranks' all-reduce is one commutative addition per element whatever NCCL picks; from three
+            # on the order depends on its algorithm, and the audit compares after the TP collectives.
+            log.warning("tensor parallel over %d ranks with NCCL_ALGO unset: NCCL may sum a TP all-reduce in "
+                        "another order for the auditing group than for the audited one, and a clean audit then "
+                        "fails; set NCCL_ALGO=Ring and NCCL_PROTO=Simple for the job (docs/gpu.md)", self.tp)
+        # HSDP: the same (shard, tp) position in the next replica group; pure FSDP: the same local rank on the
+        # next node (under TP the same tp position, as TP groups sit inside nodes: its TP group audits as one).
         self.audit_stride = self.shards if self.replicated else topo.ranks_per_node
         self.audit_possible = self.audit_stride % world != 0
         # Confirmers are the ranks the audit pairs with: the same shard position in the replica groups before
@@ -194,7 +221,9 @@ class ShardedDataParallel(Parallelism):
         self.observer.check_nonfinite = cfg.nonfinite
         self.observer.measure_norms = cfg.trigger_ratio > 0 or cfg.confirm
         for name, module in fsdp_modules(self.model):
-            module.set_custom_reduce_scatter(ObservedReduceScatter(name or "<root>", self.observer))
+            # A shard group of one rank (a (G, 1, T) mesh) never calls the reduce-scatter: observed at its buffers.
+            module.set_custom_reduce_scatter(ObservedReduceScatter(name or "<root>", self.observer,
+                                                                   local_only=self.layout.shards == 1))
 
     # -- the rank's own pass ---------------------------------------------------------------------------
 
@@ -202,7 +231,9 @@ class ShardedDataParallel(Parallelism):
         """``owner``'s whole step through the FSDP model: K micro-batches, synchronising on the last only; its
         loss and the micro-batches."""
         job = self.job
-        replay.seed_micro_batch(job.config.seed, step, owner, self.device)
+        # A TP group draws one set of random numbers (its first rank's seed): dropout of the activations it
+        # holds replicated must drop the same elements on every rank of the group.
+        replay.seed_micro_batch(job.config.seed, step, self.seed_rank(owner), self.device)
         batches = job.micro_batches(step, owner)
         k = len(batches)
         total: torch.Tensor | None = None
@@ -219,11 +250,23 @@ class ShardedDataParallel(Parallelism):
             if k > 1:
                 self.model.set_requires_gradient_sync(True)
         assert total is not None
-        return total, batches
+        # Under loss parallel the loss is a DTensor, replicated over the TP group: its local value is the loss.
+        return local(total), batches
+
+    @property
+    def split(self) -> tuple[int, int, int]:
+        """(replicas, FSDP shards, TP ranks) of the mesh (what a checkpoint records of it)."""
+        return self.layout.replicas, self.layout.shards, self.layout.tp
+
+    def seed_rank(self, owner: int) -> int:
+        """The rank whose seed ``owner``'s micro-batch is drawn with: the first of its TP group (itself without TP)."""
+        return owner - owner % self.tp
 
     def forward_backward(self, step: int, *, audited: bool) -> StepFindings:
         """The rank's own pass; then its reduced shards are observed, checked and fingerprinted."""
         cfg = self.job.config
+        if self.tp > 1 and (audited or not self._batches_checked):
+            self._check_tp_batches(step)
         self.optimizer.zero_grad(set_to_none=True)
         seen = self.own_findings = self.observer.begin(record=audited)
         loss, self.own_batches = self._fsdp_pass(step, self.job.topology.rank)
@@ -246,6 +289,19 @@ class ShardedDataParallel(Parallelism):
         summary = torch.cat([flags, _mask(seen, self.device).reshape(1), flags[1:],
                              loss_nonfinite.to(self.device, torch.int64).reshape(1), lanes.to(self.device)])
         return StepFindings(loss=loss, summary=summary)
+
+    def _check_tp_batches(self, step: int) -> None:
+        """The ranks of every TP group are given one micro-batch (first step and audit steps): ValueError naming
+        ``batch_for`` on every rank when a group's are not (one all-reduce of a flag, so no rank goes on alone)."""
+        self._batches_checked = True
+        problem = check_tp_batches(self.job.micro_batches, step, self.tp_ranks, self.device)
+        flag = torch.tensor([problem is not None], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if problem is not None:
+            raise ValueError(problem)
+        if int(flag.item()):
+            raise ValueError(f"batch_for: at step {step} the ranks of another TP group were given different "
+                             "micro-batches (under tensor parallelism a TP group trains on one micro-batch)")
 
     def own_claim(self, found: StepFindings, *, digests: bool) -> torch.Tensor:
         return self._claim(found.loss, self.own_findings, self.own_batches, digests=digests)
@@ -292,8 +348,32 @@ class ShardedDataParallel(Parallelism):
         return claimed, recomputed
 
     def recompute_claim(self, step: int, owner: int, *, digests: bool) -> torch.Tensor:
-        """A collective of the shard group: every rank calls it at once (see :meth:`_recompute_pass`)."""
+        """A collective of the shard group: every rank calls it at once (see :meth:`_recompute_pass`); under TP
+        the TP group recomputes one TP group's micro-batch together (:meth:`_group_owner`)."""
+        owner = self._group_owner(owner)
         return self._claim(*self._recompute_pass(step, owner, record=digests), digests=digests)
+
+    def _group_owner(self, owner: int) -> int:
+        """The rank whose micro-batch this rank recomputes when the guard asks for ``owner``'s.
+
+        Under TP a recomputation is a collective of the TP group (its all-reduces), so the group's ranks must
+        recompute the ranks of one other TP group, position by position: a confirmation may assign ``owner``
+        to one rank of a TP group and none to its peers, which then recompute their own micro-batch (the
+        guard's filler, its result unused). The group agrees on one offset (an all-gather of one number
+        within the TP group, on the confirmation path only); a filler takes it. Raises RuntimeError when the
+        group's ranks were assigned micro-batches of different TP groups in one pass (a ring whose stride
+        is not a multiple of the TP size)."""
+        if self.tp == 1:
+            return owner
+        rank, world = self.job.topology.rank, self.job.topology.world_size
+        mine = torch.tensor([(owner - rank) % world], dtype=torch.int64, device=self.device)
+        offsets = [torch.empty_like(mine) for _ in range(self.tp)]
+        dist.all_gather(offsets, mine, group=self.tp_group)
+        wanted = {int(o.item()) for o in offsets} - {0}
+        if len(wanted) > 1:
+            raise RuntimeError(f"TP group {self.tp_ranks}: asked to recompute micro-batches at offsets "
+                               f"{sorted(wanted)} in one pass; a TP group recomputes one other TP group at a time")
+        return (rank + wanted.pop()) % world if wanted else owner
 
     def _recompute_pass(self, step: int, owner: int, *,
                         record: bool) -> tuple[torch.Tensor, GroupFindings, list[Any]]:
@@ -409,25 +489,6 @@ def _lanes_of(hex_fingerprint: str) -> torch.Tensor:
     raw = bytes.fromhex(hex_fingerprint)
     return torch.tensor([int.from_bytes(raw[i:i + 8], "big", signed=True) for i in range(0, len(raw), 8)],
                         dtype=torch.int64, device="cpu")
-
-
-def _check_mesh(mesh: DeviceMesh | None) -> tuple[DeviceMesh, int, int]:
-    """(mesh, replica groups, shards per group); ValueError naming ``mesh`` when it does not fit."""
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError("mesh: must be a torch.distributed.device_mesh.DeviceMesh")
-    if mesh.ndim == 2:
-        if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-            raise ValueError(f"mesh: a 2-D mesh must have dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
-        replicas, shards = mesh.shape
-    elif mesh.ndim == 1:
-        replicas, shards = 1, mesh.shape[0]
-    else:
-        raise ValueError(f"mesh: must be 1-D (FSDP) or 2-D (HSDP), got {mesh.ndim}-D")
-    world = dist.get_world_size()
-    if mesh.mesh.reshape(-1).tolist() != list(range(world)):
-        raise ValueError(f"mesh: must span the world rank by rank (as init_device_mesh lays it out), got "
-                         f"{mesh.mesh.tolist()} for a world of {world}")
-    return mesh, int(replicas), int(shards)
 
 
 def _param_groups(model: torch.nn.Module) -> list[Any]:

@@ -214,6 +214,9 @@ def _write_one(parallel: ShardedDataParallel, module: nn.Module, loss_fn: Any, s
 
 def _layout(parallel: ShardedDataParallel) -> str:
     """How the job held the state the capsule gathered, for people (the manifest's ``origin``)."""
+    if parallel.tp > 1:
+        return (f"{'HSDP' if parallel.replicated else 'FSDP'} + TP, {parallel.layout.describe()}; the full state "
+                "gathered (it replays unsharded, on one process)")
     if parallel.replicated:
         return f"HSDP, {parallel.replicas} replicas x {parallel.shards} shards; the full state gathered"
     return f"FSDP, {parallel.shards} shards; the full state gathered"

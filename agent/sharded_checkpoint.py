@@ -142,6 +142,10 @@ class ShardPositions(Protocol):
     """(replica group, shard position) of this rank."""
     agreed_shards: list[str]
     """Each shard position's fingerprint at the replicas' last agreement."""
+    @property
+    def split(self) -> tuple[int, int, int]:
+        """(replicas, FSDP shards, TP ranks): how the positions were made (a TP checkpoint resumes on the same)."""
+        ...
 
     def local_fingerprint_hex(self) -> str:
         """This rank's fingerprint of its shards, as hex."""
@@ -204,7 +208,10 @@ class ShardedCheckpointWriter:
                 for path in sorted(p for p in staging.iterdir() if p.is_file() and not p.name.endswith(".tmp")):
                     stored.append(_put(store, step, PREFIX + path.name, path.read_bytes(), self.corrupt, rank))
                 if rank == 0:
-                    trainer = {"step": step, "data_position": data_position, "extra": dict(extra or {})}
+                    # The mesh's split: the manifest records the replicas and positions, not how FSDP and TP
+                    # made the positions, which a resume must match.
+                    trainer = {"step": step, "data_position": data_position, "extra": dict(extra or {}),
+                               "mesh": list(self.positions.split)}
                     stored.append(_put(store, step, TRAINER, _to_bytes(trainer), self.corrupt, rank))
                 stored.append(_put(store, step, rng_name(rank), _to_bytes(rng_state()), self.corrupt, rank))
             except Exception as exc:
@@ -347,6 +354,13 @@ class ShardedCheckpointWriter:
             trainer = load(TRAINER)
             if trainer.get("step") != step:
                 raise CheckpointCorrupt(f"{where}/{TRAINER}: holds step {trainer.get('step')}, not {step}")
+            saved = tuple(trainer.get("mesh") or ())
+            if saved and saved != tuple(self.positions.split):
+                # Before anything is loaded: the same positions made by another FSDP x TP split hold other bits.
+                raise CheckpointLayoutMismatch(
+                    f"{where}: saved by a mesh of {saved[0]} replica(s) x {saved[1]} shard(s) x TP {saved[2]}; "
+                    f"this job runs {' x '.join(map(str, self.positions.split))}. Its per-position fingerprints "
+                    "apply only to that split: start the job on the same mesh shape")
             model_state, optim_state = get_state_dict(model, optimizer)
             # DCP loads in place, into the tensors of these two dicts.
             dcp.load({"model": model_state, "optim": optim_state}, storage_reader=_VerifyingReader(staging, fetch))

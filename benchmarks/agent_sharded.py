@@ -11,7 +11,11 @@ burst each, in an order rotated every round), so noise falls on all alike.
 Parts (``--only``): overhead (the DDP table's configurations), loop (K
 micro-batches, clipping, bf16 autocast, a schedule; the plain loop uses
 ``set_requires_gradient_sync`` where DDP's uses ``no_sync``) and big (the
-20 M+ parameter model). As in the DDP table, every row but the magnitude
+20 M+ parameter model), and tp: the same 4 ranks as 2 replicas of a TP group of
+2 (a ``(2, 1, 2)`` ``("replicate", "shard", "tp")`` mesh, each block's MLP
+column-/row-wise parallel, then ``fully_shard``; a TP group per simulated
+node), the guard with its defaults and with an audit every step against the
+same TP job unguarded. As in the DDP table, every row but the magnitude
 trigger's, the forced confirmation's and the defaults has the trigger off. The
 verdict and trigger-rate parts measure the DDP code paths and are not run here.
 """
@@ -42,6 +46,9 @@ WORLD, REPLICAS, RANKS_PER_NODE = 4, 2, 2
 PLAIN = "plain FSDP2 (no guard)"
 """The baseline row: what "plain DDP" is in the DDP table."""
 LOOP_ROWS = ("plain loop (no guard)", "guarded, defaults (audit /100, weights /10)", "guarded, audit every step")
+TP_ROWS = ("plain FSDP2 + TP (no guard)", "guarded, defaults (audit /100, weights /10)", "guarded, audit every step")
+TP = 2
+"""Ranks of a TP group in the tp part (one simulated node each)."""
 MAX_GRAD_NORM = 1.0
 
 
@@ -117,6 +124,45 @@ def _loop_rank(out: str, shape: JobShape, k: int, rounds: int, spool: str) -> No
     shutdown()
 
 
+def _tensor_parallel(shape: JobShape) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The reference model on a ``(world / TP, 1, TP)`` mesh: each block's MLP tensor-parallel, then
+    ``fully_shard`` on the replicate and shard dims; its AdamW and the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD // TP, 1, TP), mesh_dim_names=("replicate", "shard", "tp"))
+    torch.manual_seed(shape.seed)
+    model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["replicate", "shard"])
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    return model, torch.optim.AdamW(model.parameters(), lr=shape.lr, fused=True), mesh
+
+
+def _tp_rank(out: str, shape: JobShape, rounds: int, spool: str) -> None:
+    init_process_group()
+    torch.set_num_threads(1)
+    data = SyntheticData(shape, torch.device("cpu"))
+    rank = dist.get_rank()
+
+    def batch_for(step: int, rank: int) -> Any:
+        return data(step, rank // TP)  # a TP group trains on one micro-batch
+
+    model, optimizer, _ = _tensor_parallel(shape)
+    steps: dict[str, Any] = {TP_ROWS[0]: plain_step(model, optimizer, cast("Any", batch_for), rank)}
+    for name, audit_every in ((TP_ROWS[1], 100), (TP_ROWS[2], 1)):
+        model, optimizer, mesh = _tensor_parallel(shape)
+        config = GuardConfig(on_alarm="raise", ranks_per_node=TP, threads=1, spool_dir=spool,
+                             audit_every=audit_every)
+        steps[name] = SDCGuard(cast("Any", model), optimizer, loss_fn=loss_fn, batch_for=batch_for, config=config,
+                               injection=None, mesh=mesh).step
+    write_timings(out, timed_rounds(steps, rounds))
+    steps.clear()
+    shutdown()
+
+
 def _run(fn: Any, args: tuple[Any, ...]) -> Timings | None:
     # One seam for the tests, which hand the tables recorded timings instead of minutes of ranks.
     return launch_timed(WORLD, fn, args, "sharded ranks")
@@ -161,6 +207,25 @@ def loop_table(shape: JobShape, k: int, rounds: int) -> int:
     return 0
 
 
+def tp_table(shape: JobShape, rounds: int) -> int:
+    """The guard under tensor parallelism against the same TP job unguarded; 1 when the ranks failed."""
+    measured = _run(_tp_rank, (shape, rounds))
+    if measured is None:
+        return 1
+    params = sum(p.numel() for p in TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq,
+                                            shape.dropout).parameters())
+    print(f"\ntensor parallel: TinyGPT dim={shape.dim} layers={shape.layers} seq={shape.seq} batch={shape.batch} "
+          f"({params / 1e6:.2f} M parameters), {WORLD} gloo ranks as {WORLD // TP} replicas of a TP group of {TP} "
+          f"(each block's MLP column-/row-wise parallel, then fully_shard), one simulated node per TP group, "
+          f"1 thread each; {rounds} rounds")
+    print("wall: the slowest rank's time per step; cpu: all ranks' CPU time per step (work, not waiting).")
+    wall = ratio_table(measured, TP_ROWS, TP_ROWS[0], header="tensor parallel", width=44)["wall"]
+    defaults, audit = (wall[r].median / wall[TP_ROWS[0]].median for r in TP_ROWS[1:])
+    print(f"defaults with an audit every 100 steps amortized: {defaults + (audit - 1) / 100:.3f} x the unguarded TP "
+          f"job; an audit step (the TP group recomputes the next replica's micro-batch): {audit:.3f} x")
+    return 0
+
+
 def run_parts(args: argparse.Namespace, parts: set[str]) -> int:
     """``bench agent --sharding hsdp``: the overhead, loop and big parts under HSDP (``args`` as bench_agent
     parses them); 0, or 1 when a part's ranks failed."""
@@ -175,4 +240,6 @@ def run_parts(args: argparse.Namespace, parts: set[str]) -> int:
     if "big" in parts:
         big = JobShape(vocab=256, dim=args.big_dim, layers=args.big_layers, seq=args.seq, batch=args.batch, heads=8)
         status |= overhead_table(big, 1, args.big_rounds, BIG)
+    if "tp" in parts:
+        status |= tp_table(shape, args.loop_rounds)
     return status

@@ -10,7 +10,9 @@ to plain DDP (the same model, data and optimizer, no guard) from the same run:
 when the two ratios agree, the figure is not an artefact of the noise.
 ``./dev bench agent [-- --steps N --rounds R --dim D]``; with ``--sharding hsdp``
 the same rows under FSDP2 on 2 replica groups of 2 shards, as ratios to the
-same FSDP2 loop without the guard (benchmarks/agent_sharded.py).
+same FSDP2 loop without the guard (benchmarks/agent_sharded.py); there, the
+part ``tp`` times the guard under tensor parallelism against the same TP job
+unguarded.
 
 Six more parts (``--only`` picks among verdict, overhead, loop, big, trigger, memory, fusion):
 
@@ -137,7 +139,7 @@ def main(argv: list[str]) -> int:
                              "FSDP2 loop without the guard (benchmarks/agent_sharded.py)")
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger", "memory", "fusion"}:
+    if unknown := parts - {"verdict", "overhead", "loop", "big", "trigger", "memory", "fusion", "tp"}:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}")
     if args.steps < 1 or min(args.rounds, args.big_rounds, args.loop_rounds) < 4 or args.loop_k < 1:
         parser.error("--steps and --loop-k must be at least 1, --rounds, --big-rounds and --loop-rounds at least 4 "

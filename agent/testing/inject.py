@@ -14,7 +14,8 @@ backward), so a recomputation of the same micro-batch on the same hardware,
 and a replay, comes out right.
 
 The injector installs its own hooks on the guarded model, as a profiler does
-(:meth:`Injector.install`): a forward hook on the last ``Linear`` for the
+(:meth:`Injector.install`): a forward hook on the last ``Linear`` (or on the
+``module=`` named, such as one rank's tensor-parallel layer) for the
 activation faults, a gradient hook on one parameter for ``grad_bitflip``, an
 optimizer post-step hook for ``weight_bitflip`` and an after-reduce observer
 of the guard's communication hook for ``reduced_grad_corrupt``. The guard
@@ -64,6 +65,10 @@ class Injection:
     param: str | None = None
     """The parameter weight_bitflip and grad_bitflip corrupt (its name in the module); None: the
     first trainable parameter for weight_bitflip, the last for grad_bitflip."""
+    module: str | None = None
+    """The module whose output nan_activation and finite_activation corrupt (its name in the model); None: the
+    last ``Linear``. A tensor-parallel layer's output (``ColwiseParallel``'s) is this rank's local shard of it:
+    the fault of one rank's TP site."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -91,8 +96,9 @@ class Injection:
             key = key.strip()
             if not sep:
                 raise ValueError(f"{ENV_VAR}: {part!r} is not key=value")
-            if key not in ("kind", "step", "rank", "node", "factor", "bit", "repeat", "param"):
-                raise ValueError(f"{key}: not an injection key (kind, step, rank, node, factor, bit, repeat, param)")
+            if key not in ("kind", "step", "rank", "node", "factor", "bit", "repeat", "param", "module"):
+                raise ValueError(f"{key}: not an injection key (kind, step, rank, node, factor, bit, repeat, param, "
+                                 "module)")
             fields[key] = value.strip()
         if "kind" not in fields:
             raise ValueError("kind: missing")
@@ -107,6 +113,7 @@ class Injection:
             bit=_number(fields, "bit", int, 22),
             repeat=_number(fields, "repeat", int, 1),
             param=fields.get("param") or None,
+            module=fields.get("module") or None,
         )
 
     def fires(self, step: int, rank: int, node: str) -> bool:
@@ -121,6 +128,7 @@ class Injection:
         """One line for the logs."""
         where = f"node={self.node}" if self.node is not None else f"rank={self.rank}"
         target = f" param={self.param}" if self.param else ""
+        target += f" module={self.module}" if self.module else ""
         return (f"kind={self.kind} {where} step={self.step} repeat={self.repeat} "
                 f"factor={self.factor:g} bit={self.bit}{target}")
 
@@ -250,6 +258,13 @@ class Injector:
         self.handles.clear()
 
     def _hook_activation(self, module: torch.nn.Module) -> None:
+        assert self.injection is not None
+        if self.injection.module is not None:
+            named = dict(module.named_modules())
+            if self.injection.module not in named:
+                raise ValueError(f"module: the model has no module {self.injection.module!r}")
+            self.handles.append(named[self.injection.module].register_forward_hook(self.activation_hook()))
+            return
         # The last Linear (in a GPT, the head): no dropout after it can
         # mask the corrupted element, as it could deeper inside the model.
         linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]

@@ -71,9 +71,19 @@ class FileOutbox(Publisher):
 
 
 def sharded_model(mesh: Any, seed: int = 0, shape: JobShape = SHAPE) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A TinyGPT with each block and the root sharded by ``fully_shard`` on ``mesh``, and its AdamW."""
+    """A TinyGPT with each block and the root sharded by ``fully_shard`` on ``mesh``, and its AdamW.
+
+    On a 3-D ``("replicate", "shard", "tp")`` mesh each block's MLP is first tensor-parallel on ``mesh["tp"]``
+    (``fc`` column-wise, ``out`` row-wise, as DESIGN.md's TP job), then sharded on ``mesh["replicate", "shard"]``."""
     torch.manual_seed(seed)
     model = TinyGPT(shape.vocab, shape.dim, shape.heads, shape.layers, shape.seq, shape.dropout)
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+        mesh = mesh[names[:-1]]
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -81,8 +91,18 @@ def sharded_model(mesh: Any, seed: int = 0, shape: JobShape = SHAPE) -> tuple[to
     return model, torch.optim.AdamW(model.parameters(), lr=shape.lr, fused=True)
 
 
-def make_mesh(shape: tuple[int, ...]) -> Any:
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+def plain_model() -> tuple[torch.nn.Module, Any]:
+    """The capsule factory of the scenarios' model: a plain (unsharded, not TP'd) TinyGPT of ``SHAPE`` and its
+    loss (the guard loads the gathered full state into it)."""
+    return TinyGPT(SHAPE.vocab, SHAPE.dim, SHAPE.heads, SHAPE.layers, SHAPE.seq, SHAPE.dropout), _capsule_loss
+
+
+def _capsule_loss(module: torch.nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
+    return loss_fn(module, batch[:2]) * batch[2]
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    names = names or {3: ("replicate", "shard", "tp"), 2: ("replicate", "shard"), 1: ("shard",)}[len(shape)]
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
@@ -98,8 +118,12 @@ def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: in
     # A poisoned micro-batch carries a gain on its loss: inf is a sample that makes the loss infinite on any GPU.
     poison = {tuple(p[:2]): float(p[2]) for p in scenario.get("poison", [])}
 
+    # Under TP the ranks of a TP group train on one micro-batch (its first rank's), unless the scenario
+    # hands them different ones (which the guard must refuse).
+    tp = mesh.size(-1) if "tp" in tuple(mesh.mesh_dim_names or ()) and not scenario.get("tp_batches_differ") else 1
+
     def one(step: int, rank: int) -> tuple[Any, ...]:
-        return (*data(step, rank), poison.get((step, rank), 1.0))
+        return (*data(step, rank // tp), poison.get((step, rank), 1.0))
 
     def batch_for(step: int, rank: int) -> Any:
         return one(step, rank) if accum == 1 else [one(step * accum + i, rank) for i in range(accum)]
@@ -107,18 +131,38 @@ def guard_for(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: in
     def loss(module: torch.nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
         return loss_fn(module, batch[:2]) * batch[2]
 
-    config = GuardConfig(on_alarm="continue", ranks_per_node=ranks_per_node, grad_accum_steps=accum,
+    config = GuardConfig(on_alarm="continue", ranks_per_node=scenario.get("ranks_per_node", ranks_per_node),
+                         grad_accum_steps=accum,
                          audit_every=scenario.get("audit_every", 2),
                          fingerprint_every=scenario.get("fingerprint_every", 2),
                          confirm=scenario.get("confirm", True),
                          product_checks=scenario.get("product_checks", False),
                          trigger_warmup=scenario.get("trigger_warmup", GuardConfig.trigger_warmup),
                          checkpoint_prefix=scenario.get("prefix", str(out / "unused-checkpoints")),
+                         capsule_factory=scenario.get("capsule_factory"),
                          spool_dir=str(out / "spool"), job_name="gpt-sharded-test")
     inject = scenario.get("inject") if injection else None
     outbox = FileOutbox(config, out / f"alarms-{scenario['name']}-rank-{dist.get_rank()}.jsonl")
     return SDCGuard(cast("Any", model), optimizer, loss_fn=loss, batch_for=batch_for, config=config,
-                    publisher=outbox, injection=Injection.parse(inject) if inject else None, mesh=mesh)
+                    publisher=outbox, injection=Injection.parse(inject) if inject else None,
+                    mesh=handed_mesh(scenario, mesh))
+
+
+def handed_mesh(scenario: dict[str, Any], mesh: Any) -> Any:
+    """The mesh the guard is handed: the model's own, or (``hand``) a part of it or another one the guard
+    must refuse for a TP model."""
+    hand = scenario.get("hand")
+    if hand is None:
+        return mesh
+    if hand == "tp":
+        return mesh["tp"]
+    if hand == "fsdp":
+        return mesh["replicate", "shard"]
+    if hand == "shard":
+        return mesh["shard"]
+    if hand == "world_tp":
+        return init_device_mesh("cpu", (mesh.size(),), mesh_dim_names=("tp",))
+    return init_device_mesh("cpu", tuple(mesh.shape), mesh_dim_names=tuple(hand))
 
 
 def run(out_dir: str, scenarios: list[dict[str, Any]], ranks_per_node: int) -> None:
@@ -131,10 +175,16 @@ def run(out_dir: str, scenarios: list[dict[str, Any]], ranks_per_node: int) -> N
         started = time.perf_counter()
         kind = scenario.get("kind", "train")
         # The reference job builds its own mesh; a flip needs none.
-        mesh = make_mesh(tuple(scenario.get("mesh", (3, 2)))) if kind not in ("flip", "reference") else None
+        names = tuple(scenario["mesh_names"]) if "mesh_names" in scenario else None
+        mesh = make_mesh(tuple(scenario.get("mesh", (3, 2))), names) if kind not in ("flip", "reference") else None
         runner = {"train": _train, "checkpoint": _checkpoint, "resume": _resume, "flip": _flip,
-                  "reference": _reference}[kind]
-        results[scenario["name"]] = runner(scenario, mesh, out, ranks_per_node)
+                  "reference": _reference, "unguarded": _unguarded}[kind]
+        try:
+            results[scenario["name"]] = runner(scenario, mesh, out, ranks_per_node)
+        except ValueError as exc:  # a refusal the scenario expects (raised on every rank alike, so no hang)
+            if not scenario.get("expect_error"):
+                raise
+            results[scenario["name"]] = {"error": str(exc)}
         results[scenario["name"]]["seconds"] = time.perf_counter() - started
         dist.barrier()
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(results))
@@ -179,6 +229,25 @@ def _train(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) 
     # Products the checks saw in the last step's own pass (None: product checks off).
     result["products_checked"] = guard.products.checked if guard.products is not None else None
     return result
+
+
+def _unguarded(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) -> dict[str, Any]:
+    """The same job without the guard (the same model, data and seeds as ``guard_for``'s): its losses."""
+    from sdcguard.agent import replay
+
+    model, optimizer = sharded_model(mesh, 0)
+    data = SyntheticData(SHAPE, torch.device("cpu"))
+    tp = mesh.size(-1) if "tp" in tuple(mesh.mesh_dim_names or ()) else 1
+    rank, losses = dist.get_rank(), []
+    for step in range(scenario["steps"]):
+        optimizer.zero_grad(set_to_none=True)
+        # The guard's seeds: one per micro-batch, a TP group's drawn with its first rank's.
+        replay.seed_micro_batch(GuardConfig.seed, step, rank - rank % tp, torch.device("cpu"))
+        loss = loss_fn(model, data(step, rank // tp))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses}
 
 
 def _checkpoint(scenario: dict[str, Any], mesh: Any, out: Path, ranks_per_node: int) -> dict[str, Any]:

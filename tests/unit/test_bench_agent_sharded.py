@@ -70,3 +70,22 @@ def test_the_loop_table_is_a_ratio_to_the_same_fsdp2_loop_without_the_guard(
 def test_failed_ranks_fail_the_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_sharded, "_run", lambda fn, args: None)
     assert bench_agent.main(["--sharding", "hsdp", "--only", "overhead", "--rounds", "4"]) == 1
+
+
+def test_the_tp_table_is_a_ratio_to_the_same_tp_job_without_the_guard(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    launched: list[Any] = []
+
+    def ranks(fn: Any, args: tuple[Any, ...]) -> dict[str, dict[str, list[float]]]:
+        launched.append(fn)
+        return _timings(agent_sharded.TP_ROWS, 100.0, {agent_sharded.TP_ROWS[1]: 1.03, agent_sharded.TP_ROWS[2]: 2.5})
+
+    monkeypatch.setattr(agent_sharded, "_run", ranks)
+    assert bench_agent.main(["--sharding", "hsdp", "--only", "tp", "--loop-rounds", "4"]) == 0
+    out = capsys.readouterr().out
+    assert launched == [agent_sharded._tp_rank]
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows[agent_sharded.TP_ROWS[0]].split("|")[3].strip() == "1.000"
+    assert rows[agent_sharded.TP_ROWS[2]].split("|")[3].strip() == "2.500"
+    assert "2 replicas of a TP group of 2" in out
+    assert "1.045 x the unguarded TP job" in out
