@@ -822,3 +822,19 @@ def test_a_job_with_an_injection_in_its_environment_is_refused(cluster: FakeClus
     summary = poll(ledger, cluster, "reproduce").summary
     assert summary.startswith("inconclusive: refused: the Job")
     assert "SDCGUARD_INJECT in its environment" in summary
+
+
+def test_the_notification_and_incidents_show_say_which_image_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from sdcguard.commands.incidents import _show
+    from sdcguard.lambdas.notify import describe
+
+    incident = checked(make_incident(S.REPLACED, replacements=[Replacement(old_instance_id=SUSPECT, new_instance_id=NEW, status="Running")]))
+    incident = incident.model_copy(update={"node_checks": [c.model_copy(update={"image": IMAGE}) for c in incident.node_checks]})
+    text = describe(incident)
+    assert f'Reproduction on the suspect: "hyperpod-{SUSPECT}": ran image "{IMAGE}"' in text
+    assert f'Qualification of the replacement: "hyperpod-{NEW}": ran image "{IMAGE}"' in text
+    assert _show(FakeLedger(incident), incident.incident_id, as_json=False) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out.splitlines()
+    reproduce = next(i for i, line in enumerate(out) if line.startswith("reproduce  "))
+    qualify = next(i for i, line in enumerate(out) if line.startswith("qualify    "))
+    assert out[reproduce + 1] == out[qualify + 1] == f"           image {IMAGE}"
