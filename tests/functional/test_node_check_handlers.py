@@ -319,3 +319,18 @@ def test_a_tenants_pod_posing_as_the_checks_pod_is_not_read_and_the_pipelines_im
     assert qualified["qualified"] is True, qualified
     assert [(c.purpose, c.image) for c in world.ledger.get(incident_id).node_checks] == [("reproduce", IMAGE), ("qualify", IMAGE)]
     core.delete_namespaced_pod(f"{check.job}-posing", world.seeded["namespace"])
+
+
+def test_a_direct_invoke_with_a_made_up_incident_creates_no_job(world: World) -> None:
+    from sdcguard.lambdas.errors import IncidentNotFound
+
+    before = k8s.BatchV1Api(world.kube()).list_namespaced_job(world.seeded["namespace"]).items
+    for handler, payload in (
+        (start_node_check.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "reproduce"}),
+        (start_node_check.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "qualify"}),
+        (node_check_status.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "reproduce", "attempt": 0}),
+    ):
+        with pytest.raises(IncidentNotFound):
+            handler(payload, CTX)
+    after = k8s.BatchV1Api(world.kube()).list_namespaced_job(world.seeded["namespace"]).items
+    assert [j.metadata.name for j in after] == [j.metadata.name for j in before]
