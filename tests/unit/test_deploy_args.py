@@ -12,12 +12,12 @@ from sdcguard.cli import main
 from sdcguard.infra.deploy.cfn_yaml import load_template
 from sdcguard.infra.deploy.deploy import (
     STANDIN_NODE_CHECK_IMAGE,
-    node_check_defaults,
     TEMPLATE,
     DeployError,
     check_overrides,
     default_target,
     deploy,
+    node_check_defaults,
     parse_overrides,
 )
 from sdcguard.infra.deploy.package import (

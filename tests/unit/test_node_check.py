@@ -122,7 +122,7 @@ class _Batch:
     def __init__(self, cluster: FakeCluster) -> None:
         self.c = cluster
 
-    def create_namespaced_job(self, namespace: str, body: dict[str, Any]) -> None:
+    def create_namespaced_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.c.refuse is not None:
             raise self.c.refuse
         name = body["metadata"]["name"]

@@ -4,6 +4,7 @@ tenant's own pod cannot take from it (the name, the replica labels, the phase, t
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -34,13 +35,11 @@ def pytorchjob(*, master: int | None = None, workers: int = 3, nproc: str | None
 
 def operators(**changes: Any) -> Observed:
     """What the API shows of the operator's pod for rank 3 (worker 1), running on its node."""
-    seen = {
-        "pod_exists": True, "job_name": "gpt-pretrain", "node": NODE, "node_exists": True,
-        "node_addresses": (NODE_IP, NODE), "owner_uid": "uid-1", "replica_type": "worker", "replica_index": "1",
-        "phase": "Running", "host_ip": NODE_IP,
-    }  # fmt: skip
-    seen.update(changes)
-    return Observed(**seen)
+    seen = Observed(
+        pod_exists=True, job_name="gpt-pretrain", node=NODE, node_exists=True, node_addresses=(NODE_IP, NODE),
+        owner_uid="uid-1", replica_type="worker", replica_index="1", phase="Running", host_ip=NODE_IP,
+    )  # fmt: skip
+    return dataclasses.replace(seen, **changes)
 
 
 def test_the_operator_names_pods_by_node_index_masters_first() -> None:
