@@ -241,6 +241,10 @@ class NodeCheck(Strict):
     """One line for the reviewers: ``reproduced 5/5: persistent``, ``qualified 5/5 on <node>``, ``not run: ...``."""
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    image: Annotated[str, Field(max_length=512)] = ""
+    """The container image the Job ran (the stack's ``NodeCheckImage``, by digest): which software gave the answer."""
+    job_uid: Annotated[str, Field(max_length=64)] = ""
+    """The created Job's ``metadata.uid``: only pods it controls (on the checked node) are read."""
 
     @property
     def finished(self) -> bool:
@@ -288,6 +292,12 @@ class Incident(Strict):
     node_checks: list[NodeCheck] = []
     """The capsule replays on nodes (reproduction on the suspects, qualification of their replacements), one per
     purpose and node, newest result in place."""
+    node_check_nonces: Annotated[
+        dict[Annotated[str, Field(max_length=63)], Annotated[str, Field(max_length=64)]], Field(max_length=256)
+    ] = {}
+    """By node check Job name: the nonce written here before the Job is created, which the Job carries (annotation
+    ``sdcguard.io/nonce``). A Job of that name that exists already is adopted only when it carries it: one made
+    by someone else first is not."""
     notified: list[Annotated[str, Field(max_length=64)]] = []
     """The notifications sent, by what they announced (a state's name): a retried end sends what is missing."""
     transitions: list[Transition] = []

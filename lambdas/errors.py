@@ -31,6 +31,12 @@ class SuspectMismatch(PipelineError):
     of the alarm's job, or runs on another node than the alarm names. Nothing is touched."""
 
 
+class SuspectNotOperatorPod(PipelineError):
+    """The suspect's pod is not the one the training operator made for the alarm's rank: another name or
+    replica index than the rank's, not ``Running``, or its ``status.hostIP`` none of its node's addresses (a pod
+    a tenant created with the job's label, owner and ``spec.nodeName``). Nothing is touched."""
+
+
 class NotInCluster(PipelineError):
     """An instance or an alarm that does not belong to the cluster this pipeline guards."""
 
@@ -114,6 +120,7 @@ __all__ = [
     "ReplacementFailed",
     "ReplacementTimedOut",
     "SuspectMismatch",
+    "SuspectNotOperatorPod",
     "SuspectUnresolvable",
     "Throttled",
     "TransientKubernetesError",

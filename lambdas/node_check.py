@@ -7,12 +7,19 @@ reviewer the hardware gets this computation wrong every time; "reproduced
 replacement, the capsule is replayed on every new node (``qualify``): the job
 resumes onto a node only when it gave the healthy bits N times out of N.
 
-Each check is a batch/v1 Job in the PyTorchJob's namespace, built from the
-job's own Worker container (image, GPU request, environment), pinned to the
-node by its hostname label and tolerating sdcguard's quarantine taint and the
-cordon's, running ``sdcguard replay <capsule> --repeat N --json``. Its answer
-is the last line of the pod's log that parses as the replay report (or, when
-there is none, the container's exit code). The capsule lives beside the
+Each check is a batch/v1 Job in the PyTorchJob's namespace that runs the
+pipeline's own image (``NodeCheckImage``, by digest) as the pipeline's own
+service account (:data:`SERVICE_ACCOUNT`), with nothing of the training's
+but its GPU request, pinned to the node by its hostname label and tolerating
+sdcguard's quarantine taint and the cordon's, running ``sdcguard replay
+<capsule> --repeat N --json``. A tenant of the namespace can create pods,
+Jobs and logs there, so nothing is believed by its name: the Job is created
+carrying a nonce the ledger stored first (a Job of that name made by anyone
+else is not adopted), its uid is recorded, and only a pod it controls, on
+the checked node, is read. Its answer is the last line of that pod's log
+that parses as the replay report (or, when there is none, the container's
+exit code); a Job or a report that shows an injected fault
+(``SDCGUARD_INJECT``) is refused. The capsule lives beside the
 checkpoints, one per localised suspect rank (``<checkpoint prefix>/capsules/
 step-<step>-rank-<rank>``, the agent's naming restated here: the Lambda
 package never imports the agent, which needs torch), and it counts only once
@@ -30,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -57,6 +65,11 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 LABEL_NAME, LABEL_INCIDENT, LABEL_PURPOSE, LABEL_NODE = (
     "app.kubernetes.io/name", "sdcguard.io/incident", "sdcguard.io/purpose", "sdcguard.io/node",
 )  # fmt: skip
+SERVICE_ACCOUNT = "sdcguard-node-check"
+"""The pipeline's service account the replay pods run as (infra/deploy/rbac-namespace.yaml), not the training's."""
+ANNOTATION_NONCE = "sdcguard.io/nonce"
+INJECT_ENV = "SDCGUARD_INJECT"
+"""The fault injector's variable (sdcguard.agent.testing.inject): a check that runs with it answers what it was told."""
 EXIT_OUTCOMES = {0: "match", 1: "mismatch", 2: "unusable"}
 """``sdcguard replay``'s exit codes."""
 LOG_TAIL_LINES = 200
@@ -205,27 +218,35 @@ def job_manifest(
     capsule: str,
     repeats: int,
     deadline_seconds: int,
-    container: dict[str, Any],
-    service_account: str | None,
+    image: str,
+    nonce: str,
+    resources: dict[str, Any] | None = None,
+    region: str = "",
 ) -> dict[str, Any]:
     """The batch/v1 Job that replays ``capsule`` ``repeats`` times on ``node`` (see the module docstring).
 
-    The container is the training's own (image, resources, env) so the replay
-    runs the same software on the same GPU request; ``NODE_NAME`` comes from
-    the downward API so the report names the node it really ran on.
+    It runs ``image`` (the pipeline's) as :data:`SERVICE_ACCOUNT`, with no
+    environment of the training's: ``NODE_NAME`` from the downward API (so
+    the report names the node it really ran on) and ``AWS_REGION``. Only the
+    GPU request (``resources``) is the training's, so the replay gets the same
+    devices. The Job carries ``nonce`` (annotation :data:`ANNOTATION_NONCE`).
     """
-    env = [e for e in (container.get("env") or []) if e.get("name") != "NODE_NAME"]
-    env.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    env: list[dict[str, Any]] = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    if region:
+        env.append({"name": "AWS_REGION", "value": region})
     replay: dict[str, Any] = {
         "name": CONTAINER,
-        "image": container["image"],
+        "image": image,
         "command": ["sdcguard", "replay", capsule, "--repeat", str(repeats), "--json"],
         "env": env,
     }
-    if container.get("resources"):
-        replay["resources"] = container["resources"]
+    if resources:
+        replay["resources"] = resources
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        "serviceAccountName": SERVICE_ACCOUNT,
+        # It needs no Kubernetes API; its AWS credentials come from the account's role binding (Pod Identity, IRSA).
+        "automountServiceAccountToken": False,
         "nodeSelector": {HOSTNAME_LABEL: node},
         "tolerations": [
             {"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
@@ -233,13 +254,11 @@ def job_manifest(
         ],
         "containers": [replay],
     }
-    if service_account:
-        pod_spec["serviceAccountName"] = service_account
     labels = {LABEL_NAME: "sdcguard", LABEL_INCIDENT: incident_id, LABEL_PURPOSE: purpose, LABEL_NODE: node}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": {ANNOTATION_NONCE: nonce}},
         "spec": {
             "backoffLimit": 0,
             "activeDeadlineSeconds": deadline_seconds,
@@ -262,6 +281,8 @@ class Answer:
     repeats: int
     why: str = ""
     """For inconclusive: the reason."""
+    foreign: bool = False
+    """The Job read is not the one the pipeline created: it is left as it is (never deleted)."""
 
 
 def parse_report(log: str) -> dict[str, Any] | None:
@@ -279,8 +300,15 @@ def parse_report(log: str) -> dict[str, Any] | None:
     return None
 
 
-def answer_from_report(report: dict[str, Any], *, node: str, repeats: int) -> Answer:
-    """The answer of a replay report; a report from another node, or one that does not add up, is inconclusive."""
+def answer_from_report(report: dict[str, Any], *, node: str, repeats: int, accept_injected: bool = False) -> Answer:
+    """The answer of a replay report; a report from another node, one that does not add up, or one that says a
+    fault was injected (unless ``accept_injected``: the stand-in's simulated GPUs), is inconclusive."""
+    injection = report.get("injection")
+    if injection and not accept_injected:
+        return Answer(
+            "inconclusive", 0, 0, repeats,
+            f"refused: the replay reports an injected fault ({str(injection)[:120]}), not the node's own answer",
+        )  # fmt: skip
     ran_on = report.get("node")
     if ran_on and ran_on != node:
         return Answer("inconclusive", 0, 0, repeats, f"the replay reports node {ran_on}, not {node}")
@@ -408,13 +436,18 @@ def start_checks(
     repeats: int,
     deadline_seconds: int,
     s3: Any,
+    image: str,
+    region: str = "",
     actor: str = "start_node_check",
 ) -> Started:
-    """Create one replay Job per node to check (see :func:`reproduce_targets`, :func:`qualify_targets`) and
-    record each check in the ledger as running; a node whose capsule is missing, or whose Job the API
-    refused, is recorded as skipped with the reason. Idempotent: a node already checked for ``purpose``
-    (running or finished) is not started again, and a Job that already exists (an earlier attempt's) is
-    taken as started.
+    """Create one replay Job per node to check (see :func:`reproduce_targets`, :func:`qualify_targets`) running
+    ``image`` (the pipeline's; empty: nothing is run) and record each check in the ledger as running, with the
+    created Job's uid; a node whose capsule is missing, whose Job the API refused, or whose Job name is taken by a
+    Job the pipeline did not create, is recorded as skipped with the reason (that Job is left alone).
+
+    Each Job's nonce is in the ledger (``node_check_nonces``) before the Job is created; a Job of the name that
+    exists already is adopted only when it carries that nonce (an earlier attempt's). Idempotent: a node
+    already checked for ``purpose`` is not started again.
 
     Raises :class:`IncidentNotWaiting` when the incident is not at the check's stage (:data:`STAGE`), and
     :class:`TransientKubernetesError` for an API failure worth retrying.
@@ -430,9 +463,13 @@ def start_checks(
     todo = [t for t in targets if t.node not in done]
     namespace = incident.alarm.job.namespace
     new: list[NodeCheck] = []
-    source: tuple[dict[str, Any], str | None] | None = None
+    planned: list[tuple[Target, str, str, dict[str, Any] | None]] = []  # target, Job name, capsule, resources
+    source: dict[str, Any] | None = None
     source_problem = ""
     for target in todo:
+        if not image:
+            new.append(skipped(purpose, target, "no NodeCheckImage is configured (the pipeline's replay image)", repeats=repeats))
+            continue
         capsule, missing = _first_committed(target.capsules, s3)
         if capsule is None:
             new.append(skipped(purpose, target, missing, repeats=repeats))
@@ -442,19 +479,32 @@ def start_checks(
         if source is None:
             new.append(skipped(purpose, target, source_problem, capsule=capsule, repeats=repeats))
             continue
-        name = job_name(purpose, incident_id, target.node)
+        planned.append((target, job_name(purpose, incident_id, target.node), capsule, source.get("resources")))
+
+    # The nonces are written before any Job is created: a retry finds them, and so knows its own Jobs.
+    nonces = dict(incident.node_check_nonces)
+    wanted = {name: nonces.get(name) or uuid.uuid4().hex for _, name, _, _ in planned}
+    if any(name not in nonces for name in wanted):
+        incident = ledger.update(
+            incident_id,
+            lambda current: current.model_copy(
+                update={"node_check_nonces": {**wanted, **current.node_check_nonces}}
+            ),
+        )
+        nonces = dict(incident.node_check_nonces)
+    for target, name, capsule, resources in planned:
         manifest = job_manifest(
             name=name, namespace=namespace, purpose=purpose, incident_id=incident_id, node=target.node,
-            capsule=capsule, repeats=repeats, deadline_seconds=deadline_seconds, container=source[0],
-            service_account=source[1],
+            capsule=capsule, repeats=repeats, deadline_seconds=deadline_seconds, image=image, nonce=nonces[name],
+            resources=resources, region=region,
         )  # fmt: skip
-        refused = _create(api, namespace, manifest)
+        uid, refused = _create(api, namespace, manifest)
         if refused:
-            new.append(skipped(purpose, target, refused, capsule=capsule, repeats=repeats))
+            new.append(skipped(purpose, target, refused, capsule=capsule, repeats=repeats).model_copy(update={"image": image}))
             continue
         running = NodeCheck(
             purpose=purpose, node=target.node, instance_id=target.instance_id, job=name, capsule=capsule,
-            repeats=repeats, state="running", started_at=datetime.now(UTC),
+            repeats=repeats, state="running", started_at=datetime.now(UTC), image=image, job_uid=uid,
             summary=f"replaying {capsule.rsplit('/', 1)[-1]} {repeats} times on {target.node}",
         )  # fmt: skip
         new.append(running)
@@ -465,8 +515,8 @@ def start_checks(
 
     incident = ledger.update(incident_id, record)
     # Counted from the ledger, so a retried start answers as the first did.
-    wanted = {t.node for t in targets}
-    recorded = [c for c in checks_of(incident, purpose) if c.node in wanted]
+    wanted_nodes = {t.node for t in targets}
+    recorded = [c for c in checks_of(incident, purpose) if c.node in wanted_nodes]
     return Started(started=sum(c.state != "skipped" for c in recorded), skipped=sum(c.state == "skipped" for c in recorded))
 
 
@@ -480,34 +530,54 @@ def _first_committed(capsules: Iterable[str], s3: Any) -> tuple[str | None, str]
     return None, first_reason or "no replay capsule: the alarm names no suspect rank"
 
 
-def _read_source(api: k8s.ApiClient, namespace: str, name: str) -> tuple[tuple[dict[str, Any], str | None] | None, str]:
+def _read_source(api: k8s.ApiClient, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
+    """The training's Worker container (for its GPU request only), or why it cannot be read."""
     what = f"PyTorchJob {namespace}/{name}"
     with kubernetes_errors(what):
         try:
             job = k8s.CustomObjectsApi(api).get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name)
         except k8s.exceptions.ApiException as exc:
             if exc.status in (403, 404):
-                return None, f"cannot read {what} for its image and GPU request (HTTP {exc.status})"
+                return None, f"cannot read {what} for its GPU request (HTTP {exc.status})"
             raise
     try:
-        return worker_container(job), ""
+        return worker_container(job)[0], ""
     except JobSourceMissing as exc:
         return None, f"{what}: {exc}"
 
 
-def _create(api: k8s.ApiClient, namespace: str, manifest: dict[str, Any]) -> str:
-    """Create the Job; "" when it exists afterwards, else why the API refused it (a client error: 4xx)."""
+def _create(api: k8s.ApiClient, namespace: str, manifest: dict[str, Any]) -> tuple[str, str]:
+    """Create the Job: (its uid, "") when the pipeline's Job exists afterwards, else ("", why not).
+
+    A 409 is an earlier attempt's Job only when it carries this manifest's
+    nonce; one that does not was made by someone else: refused, and left as it is.
+    """
     name = manifest["metadata"]["name"]
+    nonce = manifest["metadata"]["annotations"][ANNOTATION_NONCE]
+    batch = k8s.BatchV1Api(api)
     with kubernetes_errors(f"job {namespace}/{name}"):
         try:
-            k8s.BatchV1Api(api).create_namespaced_job(namespace, manifest)
+            created = batch.create_namespaced_job(namespace, manifest)
+            return _uid(created), ""
         except k8s.exceptions.ApiException as exc:
-            if exc.status == 409:  # an earlier attempt created it
-                return ""
-            if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
-                return f"the Job was refused: HTTP {exc.status} {exc.reason}: {_message(exc)}"
-            raise
-    return ""
+            if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (409, 429):
+                return "", f"the Job was refused: HTTP {exc.status} {exc.reason}: {_message(exc)}"
+            if exc.status != 409:
+                raise
+        existing = batch.read_namespaced_job(name, namespace)
+    carried = ((existing.metadata.annotations or {}) if existing.metadata else {}).get(ANNOTATION_NONCE)
+    if carried != nonce:
+        return "", (
+            f"a Job {namespace}/{name} exists that the pipeline did not create (it does not carry the nonce the "
+            "ledger recorded before creating it): not adopted, not read, not deleted"
+        )
+    return _uid(existing), ""
+
+
+def _uid(job: Any) -> str:
+    if isinstance(job, dict):  # what a create answers when the client does not deserialise it
+        return str((job.get("metadata") or {}).get("uid") or "")
+    return str(getattr(job.metadata, "uid", "") or "") if job.metadata else ""
 
 
 def _message(exc: k8s.exceptions.ApiException) -> str:
@@ -541,13 +611,16 @@ def poll_checks(
     purpose: Purpose,
     *,
     give_up: bool = False,
+    accept_injected: bool = False,
     actor: str = "node_check_status",
 ) -> Progress:
     """Read each running check's Job once; record the finished ones (deleting their Jobs).
 
     With ``give_up`` (the wait loop's bound reached), a check still running is
     recorded as inconclusive and its Job deleted. A Job that vanished is
-    inconclusive. Raises :class:`TransientKubernetesError`.
+    inconclusive; one that is not the Job the check created is refused and left
+    alone. ``accept_injected``: see :func:`answer_from_report`. Raises
+    :class:`TransientKubernetesError`.
     """
     incident = ledger.get(incident_id)
     namespace = incident.alarm.job.namespace
@@ -556,13 +629,14 @@ def poll_checks(
     for check in checks_of(incident, purpose):
         if check.finished:
             continue
-        answer = read_answer(api, namespace, check)
+        answer = read_answer(api, namespace, check, accept_injected=accept_injected)
         if answer is None and give_up:
             gave_up = True
             answer = Answer("inconclusive", 0, 0, check.repeats, "the Job did not finish within the wait loop's bound")
         if answer is None:
             continue
-        delete_job(api, namespace, check.job)
+        if not answer.foreign:  # a Job someone else made is theirs: not deleted
+            delete_job(api, namespace, check.job)
         finished.append(finish(check, answer))
 
     def record(current: Incident) -> Incident:
@@ -611,8 +685,14 @@ def qualify_summary(checks: list[NodeCheck]) -> str:
     return "; ".join(c.summary for c in checks)
 
 
-def read_answer(api: k8s.ApiClient, namespace: str, check: NodeCheck) -> Answer | None:
-    """The answer of ``check``'s Job, or None while it runs. Raises :class:`TransientKubernetesError`."""
+def read_answer(api: k8s.ApiClient, namespace: str, check: NodeCheck, *, accept_injected: bool = False) -> Answer | None:
+    """The answer of ``check``'s Job, or None while it runs. Raises :class:`TransientKubernetesError`.
+
+    Only the Job whose uid the check recorded counts, and only the one pod it
+    controls on the checked node; anything else (another Job of the name, a
+    second pod claiming the Job, a Job or report with an injected fault) is
+    refused as inconclusive.
+    """
     batch, core = k8s.BatchV1Api(api), k8s.CoreV1Api(api)
     with kubernetes_errors(f"job {namespace}/{check.job}"):
         try:
@@ -621,16 +701,25 @@ def read_answer(api: k8s.ApiClient, namespace: str, check: NodeCheck) -> Answer 
             if exc.status == 404:
                 return Answer("inconclusive", 0, 0, check.repeats, f"the Job {check.job} is gone (deleted before it was read)")
             raise
+    refused = _not_ours(job, check)
+    if refused:
+        return Answer("inconclusive", 0, 0, check.repeats, f"refused: {refused}", foreign=True)
     state = job_state(job)
     if state is None:
         return None
     with kubernetes_errors(f"pods of job {namespace}/{check.job}"):
-        pods = core.list_namespaced_pod(namespace, label_selector=f"job-name={check.job}").items
-    pod = max(pods, key=lambda p: p.metadata.creation_timestamp or datetime.min.replace(tzinfo=UTC), default=None)
+        listed = core.list_namespaced_pod(
+            namespace, label_selector=f"job-name={check.job}", field_selector=f"spec.nodeName={check.node}"
+        ).items
+    pods = [p for p in listed if _controlled_by(p, check.job_uid) and _node_of(p) == check.node]
+    if len(pods) > 1:
+        names = ", ".join(sorted(str(p.metadata.name) for p in pods))
+        return Answer("inconclusive", 0, 0, check.repeats, f"refused: {len(pods)} pods claim to be the Job's one pod ({names})")
+    pod = pods[0] if pods else None
     if state == "DeadlineExceeded":
         return Answer("inconclusive", 0, 0, check.repeats, f"deadline: the Job ran past its deadline{_why_not_run(pod)}")
     if pod is None:
-        return Answer("inconclusive", 0, 0, check.repeats, "the Job finished without a pod")
+        return Answer("inconclusive", 0, 0, check.repeats, "the Job finished without a pod on the node")
     log = ""
     with kubernetes_errors(f"log of pod {namespace}/{pod.metadata.name}"):
         try:
@@ -640,8 +729,31 @@ def read_answer(api: k8s.ApiClient, namespace: str, check: NodeCheck) -> Answer 
                 raise
     report = parse_report(log or "")
     if report is not None:
-        return answer_from_report(report, node=check.node, repeats=check.repeats)
+        return answer_from_report(report, node=check.node, repeats=check.repeats, accept_injected=accept_injected)
     return answer_from_exit_code(_exit_code(pod), repeats=check.repeats)
+
+
+def _not_ours(job: Any, check: NodeCheck) -> str:
+    """Why ``job`` is not the Job ``check`` created and may not be believed, or ""."""
+    uid = str(getattr(job.metadata, "uid", "") or "") if job.metadata else ""
+    if not check.job_uid or uid != check.job_uid:
+        return f"the Job {check.job} (uid {uid or 'none'}) is not the one the pipeline created (uid {check.job_uid or 'not recorded'})"
+    template = job.spec.template.spec if job.spec and job.spec.template and job.spec.template.spec else None
+    for container in (template.containers or []) if template else []:
+        if any(e.name == INJECT_ENV for e in container.env or []):
+            return f"the Job {check.job} runs with {INJECT_ENV} in its environment: its answer is what it was told"
+        if check.image and container.image != check.image:
+            return f"the Job {check.job} runs image {container.image}, not the pipeline's {check.image}"
+    return ""
+
+
+def _controlled_by(pod: Any, uid: str) -> bool:
+    owners = (pod.metadata.owner_references or []) if pod.metadata else []
+    return bool(uid) and any(o.controller and o.kind == "Job" and o.uid == uid for o in owners)
+
+
+def _node_of(pod: Any) -> str | None:
+    return pod.spec.node_name if pod.spec else None
 
 
 def read_log(core: k8s.CoreV1Api, pod: str, namespace: str) -> str:

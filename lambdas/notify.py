@@ -59,11 +59,14 @@ NODE_CHECK_TITLES = {
 
 
 def node_check_lines(incident: Incident) -> list[str]:
-    """One line per node check (the capsule replayed on a suspect or a new node), by purpose."""
+    """One line per node check (the capsule replayed on a suspect or a new node), by purpose, and one naming the
+    image it ran when it ran one."""
     lines = []
     for purpose, title in NODE_CHECK_TITLES.items():
         for check in (c for c in incident.node_checks if c.purpose == purpose):
             lines.append(f"{title}: {quote(check.node)}: {quote(check.summary)}")
+            if check.image:  # which software gave the answer (the stack's NodeCheckImage, by digest)
+                lines.append(f"{title}: {quote(check.node)}: ran image {quote(check.image)}")
     return lines
 
 

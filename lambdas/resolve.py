@@ -10,7 +10,19 @@ node is named ``hyperpod-i-0123456789abcdef0`` (:mod:`sdcguard.contract.naming`)
 renamed node is matched by its own name or addresses (never by a host name
 the alarm supplies) against the private DNS names of the cluster's node list.
 The instance must be one of the HyperPod cluster's nodes, and the node's
-provider id, when it has one, must name it. Any mismatch touches nothing.
+provider id, when it has one, must name it.
+
+A tenant who may create pods in the job's namespace can write everything
+above into a pod of its own: the job-name label, a controller
+ownerReference to the PyTorchJob (its uid is readable) and ``spec.nodeName``.
+So last, the pod must be the one the training operator made for the
+suspect's rank (:func:`not_operators_pod`): named ``<job>-<master|worker>-<i>``
+with that replica type and index, where ``i`` follows from the rank under
+``ranks_per_node`` and the PyTorchJob's replica specs; ``Running``; and with
+a ``status.hostIP`` among its node's ``status.addresses``, which only the
+kubelet of the node that runs it writes. The admission policy shipped in
+``infra/deploy/admission-policy.yaml`` keeps tenants from creating such
+pods at all. Any mismatch touches nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +37,13 @@ from kubernetes import client as k8s
 
 from sdcguard.contract import Alarm, Incident, IncidentState, ResolvedSuspect, Suspect
 from sdcguard.contract.naming import instance_id_of
-from sdcguard.lambdas.errors import NotInCluster, StaleAlarm, SuspectMismatch, SuspectUnresolvable
+from sdcguard.lambdas.errors import (
+    NotInCluster,
+    StaleAlarm,
+    SuspectMismatch,
+    SuspectNotOperatorPod,
+    SuspectUnresolvable,
+)
 from sdcguard.lambdas.kube_errors import kubernetes_errors
 from sdcguard.lambdas.ledger import Ledger
 from sdcguard.lambdas.record import check_job, check_scope
@@ -33,6 +51,9 @@ from sdcguard.lambdas.settings import Settings
 
 JOB_NAME_LABELS = ("training.kubeflow.org/job-name", "job-name")
 """The Kubeflow training operator's job-name label on the pods it makes (and its older name)."""
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+"""The operator's labels naming which replica a pod is (``master``/``worker``, and its index among them)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,14 @@ class Observed:
     """The uid of the PyTorchJob that controls the pod (its ``ownerReferences``)."""
     created: datetime | None = None
     """The pod's ``metadata.creationTimestamp``."""
+    replica_type: str | None = None
+    """The pod's replica-type label (the operator's, lower case)."""
+    replica_index: str | None = None
+    """The pod's replica-index label."""
+    phase: str | None = None
+    """The pod's ``status.phase``."""
+    host_ip: str | None = None
+    """The pod's ``status.hostIP``: written by the kubelet of the node that runs it, never by the pod's creator."""
 
 
 def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict[int, Observed]:
@@ -83,6 +112,10 @@ def observe(api: k8s.ApiClient, namespace: str, suspects: list[Suspect]) -> dict
             provider_id=(node.spec.provider_id or "") if node is not None and node.spec else "",
             owner_uid=owner,
             created=pod.metadata.creation_timestamp,
+            replica_type=labels.get(REPLICA_TYPE_LABEL),
+            replica_index=labels.get(REPLICA_INDEX_LABEL),
+            phase=pod.status.phase if pod.status else None,
+            host_ip=pod.status.host_ip if pod.status else None,
         )
     return out
 
@@ -97,16 +130,101 @@ def _read(call: Any, what: str) -> Any:
             raise
 
 
+def read_pytorchjob(api: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    """The PyTorchJob ``namespace/name`` as the API returns it, or None when there is no such job.
+
+    Raises :class:`TransientKubernetesError`.
+    """
+    job: dict[str, Any] | None = _read(
+        lambda: k8s.CustomObjectsApi(api).get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name),
+        f"PyTorchJob {namespace}/{name}",
+    )
+    return job
+
+
 def job_uid(api: k8s.ApiClient, namespace: str, name: str) -> str | None:
     """The PyTorchJob's ``metadata.uid`` (this incarnation of the job), or None when there is no such job.
 
     Raises :class:`TransientKubernetesError`.
     """
-    job = _read(
-        lambda: k8s.CustomObjectsApi(api).get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", name),
-        f"PyTorchJob {namespace}/{name}",
-    )
+    return uid_of(read_pytorchjob(api, namespace, name))
+
+
+def uid_of(job: dict[str, Any] | None) -> str | None:
+    """``metadata.uid`` of a PyTorchJob as read, or None (no job, or no uid)."""
     return None if job is None else str((job.get("metadata") or {}).get("uid") or "") or None
+
+
+@dataclass(frozen=True)
+class OperatorPod:
+    """The pod the training operator makes for one node's ranks: ``<job>-<replica type>-<index>``."""
+
+    name: str
+    replica_type: str
+    """``master`` or ``worker`` (the operator's label values are lower case)."""
+    index: int
+
+
+def operator_pod(pytorchjob: dict[str, Any], job_name: str, node_index: int) -> OperatorPod | None:
+    """The pod that runs the ranks of node ``node_index`` (rank // ranks_per_node), or None beyond the replicas.
+
+    The operator gives the Master replicas node ranks 0.. and the Workers the
+    ones after them (torchrun's ``--node-rank`` is the pod's ``RANK``), so with
+    one Master node 0 is ``<job>-master-0`` and node 3 ``<job>-worker-2``;
+    without a Master, node ``i`` is ``<job>-worker-<i>``.
+    """
+    specs = (pytorchjob.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+    masters = _replicas(specs.get("Master")) if "Master" in specs else 0
+    workers = _replicas(specs.get("Worker")) if "Worker" in specs else 0
+    if node_index < masters:
+        return OperatorPod(f"{job_name}-master-{node_index}", "master", node_index)
+    if node_index < masters + workers:
+        return OperatorPod(f"{job_name}-worker-{node_index - masters}", "worker", node_index - masters)
+    return None
+
+
+def _replicas(spec: Any) -> int:
+    value = (spec or {}).get("replicas", 1) if isinstance(spec, dict) else 0
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def not_operators_pod(suspect: Suspect, seen: Observed, *, alarm: Alarm, pytorchjob: dict[str, Any]) -> str | None:
+    """Why ``suspect``'s pod is not the one the training operator made for its rank, or None when it is.
+
+    Everything checked here is what a pod created by someone else cannot
+    take from the operator's: the name (unique in the namespace, so the real
+    pod's cannot be taken while it exists), the replica labels that go with
+    it, the phase and the ``status.hostIP`` (the kubelet's). A job whose
+    ``nprocPerNode`` is a number must agree with the alarm's ``ranks_per_node``:
+    the rank-to-pod arithmetic depends on it.
+    """
+    where = f"rank {suspect.global_rank}: pod {suspect.pod}"
+    per_node = str((pytorchjob.get("spec") or {}).get("nprocPerNode") or "")
+    if per_node.isdigit() and int(per_node) != alarm.ranks_per_node:
+        return f"{where}: the alarm's ranks_per_node {alarm.ranks_per_node} is not the PyTorchJob's nprocPerNode {per_node}"
+    node_index = suspect.global_rank // alarm.ranks_per_node
+    expected = operator_pod(pytorchjob, alarm.job.job_name, node_index)
+    if expected is None:
+        return f"{where}: node index {node_index} (rank // ranks_per_node {alarm.ranks_per_node}) is beyond the PyTorchJob's replicas"
+    if suspect.pod != expected.name:
+        return (
+            f"{where} is not the pod the training operator made for that rank: node index {node_index} "
+            f"(rank // ranks_per_node {alarm.ranks_per_node}) runs in pod {expected.name}"
+        )
+    labels = (seen.replica_type, seen.replica_index)
+    if labels != (expected.replica_type, str(expected.index)):
+        return (
+            f"{where} carries replica labels type={seen.replica_type!r} index={seen.replica_index!r}, "
+            f"not the operator's {expected.replica_type!r} {expected.index}"
+        )
+    if seen.phase != "Running":
+        return f"{where} is {seen.phase or 'without a phase'}, not Running"
+    if not seen.host_ip or seen.host_ip not in seen.node_addresses:
+        return (
+            f"{where}: its status.hostIP {seen.host_ip!r} is none of node {seen.node}'s addresses "
+            f"{list(seen.node_addresses)} (the kubelet of another node runs it, or none does)"
+        )
+    return None
 
 
 def check_fresh(alarm: Alarm, *, max_age_seconds: float, now: datetime | None = None) -> None:
@@ -270,7 +388,8 @@ def resolve_incident(
     settings guard, an alarm for another job than ``JOB_NAME``, or an instance that is not the cluster's),
     :class:`SuspectMismatch` (the pod is missing, not of the job, or on
     another node; the node's provider id names another instance) and
-    :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node) and
+    :class:`SuspectUnresolvable` (not localised, or a node that is no HyperPod node),
+    :class:`SuspectNotOperatorPod` (not the pod the training operator made for the rank: :func:`not_operators_pod`) and
     :class:`StaleAlarm` (older than ``MAX_ALARM_AGE_SECONDS``, the job gone, or a pod of another run:
     :func:`check_fresh`, :func:`stale`).
     """
@@ -293,8 +412,9 @@ def resolve_incident(
     ]
     if reasons:
         raise SuspectMismatch(f"alarm {alarm.alarm_id} does not match the cluster; nothing touched: " + "; ".join(reasons))
-    uid = job_uid(kubernetes, job.namespace, job.job_name)
-    if uid is None:
+    pytorchjob = read_pytorchjob(kubernetes, job.namespace, job.job_name)
+    uid = uid_of(pytorchjob)
+    if pytorchjob is None or uid is None:
         raise StaleAlarm(f"alarm {alarm.alarm_id}: PyTorchJob {job.namespace}/{job.job_name} no longer exists; nothing touched")
     earlier_run = [r for s in ordered if (r := stale(s, observed[s.global_rank], alarm=alarm, uid=uid))]
     if earlier_run:
@@ -316,6 +436,13 @@ def resolve_incident(
                 f"rank {s.global_rank}: node {s.node} is instance {provider!r} to Kubernetes, "
                 f"not {s.instance_id}; nothing touched"
             )
+    # Last, so that what a cluster contradicts is named as before; it is what a tenant's own pod cannot fake.
+    forged = [r for s in ordered if (r := not_operators_pod(s, observed[s.global_rank], alarm=alarm, pytorchjob=pytorchjob))]
+    if forged:
+        raise SuspectNotOperatorPod(
+            f"alarm {alarm.alarm_id} names a pod the training operator did not make for its rank; nothing touched: "
+            + "; ".join(forged)
+        )
     note = ", ".join(f"rank {s.global_rank} -> pod {s.pod} on {s.node} -> {s.instance_id}" for s in suspects)
     # Indexed before they are recorded: an incident that names an instance is always in its history.
     ledger.index_suspects(incident_id, [s.instance_id for s in suspects])

@@ -21,6 +21,10 @@ DEFAULT_DCGM_METRICS = (
 )
 
 
+IMAGE_BY_DIGEST = r"^$|^[a-z0-9][a-z0-9._/:-]{0,254}@sha256:[0-9a-f]{64}$"
+"""An image named by its digest (``registry/repository@sha256:<64 hex>``): a tag can be moved, a digest cannot."""
+
+
 class SettingsError(ValueError):
     """An environment variable is missing or invalid; the message names it."""
 
@@ -81,6 +85,13 @@ class Settings(BaseModel):
     node_check_max_polls: Annotated[int, Field(alias="NODE_CHECK_MAX_POLLS", ge=1, le=10_000)] = 70
     """The node check loop's upper bound: after this many polls the checks still running are inconclusive
     (70 x 15 s covers the Job's default 900 s deadline; deploy bounds it by the execution history limit)."""
+    node_check_image: Annotated[str, Field(alias="NODE_CHECK_IMAGE", pattern=IMAGE_BY_DIGEST)] = ""
+    """The image the node check Jobs run (``<repository>@sha256:<64 hex>``, the stack's ``NodeCheckImage``): the
+    pipeline's own, never the training job's. Empty: no node check is run (each is recorded as not run, naming it)."""
+    node_check_accept_injected_faults: Annotated[bool, Field(alias="NODE_CHECK_ACCEPT_INJECTED_FAULTS")] = False
+    """Take a replay report that says a fault was injected (``SDCGUARD_INJECT``) as the node's answer: only on the
+    stand-in, whose simulated faulty GPUs are injections (``sdcguard deploy`` refuses it on AWS). Otherwise such a
+    report is refused (inconclusive): it is what someone made the node say."""
     max_replacement_rounds: Annotated[int, Field(alias="MAX_REPLACEMENT_ROUNDS", ge=1, le=10)] = 2
     """Replacement rounds in all for one incident: a replacement that fails qualification is replaced again
     only while fewer rounds than this were made (and within the blast-radius limits)."""

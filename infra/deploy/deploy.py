@@ -57,6 +57,10 @@ STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,44}$")  # 45: the function nam
 UNUSABLE = frozenset({"ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "DELETE_FAILED", "CREATE_FAILED"})
 
 
+STANDIN_NODE_CHECK_IMAGE = "sdcguard/node-check@sha256:" + hashlib.sha256(b"the stand-in runs no images").hexdigest()
+"""NodeCheckImage on the local stand-in when none is given: it runs every container as a local process."""
+
+
 class DeployError(RuntimeError):
     """The deployment was refused or failed; the message says what to fix."""
 
@@ -174,6 +178,35 @@ def check_history_budget(effective: Mapping[str, str], incident_definition: Path
         raise DeployError(f"cannot check the poll loops against {incident_definition.name}: {exc}") from None
 
 
+def node_check_defaults(values: dict[str, str], previous: Mapping[str, str], *, local: bool) -> list[str]:
+    """Fill in the node checks' parameters the stand-in needs, and refuse what only the stand-in may set.
+
+    On the stand-in (``local``), which runs no images and simulates faulty GPUs by injecting faults, a new
+    stack gets :data:`STANDIN_NODE_CHECK_IMAGE` and ``NodeCheckAcceptInjectedFaults=true`` unless given. On
+    AWS ``NodeCheckAcceptInjectedFaults=true`` is refused. Returns the lines to tell the operator (what was
+    filled in, or that no node check will run). Raises :class:`DeployError`.
+    """
+    said: list[str] = []
+    if local:
+        for key, value in (("NodeCheckImage", STANDIN_NODE_CHECK_IMAGE), ("NodeCheckAcceptInjectedFaults", "true")):
+            if key not in values and key not in previous:
+                values[key] = value
+                said.append(f"on the local stand-in: {key}={value}")
+        return said
+    accept = values.get("NodeCheckAcceptInjectedFaults", previous.get("NodeCheckAcceptInjectedFaults", "false"))
+    if accept == "true":
+        raise DeployError(
+            "NodeCheckAcceptInjectedFaults=true is for the local stand-in only: on AWS a replay report that says a "
+            "fault was injected is what someone made the node say. Drop it"
+        )
+    if not values.get("NodeCheckImage", previous.get("NodeCheckImage", "")):
+        said.append(
+            "warning: NodeCheckImage is empty: no node check will run (no reproduction on the suspect, no "
+            "qualification of its replacement). Give the pipeline's replay image as NodeCheckImage=REPO@sha256:..."
+        )
+    return said
+
+
 def default_target(architecture: str | None = None, python_version: str | None = None) -> Target:
     """The package target: the stand-in's interpreter when ``AWS_ENDPOINT_URL`` is set, else Lambda's."""
     base = local_target() if os.environ.get("AWS_ENDPOINT_URL") else LAMBDA_TARGET
@@ -225,6 +258,8 @@ def deploy(
         cluster = values.get("HyperPodClusterName")
         if cluster and (cluster != previous.get("HyperPodClusterName") or "HyperPodClusterArn" not in previous):
             values["HyperPodClusterArn"] = _hyperpod_arn(session, cluster)
+    for line in node_check_defaults(values, previous, local=bool(os.environ.get("AWS_ENDPOINT_URL"))):
+        say(line)
     missing = sorted(
         name
         for name, spec in template["Parameters"].items()

@@ -44,7 +44,7 @@ from kubernetes import client as k8s
 
 from sdcguard.contract.naming import INSTANCE_ID, node_name
 from sdcguard.infra.local.eks.bearer_token import cluster_api_client
-from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node
+from sdcguard.infra.local.eks.hyperpod_node import hyperpod_node, internal_ip
 from sdcguard.infra.local.standin import RBAC_NAMESPACE_MANIFEST
 
 if TYPE_CHECKING:
@@ -267,8 +267,9 @@ def _container(job: str, ranks_per_node: int, bucket: str) -> dict[str, Any]:
 
 
 def _pod(
-    job: str, job_uid: str, namespace: str, index: int, node: str, ranks_per_node: int, bucket: str
+    job: str, job_uid: str, namespace: str, index: int, instance_id: str, ranks_per_node: int, bucket: str
 ) -> dict[str, Any]:
+    node = node_name(instance_id)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -298,7 +299,8 @@ def _pod(
             "restartPolicy": "OnFailure",
             "containers": [_container(job, ranks_per_node, bucket)],
         },
-        "status": {"phase": "Running", "podIP": f"10.1.{index // 250}.{index % 250 + 2}"},
+        # As the kubelet reports it: the pod runs, on the node whose InternalIP is its hostIP.
+        "status": {"phase": "Running", "hostIP": internal_ip(instance_id), "podIP": f"10.1.{index // 250}.{index % 250 + 2}"},
     }
 
 
@@ -487,7 +489,7 @@ def seed(
                     created_job["metadata"]["uid"],
                     namespace,
                     index,
-                    node_name(instance_id),
+                    instance_id,
                     ranks_per_node,
                     bucket,
                 ),

@@ -38,7 +38,10 @@ def poll(request: PollRequest) -> NodeCheckPoll:
     settings = get_settings()
     attempt = request.attempt + 1
     give_up = attempt >= settings.node_check_max_polls
-    progress = poll_checks(clients.ledger(), clients.kubernetes(), request.incident_id, request.purpose, give_up=give_up)
+    progress = poll_checks(
+        clients.ledger(), clients.kubernetes(), request.incident_id, request.purpose, give_up=give_up,
+        accept_injected=settings.node_check_accept_injected_faults,
+    )  # fmt: skip
     return NodeCheckPoll(
         incident_id=request.incident_id,
         purpose=request.purpose,

@@ -22,7 +22,7 @@ from sdcguard.lambdas.telemetry import logger, metrics, tracer
 def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """Returns :class:`~sdcguard.lambdas.outputs.Resolved`.
 
-    Raises ``SuspectMismatch``, ``SuspectUnresolvable``, ``NotInCluster`` (nothing touched),
+    Raises ``SuspectMismatch``, ``SuspectNotOperatorPod``, ``SuspectUnresolvable``, ``NotInCluster`` (nothing touched),
     ``TransientKubernetesError``.
     """
     result = resolve(parse_input(IncidentRef, event))

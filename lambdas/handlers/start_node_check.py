@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from aws_lambda_powertools.metrics import MetricUnit
@@ -31,7 +32,7 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 def start(request: NodeCheckStart) -> NodeChecksStarted:
-    """One replay Job per node to check, recorded in the ledger."""
+    """One replay Job per node to check, running the pipeline's image (NODE_CHECK_IMAGE), recorded in the ledger."""
     settings = get_settings()
     started = start_checks(
         clients.ledger(),
@@ -41,6 +42,8 @@ def start(request: NodeCheckStart) -> NodeChecksStarted:
         repeats=settings.node_check_repeats,
         deadline_seconds=settings.node_check_deadline_seconds,
         s3=clients.aws("s3"),
+        image=settings.node_check_image,
+        region=os.environ.get("AWS_REGION", ""),
     )
     return NodeChecksStarted(
         incident_id=request.incident_id, purpose=request.purpose, started=started.started, skipped=started.skipped

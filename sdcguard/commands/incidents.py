@@ -220,6 +220,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
         print(f"           {evidence.get('note', '')}")
     for check in (c for c in incident.node_checks if c.purpose == "reproduce"):
         print(f"reproduce  {check.node}: {check.summary}{_job_of(check)}")
+        if check.image:
+            print(f"           image {check.image}")
     if incident.decision:
         d = incident.decision
         print(f"decision   {d.decision} by {d.reviewer}: {d.reason}")
@@ -229,6 +231,8 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
         print(f"replaced   {r.old_instance_id} -> {r.new_instance_id or '?'} ({r.status})")
     for check in (c for c in incident.node_checks if c.purpose == "qualify"):
         print(f"qualify    {check.node}: {check.summary}{_job_of(check)}")
+        if check.image:
+            print(f"           image {check.image}")
     if incident.checkpoint_after:
         print(f"pointer    {incident.checkpoint_before or '-'} -> {incident.checkpoint_after}")
     if incident.failure:

@@ -604,6 +604,37 @@ def test_forged_alarms_cordon_nothing_and_suspend_nothing(pipeline: Pipeline) ->
         assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
 
 
+def test_a_pod_forged_as_the_operators_cordons_nothing_and_suspends_nothing(pipeline: Pipeline) -> None:
+    # Given a tenant's pod as in the issue: the job-name label, a controller ownerReference to the PyTorchJob's
+    # uid and spec.nodeName on a HyperPod node of the cluster, named by an alarm with a rank (of node 0) whose
+    # real pod runs elsewhere,
+    p = pipeline
+    p.job_running()
+    victim, real = p.node(6), p.node(0)
+    detail = forged(p, pod=plant(p, victim["node_name"]), node=victim["node_name"], ring_clean=27000)
+    taints_before = all_taints(p)
+    # when the alarm is published,
+    p.publish(detail)
+    incident = p.incident_for(detail["alarm_id"])
+    execution = p.execution_end(p.execution_of(incident.incident_id))
+    # the incident stops for attention and says why,
+    stopped = p.ledger.get(incident.incident_id)
+    assert execution["status"] == "FAILED"  # StoppedForAttention
+    assert stopped.state == S.NEEDS_ATTENTION
+    assert stopped.failure is not None
+    assert stopped.failure.error == "SuspectNotOperatorPod"
+    assert "is not the pod the training operator made for that rank" in stopped.failure.cause
+    assert f"runs in pod {real['pod']}" in stopped.failure.cause
+    assert stopped.suspects == []
+    assert S.GUARDED not in [t.state for t in stopped.transitions]
+    # and nothing is cordoned or suspended.
+    assert all_taints(p) == taints_before
+    assert not p.read_node(victim["node_name"]).spec.unschedulable
+    job = p.read_job()
+    assert not job["spec"]["runPolicy"].get("suspend")
+    assert not (job["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by")
+
+
 def test_an_end_handler_that_fails_still_ends_with_a_notification(pipeline: Pipeline) -> None:
     p = pipeline
     p.job_running()

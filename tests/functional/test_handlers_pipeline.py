@@ -37,6 +37,7 @@ from sdcguard.lambdas.errors import (
     NotInCluster,
     StaleAlarm,
     SuspectMismatch,
+    SuspectNotOperatorPod,
     SuspectUnresolvable,
     UnknownDecision,
     UnverifiedDecision,
@@ -471,6 +472,70 @@ def test_an_alarm_for_another_job_of_the_namespace_touches_nothing(world: World)
     # and nothing is resolved, so nothing downstream can act.
     assert (world.ledger.get(incident_id).state, world.ledger.get(incident_id).suspects) == (S.RECORDED, [])
     assert our_taints(read_node(world, node["node_name"])) == taints_before
+
+
+def forge_operator_pod(world: World, node: str, *, status: dict[str, Any] | None = None) -> str:
+    """A tenant's pod posing as the training operator's: the job-name label, a controller ownerReference to the
+    PyTorchJob's uid (readable with ``get pytorchjob``) and ``spec.nodeName`` on ``node`` (an existing HyperPod node),
+    and, when given, a ``status`` (the stand-in keeps what a create sends; a real API server resets it)."""
+    core = k8s.CoreV1Api(world.kube())
+    uid = read_job(world)["metadata"]["uid"]
+    pod = f"evil-{uuid.uuid4().hex[:8]}"
+    body: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod, "labels": {"training.kubeflow.org/job-name": world.seeded["job"]},
+                     "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                          "name": world.seeded["job"], "uid": uid, "controller": True}]},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
+    }  # fmt: skip
+    if status is not None:
+        body["status"] = status
+    core.create_namespaced_pod(world.seeded["namespace"], body)
+    return pod
+
+
+def test_a_pod_forged_as_the_operators_moves_no_node_and_the_incident_says_why(world: World) -> None:
+    # Given pods forged as in the issue on node 0 (one even claiming to run there), each named by an alarm
+    # with a rank of node 2, whose real pod runs on node 2,
+    victim, real = world.node(0), world.node(2)
+    victim_ip = next(a.address for a in read_node(world, victim["node_name"]).status.addresses if a.type == "InternalIP")
+    plain = forge_operator_pod(world, victim["node_name"])
+    claiming = forge_operator_pod(world, victim["node_name"], status={"phase": "Running", "hostIP": victim_ip})
+    job_before, taints_before = read_job(world), {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]}
+    for pod in (plain, claiming):
+        event = naming(world, alarm_event(world, 2), pod=pod, node=victim["node_name"])
+        incident_id = record.handler(event, CTX)["incident_id"]
+        # when resolve reads the cluster, it refuses the pod,
+        with pytest.raises(SuspectNotOperatorPod) as caught:
+            resolve.handler({"incident_id": incident_id}, CTX)
+        reason = str(caught.value)
+        assert f"pod {pod} is not the pod the training operator made for that rank" in reason
+        assert f"runs in pod {real['pod']}" in reason
+        assert (world.ledger.get(incident_id).state, world.ledger.get(incident_id).suspects) == (S.RECORDED, [])
+        # the steps after it change nothing (the machine never reaches them; a direct invoke is refused),
+        guard.handler({"incident_id": incident_id}, CTX)
+        assert world.ledger.get(incident_id).state == S.RECORDED
+        with pytest.raises(IncidentNotWaiting):
+            suspend_job.handler({"incident_id": incident_id}, CTX)
+        with pytest.raises(NotInCluster):
+            cordon.handler({"incident_id": incident_id, "instance_id": victim["instance_id"]}, CTX)
+        # and the stop the machine's Catch leads to records why.
+        needs_attention.handler(
+            {"incident_id": incident_id, "state": "Resolve", "error": {"Error": "SuspectNotOperatorPod", "Cause": reason}}, CTX
+        )
+        stopped = world.ledger.get(incident_id)
+        assert stopped.state == S.NEEDS_ATTENTION
+        assert stopped.failure is not None
+        assert (stopped.failure.error, stopped.failure.state) == ("SuspectNotOperatorPod", "Resolve")
+        assert "not the pod the training operator made" in stopped.failure.cause
+    # No node was cordoned or tainted, and the job was not suspended.
+    assert {n["node_name"]: our_taints(read_node(world, n["node_name"])) for n in world.seeded["nodes"]} == taints_before
+    assert all(not read_node(world, n["node_name"]).spec.unschedulable for n in (victim, real))
+    job_after = read_job(world)
+    assert job_after["spec"]["runPolicy"].get("suspend") == job_before["spec"]["runPolicy"].get("suspend")
+    assert (job_after["metadata"].get("annotations") or {}).get("sdcguard.io/suspended-by") == (
+        job_before["metadata"].get("annotations") or {}
+    ).get("sdcguard.io/suspended-by")
 
 
 def test_a_second_incident_beyond_the_blast_radius_is_refused(world: World, monkeypatch: pytest.MonkeyPatch) -> None:

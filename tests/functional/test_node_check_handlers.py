@@ -10,6 +10,7 @@ qualification is cordoned and rejected.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -41,6 +42,8 @@ from tests.functional.test_handlers_pipeline import (
 
 S = IncidentState
 REPEATS = 2
+IMAGE = "registry.example/sdcguard/node-check@sha256:" + "5dc0" * 16
+"""The stack's NodeCheckImage in these scenarios."""
 FAULTY = (1, 3)
 """The seeded nodes whose GPU is faulty (persistently: every repetition of the capsule's step)."""
 
@@ -68,6 +71,8 @@ def node_check_world(standin: LocalStandIn) -> Iterator[World]:
         "CHECKPOINT_PREFIX": seeded["job"], "MODE": "normal", "MAX_QUARANTINED_NODES": "4",
         "MAX_REPLACEMENTS_PER_DAY": "1000", "APPROVAL_TIMEOUT_SECONDS": "300",
         "NODE_CHECK_REPEATS": str(REPEATS), "NODE_CHECK_DEADLINE_SECONDS": "120", "MAX_REPLACEMENT_ROUNDS": "2",
+        # The pipeline's replay image (the stand-in runs none), and its faulty GPUs are simulated by injection.
+        "NODE_CHECK_IMAGE": IMAGE, "NODE_CHECK_ACCEPT_INJECTED_FAULTS": "true",
         "POWERTOOLS_TRACE_DISABLED": "true", "POWERTOOLS_METRICS_NAMESPACE": "sdcguard-test",
     }  # fmt: skip
     saved = {k: os.environ.get(k) for k in env}
@@ -109,13 +114,28 @@ def world(standin: LocalStandIn) -> Iterator[World]:
         yield made
 
 
+def suspect_rank(world: World, index: int) -> int:
+    """The rank of node ``index`` whose capsule the scenarios replay: its own second rank, as the pod the training
+    operator made for that rank is node ``index``'s (rank RANK is node 0's second rank)."""
+    return int(world.seeded["nodes"][index]["ranks"][RANK])
+
+
 def cordoned_suspect(world: World, index: int, window: int) -> str:
-    """An incident about rank RANK on node ``index`` at step STEP (the capsule's), driven to CORDONED."""
+    """An incident about node ``index``'s rank :func:`suspect_rank` at step STEP (the capsule's), driven to
+    CORDONED; that rank's capsule is rank RANK's as it is now (copied beside it)."""
+    rank = suspect_rank(world, index)
+    s3, bucket = world.standin.client("s3"), world.seeded["bucket"]
+    source, target = (f"{world.seeded['job']}/{cap.capsule_dir(STEP, r)}/" for r in (RANK, rank))
+    if rank != RANK:
+        for item in s3.list_objects_v2(Bucket=bucket, Prefix=source).get("Contents", []):
+            key = str(item["Key"])
+            s3.copy_object(Bucket=bucket, Key=target + key.removeprefix(source), CopySource={"Bucket": bucket, "Key": key})
     event = alarm_event(world, index)
     event["detail"].update(
         step=STEP, last_clean={"nonfinite_grad": STEP - 1, "ring_audit": window, "weight_fingerprint": STEP - 1, "reduced_grad": STEP - 1},
     )  # fmt: skip
-    event["detail"]["suspects"][0]["global_rank"] = RANK
+    event["detail"]["suspects"][0]["global_rank"] = rank
+    event["detail"]["world_size"] = int(world.seeded["world_size"])
     incident_id = drive(world, event, through="cordon")
     assert world.ledger.get(incident_id).state == S.CORDONED
     return incident_id
@@ -219,6 +239,98 @@ def test_without_a_capsule_nothing_runs_and_the_flow_goes_on(world: World) -> No
     started = start_node_check.handler({"incident_id": incident_id, "purpose": "reproduce"}, CTX)
     assert (started["started"], started["skipped"]) == (0, 1)
     polled = node_check_status.handler({"incident_id": incident_id, "purpose": "reproduce", "attempt": 0}, CTX)
-    location = f"s3://{world.seeded['bucket']}/{world.seeded['job']}/{cap.capsule_dir(STEP + 1, RANK)}"
+    location = f"s3://{world.seeded['bucket']}/{world.seeded['job']}/{cap.capsule_dir(STEP + 1, suspect_rank(world, 2))}"
     assert (polled["done"], polled["summary"]) == (True, f"not run: no replay capsule at {location}")
     assert jobs_of(world, incident_id) == []
+
+
+def tenants_reproduce_job(world: World, incident_id: str, node: str) -> str:
+    """A Job a tenant of the namespace creates first under the name the suspect's reproduction will use, tolerating
+    the quarantine, whose pod prints a replay report saying "reproduced" on every repetition."""
+    from sdcguard.lambdas.node_check import job_name
+
+    name = job_name("reproduce", incident_id, node)
+    line = json.dumps({"outcome": "mismatch", "matched": 0, "reproduced": REPEATS, "repeats": REPEATS, "node": node})
+    k8s.BatchV1Api(world.kube()).create_namespaced_job(world.seeded["namespace"], {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+        "spec": {"backoffLimit": 0, "template": {"spec": {
+            "restartPolicy": "Never", "nodeSelector": {"kubernetes.io/hostname": node},
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "sdcguard-replay", "image": "busybox", "command": ["python", "-c", f"print({line!r})"]}],
+        }}},
+    })  # fmt: skip
+    return name
+
+
+def test_a_reproduce_job_a_tenant_made_first_is_neither_adopted_nor_read_nor_deleted(world: World) -> None:
+    # Given a healthy suspect, and a tenant's Job under the reproduction's name that prints "reproduced 2/2",
+    incident_id = cordoned_suspect(world, 0, window=0)  # windows above STEP - 1 are all the same window
+    node = world.seeded["nodes"][0]["node_name"]
+    name = tenants_reproduce_job(world, incident_id, node)
+    # when the reproduction starts and is polled,
+    polled = run_checks(world, incident_id, "reproduce")
+    # the reviewer reads that it did not run, and why, never "reproduced",
+    assert polled["done"], polled
+    assert "reproduced" not in polled["summary"].split(":")[0]
+    assert polled["summary"].startswith(f"not run: a Job {world.seeded['namespace']}/{name} exists that the pipeline did not create")
+    (check,) = world.ledger.get(incident_id).node_checks
+    assert (check.state, check.reproduced, check.job_uid) == ("skipped", 0, "")
+    # and the tenant's Job is left as it was.
+    jobs = k8s.BatchV1Api(world.kube()).list_namespaced_job(world.seeded["namespace"]).items
+    assert name in [j.metadata.name for j in jobs]
+    k8s.BatchV1Api(world.kube()).delete_namespaced_job(name, world.seeded["namespace"], propagation_policy="Background")
+
+
+@pytest.mark.slow  # two replay Jobs (forked from the stand-in's zygote)
+def test_a_tenants_pod_posing_as_the_checks_pod_is_not_read_and_the_pipelines_image_runs(world: World) -> None:
+    # Given a healthy suspect whose reproduction runs,
+    incident_id = cordoned_suspect(world, 2, window=1)
+    node = world.seeded["nodes"][2]["node_name"]
+    started = start_node_check.handler({"incident_id": incident_id, "purpose": "reproduce"}, CTX)
+    assert started["started"] == 1
+    (job,) = jobs_of(world, incident_id)
+    (check,) = world.ledger.get(incident_id).node_checks
+    assert check.job_uid == job.metadata.uid  # the created Job's uid is recorded
+    # it runs the pipeline's image as the pipeline's account, with none of the training's environment,
+    pod_spec = job.spec.template.spec
+    assert (pod_spec.containers[0].image, pod_spec.service_account_name) == (IMAGE, "sdcguard-node-check")
+    assert [e.name for e in pod_spec.containers[0].env] == ["NODE_NAME", "AWS_REGION"]
+    # and a tenant's pod with the Job's label on the node, finished with exit code 1, made after the Job's own pod,
+    core = k8s.CoreV1Api(world.kube())
+    core.create_namespaced_pod(world.seeded["namespace"], {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{check.job}-posing", "labels": {"job-name": check.job}},
+        "spec": {"nodeName": node, "containers": [{"name": "sdcguard-replay", "image": "busybox"}]},
+        "status": {"phase": "Failed", "containerStatuses": [{"name": "sdcguard-replay", "ready": False, "restartCount": 0,
+                   "image": "busybox", "imageID": "", "state": {"terminated": {"exitCode": 1}}}]},
+    })  # fmt: skip
+    attempt, deadline = started["attempt"], time.monotonic() + 90
+    while True:
+        polled = node_check_status.handler({"incident_id": incident_id, "purpose": "reproduce", "attempt": attempt}, CTX)
+        if polled["done"] or time.monotonic() > deadline:
+            break
+        attempt = polled["attempt"]
+        time.sleep(0.5)
+    # changes nothing the reviewer reads: the answer is the Job's own pod's.
+    assert polled["summary"] == f"reproduced 0/{REPEATS}", polled
+    # The replacement's qualification runs the pipeline's image too.
+    replaced_by(world, incident_id, 0)
+    qualified = run_checks(world, incident_id, "qualify")
+    assert qualified["qualified"] is True, qualified
+    assert [(c.purpose, c.image) for c in world.ledger.get(incident_id).node_checks] == [("reproduce", IMAGE), ("qualify", IMAGE)]
+    core.delete_namespaced_pod(f"{check.job}-posing", world.seeded["namespace"])
+
+
+def test_a_direct_invoke_with_a_made_up_incident_creates_no_job(world: World) -> None:
+    from sdcguard.lambdas.errors import IncidentNotFound
+
+    before = k8s.BatchV1Api(world.kube()).list_namespaced_job(world.seeded["namespace"]).items
+    for handler, payload in (
+        (start_node_check.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "reproduce"}),
+        (start_node_check.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "qualify"}),
+        (node_check_status.handler, {"incident_id": "sdc-madeup0000000000000", "purpose": "reproduce", "attempt": 0}),
+    ):
+        with pytest.raises(IncidentNotFound):
+            handler(payload, CTX)
+    after = k8s.BatchV1Api(world.kube()).list_namespaced_job(world.seeded["namespace"]).items
+    assert [j.metadata.name for j in after] == [j.metadata.name for j in before]

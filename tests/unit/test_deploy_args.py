@@ -11,11 +11,13 @@ import pytest
 from sdcguard.cli import main
 from sdcguard.infra.deploy.cfn_yaml import load_template
 from sdcguard.infra.deploy.deploy import (
+    STANDIN_NODE_CHECK_IMAGE,
     TEMPLATE,
     DeployError,
     check_overrides,
     default_target,
     deploy,
+    node_check_defaults,
     parse_overrides,
 )
 from sdcguard.infra.deploy.package import (
@@ -138,3 +140,25 @@ def test_the_package_cache_keeps_the_most_recently_used_zips(tmp_path: Path) -> 
     assert sorted(p.name for p in removed) == [f"{i:032x}.zip" for i in range(3)]
     assert sorted(p.name for p in tmp_path.glob("*.zip")) == [f"{i:032x}.zip" for i in range(3, 9)]
     assert (tmp_path / "deps-x").is_dir()
+
+
+def test_the_standin_gets_a_node_check_image_and_its_simulated_faults_and_aws_never_does() -> None:
+    # The stand-in runs no images and simulates faulty GPUs by injection: a new stack there gets both, said aloud.
+    local: dict[str, str] = {}
+    said = node_check_defaults(local, {}, local=True)
+    assert local == {"NodeCheckImage": STANDIN_NODE_CHECK_IMAGE, "NodeCheckAcceptInjectedFaults": "true"}
+    assert said == [f"on the local stand-in: NodeCheckImage={STANDIN_NODE_CHECK_IMAGE}",
+                    "on the local stand-in: NodeCheckAcceptInjectedFaults=true"]  # fmt: skip
+    given = {"NodeCheckImage": "registry.example/r@sha256:" + "1" * 64}
+    node_check_defaults(given, {}, local=True)
+    assert given["NodeCheckImage"] == "registry.example/r@sha256:" + "1" * 64
+    # On AWS nothing is filled in; an empty image is warned about, accepting injections refused.
+    aws: dict[str, str] = {}
+    (warning,) = node_check_defaults(aws, {}, local=False)
+    assert aws == {}
+    assert warning.startswith("warning: NodeCheckImage is empty: no node check will run")
+    with pytest.raises(DeployError, match="NodeCheckAcceptInjectedFaults=true is for the local stand-in only"):
+        node_check_defaults({"NodeCheckAcceptInjectedFaults": "true"}, {}, local=False)
+    with pytest.raises(DeployError, match="for the local stand-in only"):  # kept from an earlier deploy
+        node_check_defaults({}, {"NodeCheckAcceptInjectedFaults": "true"}, local=False)
+    assert node_check_defaults({}, {"NodeCheckImage": given["NodeCheckImage"]}, local=False) == []

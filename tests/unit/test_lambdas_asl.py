@@ -197,7 +197,7 @@ def test_record_is_told_its_execution_and_a_mismatching_suspect_stops_for_attent
     states = load("incident")["States"]
     assert states["Record"]["Parameters"]["Payload"] == {"event.$": "$", "execution_id.$": "$$.Execution.Id"}
     to_attention = {e for c in states["Resolve"]["Catch"] if c["Next"] == "NeedsAttention" for e in c["ErrorEquals"]}
-    assert {"SuspectMismatch", "SuspectUnresolvable", "NotInCluster"} <= to_attention
+    assert {"SuspectMismatch", "SuspectNotOperatorPod", "SuspectUnresolvable", "NotInCluster"} <= to_attention
     assert "TransientKubernetesError" in {e for r in states["Resolve"]["Retry"] for e in r["ErrorEquals"]}
     assert "LockLost" in {e for r in states["Guard"]["Retry"] for e in r["ErrorEquals"]}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -35,6 +36,8 @@ NEW = "i-0aaaaaaaaaaaaaaa1"
 NEWER = "i-0bbbbbbbbbbbbbbb2"
 PREFIX = "s3://ckpt-bucket/jobs/gpt-pretrain"
 CAPSULE = f"{PREFIX}/capsules/step-000000200-rank-00003"
+IMAGE = "registry.example/sdcguard/node-check@sha256:" + "c0ffee00" * 8
+"""The pipeline's replay image (NodeCheckImage)."""
 
 
 # -- fakes ------------------------------------------------------------------------------------------
@@ -76,6 +79,8 @@ class FakeCluster:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.job_status: dict[str, Any] = {}
         self.pods: dict[str, Any] = {}
+        self.extra_pods: list[Any] = []
+        """Pods someone else created (a tenant's), listed beside the Jobs' own."""
         self.logs: dict[str, str] = {}
         self.nodes: dict[str, Any] = {}
         self.deleted: list[tuple[str, str | None]] = []
@@ -88,11 +93,23 @@ class FakeCluster:
         condition = SimpleNamespace(type="Failed" if failed else "Complete", status="True", reason=reason)
         self.job_status[job] = SimpleNamespace(succeeded=0 if failed else 1, failed=1 if failed else 0, conditions=[condition])
         terminated = None if exit_code is None else SimpleNamespace(exit_code=exit_code)
-        self.pods[job] = SimpleNamespace(
-            metadata=SimpleNamespace(name=f"{job}-xbcdf", creation_timestamp=datetime.now(UTC)),
-            status=SimpleNamespace(container_statuses=[SimpleNamespace(state=SimpleNamespace(terminated=terminated))], conditions=[]),
-        )
+        self.pods[job] = self.pod(f"{job}-xbcdf", job, exit_code=exit_code)
+        self.pods[job].status.container_statuses = [SimpleNamespace(state=SimpleNamespace(terminated=terminated))]
         self.logs[f"{job}-xbcdf"] = log
+
+    def pod(self, name: str, job: str, *, exit_code: int | None = 0, owner_uid: str | None = None, node: str | None = None) -> Any:
+        """A pod as the Job controller makes it (controlled by the Job's uid, on the Job's node), unless told otherwise."""
+        uid = self.jobs[job]["metadata"]["uid"] if job in self.jobs else "gone"
+        node = node or (self.jobs[job]["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/hostname"] if job in self.jobs else None)
+        terminated = None if exit_code is None else SimpleNamespace(exit_code=exit_code)
+        return SimpleNamespace(
+            metadata=SimpleNamespace(
+                name=name, creation_timestamp=datetime.now(UTC), labels={"job-name": job},
+                owner_references=[SimpleNamespace(kind="Job", uid=owner_uid or uid, controller=True)],
+            ),
+            spec=SimpleNamespace(node_name=node),
+            status=SimpleNamespace(container_statuses=[SimpleNamespace(state=SimpleNamespace(terminated=terminated))], conditions=[]),
+        )  # fmt: skip
 
     def add_node(self, name: str) -> None:
         self.nodes[name] = SimpleNamespace(
@@ -105,19 +122,30 @@ class _Batch:
     def __init__(self, cluster: FakeCluster) -> None:
         self.c = cluster
 
-    def create_namespaced_job(self, namespace: str, body: dict[str, Any]) -> None:
+    def create_namespaced_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         if self.c.refuse is not None:
             raise self.c.refuse
         name = body["metadata"]["name"]
         if name in self.c.jobs:
             raise api_error(409, "Conflict")
         self.c.jobs[name] = copy.deepcopy(body)
+        self.c.jobs[name]["metadata"]["uid"] = str(uuid.uuid4())
         self.c.job_status[name] = SimpleNamespace(succeeded=0, failed=0, conditions=[])
+        return copy.deepcopy(self.c.jobs[name])
 
     def read_namespaced_job(self, name: str, namespace: str) -> Any:
         if name not in self.c.jobs:
             raise api_error(404, "Not Found")
-        return SimpleNamespace(status=self.c.job_status[name])
+        body = self.c.jobs[name]
+        containers = [
+            SimpleNamespace(image=c.get("image"), env=[SimpleNamespace(name=e["name"]) for e in c.get("env") or []])
+            for c in body["spec"]["template"]["spec"]["containers"]
+        ]
+        return SimpleNamespace(
+            metadata=SimpleNamespace(name=name, uid=body["metadata"].get("uid"), annotations=body["metadata"].get("annotations")),
+            spec=SimpleNamespace(template=SimpleNamespace(spec=SimpleNamespace(containers=containers))),
+            status=self.c.job_status[name],
+        )
 
     def delete_namespaced_job(self, name: str, namespace: str, propagation_policy: str | None = None) -> None:
         if self.c.jobs.pop(name, None) is None:
@@ -129,9 +157,11 @@ class _Core:
     def __init__(self, cluster: FakeCluster) -> None:
         self.c = cluster
 
-    def list_namespaced_pod(self, namespace: str, label_selector: str = "") -> Any:
+    def list_namespaced_pod(self, namespace: str, label_selector: str = "", field_selector: str = "") -> Any:
         job = label_selector.removeprefix("job-name=")
-        return SimpleNamespace(items=[self.c.pods[job]] if job in self.c.pods else [])
+        node = field_selector.removeprefix("spec.nodeName=") if field_selector else None
+        pods = [p for p in [self.c.pods.get(job), *self.c.extra_pods] if p is not None and p.metadata.labels.get("job-name") == job]
+        return SimpleNamespace(items=[p for p in pods if node is None or p.spec.node_name == node])
 
     def read_namespaced_pod_log(self, name: str, namespace: str, **kwargs: Any) -> Any:
         assert kwargs["_preload_content"] is False  # the client's own decoding garbles a text log
@@ -220,7 +250,7 @@ def report(*, outcome: str, matched: int, reproduced: int, node: str | None, rep
 def start(ledger: FakeLedger, cluster: FakeCluster, purpose: node_check.Purpose, keys: set[str] | None = None) -> node_check.Started:
     incident_id = next(iter(ledger.incidents))
     s3 = FakeS3({f"{CAPSULE}/CAPSULE.json"} if keys is None else keys)
-    return node_check.start_checks(ledger, cluster, incident_id, purpose, repeats=5, deadline_seconds=900, s3=s3)  # type: ignore[arg-type]
+    return node_check.start_checks(ledger, cluster, incident_id, purpose, repeats=5, deadline_seconds=900, s3=s3, image=IMAGE)  # type: ignore[arg-type]
 
 
 def poll(ledger: FakeLedger, cluster: FakeCluster, purpose: node_check.Purpose, give_up: bool = False) -> node_check.Progress:
@@ -245,36 +275,63 @@ def test_job_names_are_dns_labels_of_at_most_63_characters_and_distinct_per_node
     assert long_a != long_b
 
 
-def test_the_job_runs_the_trainings_own_container_pinned_to_the_node() -> None:
-    container, account = node_check.worker_container(pytorchjob())
+def test_the_job_runs_the_pipelines_image_and_account_pinned_to_the_node_with_only_the_trainings_gpu_request() -> None:
+    container, _ = node_check.worker_container(pytorchjob())
     manifest = node_check.job_manifest(
         name="sdcguard-reproduce-x-n", namespace="ml", purpose="reproduce", incident_id="sdc-1", node="node-a",
-        capsule=CAPSULE, repeats=5, deadline_seconds=900, container=container, service_account=account,
+        capsule=CAPSULE, repeats=5, deadline_seconds=900, image=IMAGE, nonce="n0nce", resources=container["resources"],
+        region="us-west-2",
     )  # fmt: skip
     spec, pod = manifest["spec"], manifest["spec"]["template"]["spec"]
     assert manifest["metadata"]["labels"] == {
         "app.kubernetes.io/name": "sdcguard", "sdcguard.io/incident": "sdc-1", "sdcguard.io/purpose": "reproduce",
         "sdcguard.io/node": "node-a",
     }  # fmt: skip
+    assert manifest["metadata"]["annotations"] == {"sdcguard.io/nonce": "n0nce"}
     assert (spec["backoffLimit"], spec["activeDeadlineSeconds"], spec["ttlSecondsAfterFinished"]) == (0, 900, 3600)
     assert pod["restartPolicy"] == "Never"
     assert pod["nodeSelector"] == {"kubernetes.io/hostname": "node-a"}
     assert {t["key"] for t in pod["tolerations"]} == {TAINT_KEY, "node.kubernetes.io/unschedulable"}
     assert all(t["operator"] == "Exists" and t["effect"] == "NoSchedule" for t in pod["tolerations"])
-    assert pod["serviceAccountName"] == "trainer"
+    # the pipeline's service account and image, not the training's ("trainer", registry.example/trainer:1.2)
+    assert pod["serviceAccountName"] == node_check.SERVICE_ACCOUNT == "sdcguard-node-check"
+    assert pod["automountServiceAccountToken"] is False
     (replay,) = pod["containers"]
     assert replay["name"] == "sdcguard-replay"
-    assert replay["image"] == "registry.example/trainer:1.2"  # the Worker's, not the Master's
-    assert replay["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
+    assert replay["image"] == IMAGE
+    assert replay["resources"] == {"limits": {"nvidia.com/gpu": "8"}}  # the Worker's GPU request
     assert replay["command"] == ["sdcguard", "replay", CAPSULE, "--repeat", "5", "--json"]
-    node_name = [e for e in replay["env"] if e["name"] == "NODE_NAME"]
-    assert node_name == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    assert {"name": "SDCGUARD_CHECKPOINT_URI", "value": PREFIX} in replay["env"]
-    without = node_check.job_manifest(
-        name="n", namespace="ml", purpose="qualify", incident_id="sdc-1", node="node-a", capsule=CAPSULE, repeats=5,
-        deadline_seconds=900, container=container, service_account=None,
-    )  # fmt: skip
-    assert "serviceAccountName" not in without["spec"]["template"]["spec"]
+    # and none of the training's environment (a tenant's SDCGUARD_INJECT would ride along)
+    assert replay["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "AWS_REGION", "value": "us-west-2"},
+    ]
+
+
+def test_the_trainings_image_env_and_account_never_reach_the_job(cluster: FakeCluster) -> None:
+    cluster.pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "SDCGUARD_INJECT", "value": "kind=finite_activation,factor=1e4"}
+    )
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (job,) = cluster.jobs.values()
+    (replay,) = job["spec"]["template"]["spec"]["containers"]
+    assert replay["image"] == IMAGE
+    assert [e["name"] for e in replay["env"]] == ["NODE_NAME"]
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == "sdcguard-node-check"
+    (check,) = ledger.get("sdc-0123456789abcdef0123").node_checks
+    assert (check.image, check.job_uid) == (IMAGE, job["metadata"]["uid"])
+
+
+def test_without_a_pipeline_image_nothing_is_run(cluster: FakeCluster) -> None:
+    ledger = FakeLedger(make_incident())
+    s3 = FakeS3({f"{CAPSULE}/CAPSULE.json"})
+    started = node_check.start_checks(ledger, cluster, "sdc-0123456789abcdef0123", "reproduce", repeats=5,  # type: ignore[arg-type]
+                                      deadline_seconds=900, s3=s3, image="")  # fmt: skip
+    assert (started.started, started.skipped) == (0, 1)
+    assert cluster.jobs == {}
+    (check,) = ledger.get("sdc-0123456789abcdef0123").node_checks
+    assert check.summary == "not run: no NodeCheckImage is configured (the pipeline's replay image)"
 
 
 # -- reading and summarising an answer ------------------------------------------------------------------
@@ -655,3 +712,129 @@ def test_a_rejected_replacement_node_counts_as_quarantined() -> None:
     passed = failed.model_copy(update={"state": "passed"})
     running = make_incident(S.REPLACED, replacements=[rejected.model_copy(update={"status": "Running"})], node_checks=[passed])
     assert quarantined_nodes([running], exclude="other") == set()
+
+
+# -- what a tenant of the namespace can make ------------------------------------------------------------
+
+
+def tenants_job(cluster: FakeCluster, name: str, *, nonce: str | None = None) -> None:
+    """A Job of the name the pipeline will use, created first by someone else (carrying ``nonce`` if given)."""
+    body = node_check.job_manifest(
+        name=name, namespace="training", purpose="reproduce", incident_id="sdc-0123456789abcdef0123",
+        node=f"hyperpod-{SUSPECT}", capsule=CAPSULE, repeats=5, deadline_seconds=900, image="evil/replay:latest",
+        nonce=nonce or "guessed",
+    )  # fmt: skip
+    cluster.batch.create_namespaced_job("training", body)
+
+
+def test_a_job_a_tenant_made_first_is_not_adopted_read_or_deleted(cluster: FakeCluster) -> None:
+    name = node_check.job_name("reproduce", "sdc-0123456789abcdef0123", f"hyperpod-{SUSPECT}")
+    tenants_job(cluster, name)
+    cluster.finish(name, log=report(outcome="mismatch", matched=0, reproduced=5, node=f"hyperpod-{SUSPECT}"), exit_code=1)
+    ledger = FakeLedger(make_incident())
+    started = start(ledger, cluster, "reproduce")
+    assert (started.started, started.skipped) == (0, 1)
+    (check,) = ledger.get("sdc-0123456789abcdef0123").node_checks
+    assert check.state == "skipped"
+    assert "exists that the pipeline did not create" in check.summary
+    assert "not adopted, not read, not deleted" in check.summary
+    progress = poll(ledger, cluster, "reproduce")
+    assert progress.summary != "reproduced 5/5: persistent"
+    assert cluster.jobs[name]["spec"]["template"]["spec"]["containers"][0]["image"] == "evil/replay:latest"
+    assert cluster.deleted == []
+
+
+def test_a_retry_adopts_the_job_that_carries_the_nonce_the_ledger_stored_first(cluster: FakeCluster) -> None:
+    # Given an attempt that stored its nonce and created the Job, then died before recording the check,
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (name,) = cluster.jobs
+    uid = cluster.jobs[name]["metadata"]["uid"]
+    incident = ledger.get("sdc-0123456789abcdef0123")
+    assert incident.node_check_nonces[name] == cluster.jobs[name]["metadata"]["annotations"]["sdcguard.io/nonce"]
+    ledger.incidents[incident.incident_id] = incident.model_copy(update={"node_checks": []})
+    # the retry's create meets a 409 and adopts its own Job, uid and all.
+    again = start(ledger, cluster, "reproduce")
+    assert (again.started, again.skipped) == (1, 0)
+    (check,) = ledger.get("sdc-0123456789abcdef0123").node_checks
+    assert (check.state, check.job, check.job_uid) == ("running", name, uid)
+    assert len(cluster.jobs) == 1
+
+
+def test_a_tenants_pod_posing_as_the_jobs_pod_changes_nothing_the_reviewer_reads(cluster: FakeCluster) -> None:
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (name,) = cluster.jobs
+    cluster.finish(name, log=report(outcome="match", matched=5, reproduced=0, node=f"hyperpod-{SUSPECT}"))
+    # A pod with the Job's label on the node, but not controlled by the Job, saying "reproduced 5/5",
+    posing = cluster.pod("posing", name, owner_uid="not-the-jobs-uid", exit_code=1)
+    cluster.extra_pods.append(posing)
+    cluster.logs["posing"] = report(outcome="mismatch", matched=0, reproduced=5, node=f"hyperpod-{SUSPECT}")
+    # is not read: the answer is the Job's own pod's.
+    assert poll(ledger, cluster, "reproduce").summary == "reproduced 0/5"
+
+
+def test_a_second_pod_claiming_the_job_is_refused_not_believed(cluster: FakeCluster) -> None:
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (name,) = cluster.jobs
+    cluster.finish(name, log=report(outcome="match", matched=5, reproduced=0, node=f"hyperpod-{SUSPECT}"))
+    cluster.extra_pods.append(cluster.pod("claiming", name, exit_code=1))  # a forged controller ownerReference
+    cluster.logs["claiming"] = report(outcome="mismatch", matched=0, reproduced=5, node=f"hyperpod-{SUSPECT}")
+    summary = poll(ledger, cluster, "reproduce").summary
+    assert summary.startswith("inconclusive: refused: 2 pods claim to be the Job's one pod")
+    # A pod of the Job on another node is not read either.
+    elsewhere = cluster.pod("elsewhere", name, node="hyperpod-i-0999999999999999f")
+    assert node_check._node_of(elsewhere) != f"hyperpod-{SUSPECT}"
+
+
+def test_a_job_replaced_under_the_checks_name_is_refused_and_left_alone(cluster: FakeCluster) -> None:
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (name,) = cluster.jobs
+    del cluster.jobs[name]  # deleted and made again by someone else: another uid
+    tenants_job(cluster, name)
+    cluster.finish(name, log=report(outcome="mismatch", matched=0, reproduced=5, node=f"hyperpod-{SUSPECT}"), exit_code=1)
+    progress = poll(ledger, cluster, "reproduce")
+    assert progress.done
+    assert progress.summary.startswith("inconclusive: refused: the Job")
+    assert "is not the one the pipeline created" in progress.summary
+    assert cluster.deleted == []
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_a_report_that_says_a_fault_was_injected_is_refused_unless_the_stand_in_simulates_one(accept: bool) -> None:
+    line = json.loads(report(outcome="mismatch", matched=0, reproduced=5, node="a", injection="finite_activation x1e4"))
+    answer = node_check.answer_from_report(line, node="a", repeats=5, accept_injected=accept)
+    if accept:
+        assert (answer.state, answer.reproduced) == ("failed", 5)
+    else:
+        assert answer.state == "inconclusive"
+        assert answer.why.startswith("refused: the replay reports an injected fault (finite_activation x1e4)")
+
+
+def test_a_job_with_an_injection_in_its_environment_is_refused(cluster: FakeCluster) -> None:
+    ledger = FakeLedger(make_incident())
+    start(ledger, cluster, "reproduce")
+    (name,) = cluster.jobs
+    cluster.jobs[name]["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "SDCGUARD_INJECT", "value": "x"})
+    cluster.finish(name, log=report(outcome="mismatch", matched=0, reproduced=5, node=f"hyperpod-{SUSPECT}"), exit_code=1)
+    summary = poll(ledger, cluster, "reproduce").summary
+    assert summary.startswith("inconclusive: refused: the Job")
+    assert "SDCGUARD_INJECT in its environment" in summary
+
+
+def test_the_notification_and_incidents_show_say_which_image_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from sdcguard.commands.incidents import _show
+    from sdcguard.lambdas.notify import describe
+
+    incident = checked(make_incident(S.REPLACED, replacements=[Replacement(old_instance_id=SUSPECT, new_instance_id=NEW, status="Running")]))
+    incident = incident.model_copy(update={"node_checks": [c.model_copy(update={"image": IMAGE}) for c in incident.node_checks]})
+    text = describe(incident)
+    assert f'Reproduction on the suspect: "hyperpod-{SUSPECT}": ran image "{IMAGE}"' in text
+    assert f'Qualification of the replacement: "hyperpod-{NEW}": ran image "{IMAGE}"' in text
+    assert _show(FakeLedger(incident), incident.incident_id, as_json=False) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out.splitlines()
+    reproduce = next(i for i, line in enumerate(out) if line.startswith("reproduce  "))
+    qualify = next(i for i, line in enumerate(out) if line.startswith("qualify    "))
+    assert out[reproduce + 1] == out[qualify + 1] == f"           image {IMAGE}"

@@ -34,6 +34,7 @@ SETTINGS_ENV = {
     "APPROVAL_TIMEOUT_SECONDS", "DCGM_METRIC_NAMES", "DECIDE_STATE_MACHINE_ARN", "REPLACEMENT_POLL_SECONDS",
     "REPLACEMENT_MAX_POLLS", "MAX_ALARM_AGE_SECONDS", "POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE",
     "NODE_CHECK_REPEATS", "NODE_CHECK_DEADLINE_SECONDS", "NODE_CHECK_POLL_SECONDS", "NODE_CHECK_MAX_POLLS",
+    "NODE_CHECK_IMAGE", "NODE_CHECK_ACCEPT_INJECTED_FAULTS",
     "MAX_REPLACEMENT_ROUNDS",
 }  # fmt: skip
 
@@ -651,3 +652,23 @@ def test_checkov_passes_the_template_and_fails_an_unencrypted_queue(
 
     assert run("checkov", [_tampered(template, tmp_path, plain_queue)]) == 1
     assert "CKV_AWS_27 at AWS::SQS::Queue.Spare" in capsys.readouterr().out
+
+
+def test_the_node_check_image_is_taken_by_digest_only(template: dict[str, Any]) -> None:
+    import re
+
+    from sdcguard.lambdas.settings import IMAGE_BY_DIGEST
+
+    declared = template["Parameters"]["NodeCheckImage"]
+    assert declared["AllowedPattern"] == IMAGE_BY_DIGEST  # the stack refuses what the functions would refuse
+    assert declared["Default"] == ""
+    digest = "0123456789abcdef" * 4
+    for good in ("", f"registry.example/sdcguard/node-check@sha256:{digest}", f"registry.example:5000/a/b@sha256:{digest}"):
+        assert re.fullmatch(IMAGE_BY_DIGEST, good), good
+    for bad in ("registry.example/sdcguard/node-check:latest", f"node-check@sha256:{digest[:-1]}",
+                f"node-check@sha256:{digest.upper()}", f"node-check:1.0@sha512:{digest}", f"@sha256:{digest}"):  # fmt: skip
+        assert not re.fullmatch(IMAGE_BY_DIGEST, bad), bad
+    assert template["Parameters"]["NodeCheckAcceptInjectedFaults"] == {
+        "Type": "String", "Default": "false", "AllowedValues": ["true", "false"],
+        "Description": template["Parameters"]["NodeCheckAcceptInjectedFaults"]["Description"],
+    }  # fmt: skip

@@ -7,6 +7,7 @@ both build nodes from here, so every node in the stand-in has the same shape.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Any
 
@@ -18,6 +19,16 @@ CLUSTER_NAME_LABEL = "sagemaker.amazonaws.com/cluster-name"
 COMPUTE_TYPE_LABEL = "sagemaker.amazonaws.com/compute-type"
 DEEP_HEALTH_LABEL = "sagemaker.amazonaws.com/deep-health-check-status"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+
+
+def internal_ip(instance_id: str) -> str:
+    """The node's ``InternalIP`` (its VPC address): fixed by the instance id, so a replacement gets another.
+
+    The kubelet reports it among the node's ``status.addresses`` and as the
+    ``status.hostIP`` of every pod it runs, which is what resolve compares.
+    """
+    digest = hashlib.sha256(instance_id.encode()).digest()
+    return f"10.0.{digest[0]}.{digest[1] % 250 + 2}"
 
 
 def hyperpod_node(
@@ -63,7 +74,7 @@ def hyperpod_node(
                     "message": "kubelet is posting ready status",
                 }
             ],
-            "addresses": [{"type": "Hostname", "address": name}],
+            "addresses": [{"type": "InternalIP", "address": internal_ip(instance_id)}, {"type": "Hostname", "address": name}],
             # The kubernetes client refuses a NodeSystemInfo without every one of these.
             "nodeInfo": {
                 "architecture": "amd64",

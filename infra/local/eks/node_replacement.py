@@ -15,6 +15,7 @@ from sdcguard.infra.local.eks.hyperpod_node import (
     INSTANCE_GROUP_LABEL,
     INSTANCE_TYPE_LABEL,
     hyperpod_node,
+    internal_ip,
     node_name,
 )
 from sdcguard.infra.local.eks.objects import ObjectStore
@@ -57,6 +58,8 @@ def replace_node(store: ObjectStore, old_instance_id: str, new_instance_id: str)
 
             def rebind(obj: dict[str, Any]) -> dict[str, Any]:
                 obj["spec"]["nodeName"] = new_name
+                if (obj.get("status") or {}).get("hostIP"):  # the kubelet of the new node reports its own address
+                    obj["status"]["hostIP"] = internal_ip(new_instance_id)
                 return obj
 
             store.update(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], rebind)
