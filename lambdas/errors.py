@@ -57,6 +57,11 @@ class StaleAlarm(PipelineError):
     it stops for attention and nothing is touched."""
 
 
+class AlarmFromTheFuture(PipelineError):
+    """An alarm dated later than the pipeline's own clock allows (beyond the clock-skew allowance): it could
+    choose the evidence's window itself, so it is refused at record and nothing is written or touched."""
+
+
 class ApprovalExpired(PipelineError):
     """The approval's task token timed out or no longer exists: the decision was not delivered."""
 
