@@ -62,6 +62,11 @@ class AlarmFromTheFuture(PipelineError):
     choose the evidence's window itself, so it is refused at record and nothing is written or touched."""
 
 
+class UnsafeResume(PipelineError):
+    """An operator's ``--resume-from`` that is not a verified checkpoint before the suspect window (or an
+    incident with nothing to check it against): nothing changes."""
+
+
 class ApprovalExpired(PipelineError):
     """The approval's task token timed out or no longer exists: the decision was not delivered."""
 
