@@ -155,7 +155,7 @@ def free_holdings(ledger: Ledger, api: Callable[[], k8s.ApiClient], incident: In
         return "the job was never suspended"
     client = api()
     for suspect in incident.suspects:
-        uncordon_node(client, suspect.node, incident.incident_id)
+        uncordon_node(client, suspect.node, incident.incident_id, still_open=lambda other: holds_job(ledger, other))
     job = incident.alarm.job
     unsafe = unsafe_to_resume(incident)
     if unsafe is not None:
