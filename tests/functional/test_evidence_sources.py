@@ -32,7 +32,8 @@ def test_a_counter_under_another_namespace_corroborates_nothing(world: World) ->
     # When an alarm naming that node reaches the evidence
     incident = world.ledger.get(drive(world, alarm_event(world, 0), through="evidence"))
     # Then the forged series is not read, the verdict stands, and the namespaces read are named
-    (entry,) = incident.evidence["instances"]  # type: ignore[misc]
+    instances: list[dict[str, Any]] = incident.evidence["instances"]  # type: ignore[assignment]
+    (entry,) = instances
     assert incident.evidence["verdict"] == "no hardware signal"
     assert {m["namespace"] for m in entry["metrics"]} == {"ContainerInsights"}
     assert entry["namespaces"] == ["ContainerInsights"]
@@ -54,7 +55,8 @@ def test_the_window_is_the_records_not_the_alarms(world: World) -> None:
     evidence.handler({"incident_id": incident_id}, CTX)
     collected = world.ledger.get(incident_id)
     # Then the window reaches the record (and no further back than the clamp), so the errors are read
-    (entry,) = collected.evidence["instances"]  # type: ignore[misc]
+    instances: list[dict[str, Any]] = collected.evidence["instances"]  # type: ignore[assignment]
+    (entry,) = instances
     start, end = datetime.fromisoformat(entry["window_start"]), datetime.fromisoformat(entry["window_end"])
     assert (start, end) == (recorded_at - 2 * BEFORE, recorded_at + AFTER)
     assert collected.state == IncidentState.EVIDENCE_COLLECTED
