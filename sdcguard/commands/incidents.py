@@ -165,17 +165,23 @@ def is_open(incident: Incident) -> bool:
 
 def next_steps(incident: Incident) -> list[str]:
     """What the operator can do from where ``incident`` stands (the runbook's steps for this stopping point)."""
+    from sdcguard.lambdas.abort import unsafe_to_resume
+
     i = incident.incident_id
     if incident.state == IncidentState.AWAITING_APPROVAL:
         return [f'sdcguard approve {i} --reason "..."   or   sdcguard reject {i} --reason "..."']
+    # Approved, not rolled back: ending it leaves the job suspended unless told where to resume from.
+    resume = [] if unsafe_to_resume(incident) is None else [
+        f"ending it leaves the job suspended (its pointer was never rewritten); to resume, add --resume-from a "
+        f"checkpoint at or before step {incident.alarm.trusted_through_step()}, or --rewrite-pointer"]
     if not incident.state.terminal:
-        return [f'running; to stop it and free what it holds: sdcguard incidents abort {i} --reason "..."']
+        return [f'running; to stop it and free what it holds: sdcguard incidents abort {i} --reason "..."', *resume]
     if stopped_holding(incident):
         held = "its cordoned node(s) and its hold on the job" if incident.entered(IncidentState.CORDONED) else (
             "its hold on the job (it stopped before cordoning anything)"
             if incident.entered(IncidentState.SUSPENDED) else "nothing on the cluster yet (it stopped before suspending the job)"
         )
-        return [f"it holds {held}; once looked at: sdcguard incidents release {i} --reason \"...\""]
+        return [f"it holds {held}; once looked at: sdcguard incidents release {i} --reason \"...\"", *resume]
     return []
 
 

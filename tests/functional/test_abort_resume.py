@@ -9,7 +9,7 @@ import copy
 import pytest
 from kubernetes import client as k8s
 
-from sdcguard.commands.incidents import job_outcome
+from sdcguard.commands.incidents import job_outcome, next_steps
 from sdcguard.contract import Alarm, IncidentState, ResolvedSuspect, RollbackPlan
 from sdcguard.contract.checkpoint import checkpoint_dir
 from sdcguard.lambdas.abort import Resume, abort_incident, release_stopped
@@ -85,6 +85,9 @@ def test_abort_or_release_of_an_approved_incident_never_resumes_into_the_suspect
     point_at(store, trusted_through_step=trusted + 20, reason="the job's own latest", written_by="agent")
     s3 = world.standin.client("s3")
 
+    # (`incidents show` says what ending it does and how to resume instead)
+    assert any(f"--resume-from a checkpoint at or before step {trusted}" in line
+               for line in next_steps(ledger.get(replacing)))
     # When an operator aborts the replacing incident without saying where to resume from
     node = ledger.get(replacing).suspects[0].node
     aborted = abort_incident(ledger, world.kube, replacing, operator="oncall", reason="stuck", sfn=None, s3=s3)
