@@ -512,11 +512,14 @@ def capsule_store(location: str) -> ObjectStore:
     return open_store(location)
 
 
-def load_capsule(location: str | ObjectStore) -> Capsule:
+def load_capsule(location: str | ObjectStore, *,
+                 admit: Callable[[CapsuleManifest], None] | None = None) -> Capsule:
     """The capsule at ``location`` (``s3://bucket/prefix/capsules/step-...-rank-...``, a folder, or its
     ``CAPSULE.json``), verified: the manifest's own digest, then every object's sha256 and size before it is
     loaded, then each micro-batch's tensor fingerprints.
 
+    ``admit`` sees the verified manifest before any object is read and refuses it by raising (the replay's
+    factory allow-list, :class:`sdcguard.agent.capsule_replay.FactoryAllowList`): what it raises propagates.
     Raises :class:`CapsuleNotFound` when there is no ``CAPSULE.json`` and
     :class:`CapsuleCorrupt` for a changed manifest, a missing or changed
     object, or a state that is not tensors by name.
@@ -528,6 +531,8 @@ def load_capsule(location: str | ObjectStore) -> Capsule:
     except ObjectNotFound:
         raise CapsuleNotFound(f"{where}: no {MANIFEST_NAME}: not a committed replay capsule") from None
     manifest = parse_manifest(data, where=store.uri(MANIFEST_NAME))
+    if admit is not None:
+        admit(manifest)
     names = [o.name for o in manifest.objects]
     wanted = [STATE_NAME] + [batch_name(i) for i in range(len(manifest.batches))]
     if sorted(names) != sorted(wanted):

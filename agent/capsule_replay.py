@@ -14,6 +14,15 @@ the caller of :func:`replay`. ``sdcguard replay`` is its command line; the
 report's JSON is what the pipeline's Kubernetes Job will read. A simulated
 fault in ``SDCGUARD_INJECT`` acts on the replay as on the training rank it
 names (:func:`injected`), so drills and tests see a faulty node reproduce.
+
+A capsule is untrusted input: whoever can write under the checkpoint prefix
+(the job's tenant) writes its manifest, and its digests prove only that it
+was not changed after it was written, not who wrote it. The factory it
+names is the one thing a replay runs of it, so that factory is imported only
+when a :class:`FactoryAllowList` holds it (the job's configured
+``SDCGUARD_CAPSULE_FACTORY``, ``SDCGUARD_REPLAY_FACTORIES``, ``sdcguard
+replay --allow-factory``), and this is decided on the manifest alone,
+before any object of the capsule is read and before anything is imported.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -35,9 +44,11 @@ from torch import nn
 from sdcguard.agent import determinism
 from sdcguard.agent import replay as seeding
 from sdcguard.agent.capsule import (
+    FACTORY_SPEC,
     Capsule,
     CapsuleCorrupt,
     CapsuleError,
+    CapsuleManifest,
     CapsuleNotFound,
     Expected,
     ReplaySettings,
@@ -66,6 +77,75 @@ class CapsuleUnusable(CapsuleError):
         super().__init__(f"{problem}: " + "; ".join(reasons))
         self.problem: Problem = problem
         self.reasons = list(reasons)
+
+
+CONFIGURED_FACTORY_VAR: Final = "SDCGUARD_CAPSULE_FACTORY"
+"""The job's configured factory (``GuardConfig.capsule_factory``'s variable): in the training container's
+environment, which the pipeline's node-check Job copies, it is what a replay there admits by default."""
+ALLOWED_FACTORIES_VAR: Final = "SDCGUARD_REPLAY_FACTORIES"
+"""More factories a replay admits: ``package.module:function`` names, comma-separated."""
+ALLOW_FLAG: Final = "--allow-factory"
+"""``sdcguard replay``'s flag that admits one more factory (repeatable)."""
+
+
+@dataclass(frozen=True)
+class FactoryAllowList:
+    """The factories a replay may import and call, by where each came from: nothing else of a capsule runs.
+
+    A capsule names its factory itself, so the capsule cannot be what decides
+    that the factory is safe to run: the job's configuration, the replaying
+    machine's settings or the operator's command line decides.
+    """
+
+    configured: str | None = None
+    """The job's configured factory (:data:`CONFIGURED_FACTORY_VAR`), None when it is not set."""
+    setting: tuple[str, ...] = ()
+    """From :data:`ALLOWED_FACTORIES_VAR`."""
+    flags: tuple[str, ...] = ()
+    """From ``--allow-factory`` (or the caller of :func:`replay`)."""
+
+    def __post_init__(self) -> None:
+        for source, specs in (("configured", (self.configured,) if self.configured else ()),
+                              ("setting", self.setting), ("flags", self.flags)):
+            for spec in specs:
+                if not FACTORY_SPEC.fullmatch(spec):
+                    raise ValueError(f"{source}: {spec!r} is not package.module:function")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, *, flags: Sequence[str] = ()) -> FactoryAllowList:
+        """The allow-list of this process: :data:`CONFIGURED_FACTORY_VAR`, :data:`ALLOWED_FACTORIES_VAR`
+        (comma-separated) and ``flags``. Raises :class:`ValueError` naming the variable whose value is not
+        ``package.module:function`` names."""
+        env = os.environ if env is None else env
+        configured = env.get(CONFIGURED_FACTORY_VAR, "").strip() or None
+        setting = tuple(s.strip() for s in env.get(ALLOWED_FACTORIES_VAR, "").split(",") if s.strip())
+        if configured is not None and not FACTORY_SPEC.fullmatch(configured):
+            raise ValueError(f"{CONFIGURED_FACTORY_VAR}: {configured!r} is not package.module:function")
+        for spec in setting:
+            if not FACTORY_SPEC.fullmatch(spec):
+                raise ValueError(f"{ALLOWED_FACTORIES_VAR}: {spec!r} is not package.module:function "
+                                 f"(a comma-separated list of them)")
+        return cls(configured=configured, setting=setting, flags=tuple(flags))
+
+    def admits(self, spec: str) -> bool:
+        """Whether ``spec`` is on the list, exactly (no patterns: a module's other functions are not admitted)."""
+        return spec == self.configured or spec in self.setting or spec in self.flags
+
+    def describe(self) -> str:
+        """Where each admitted factory came from, for the refusal."""
+        return (f"{CONFIGURED_FACTORY_VAR}={self.configured or '(unset)'}, "
+                f"{ALLOWED_FACTORIES_VAR}={','.join(self.setting) or '(unset)'}, "
+                f"{ALLOW_FLAG}: {', '.join(self.flags) or 'none'}")
+
+    def admit(self, manifest: CapsuleManifest) -> None:
+        """Raises :class:`CapsuleUnusable` ("factory") when the manifest's factory is not on the list; imports
+        nothing."""
+        if self.admits(manifest.factory):
+            return
+        raise CapsuleUnusable("factory", [
+            f"the capsule names factory {manifest.factory!r}, which is not on this replay's allow-list "
+            f"({self.describe()}); a capsule is untrusted input and its factory is imported only when allowed: "
+            f"if you trust that function, rerun with {ALLOW_FLAG} {manifest.factory}"])
 
 
 def replay_device(device_type: str) -> torch.device | None:
@@ -325,13 +405,21 @@ GPU_KEYS = ("gpu", "gpu.sm_count", "gpu.capability")
 """Signature keys that name the GPU model: cuBLAS is bit-reproducible only on the same one."""
 
 
-def check_signature(capsule: Capsule, device: torch.device) -> None:
+IMPORTED_KEYS = ("flash_attn",)
+"""Signature keys that the factory's own imports decide: checked only once the factory has run."""
+
+
+def check_signature(capsule: Capsule, device: torch.device, *, before_import: bool = False) -> None:
     """Raises :class:`CapsuleUnusable` when this machine's environment signature differs from the capsule's:
     "device" for another GPU model (name, SM count, compute capability), else "signature" (software versions,
-    settings). Run it under :func:`applied` and after :func:`prepare` (the factory's imports, flash_attn's
-    among them, are part of the signature), so the capsule's own settings are in force."""
+    settings). Run it under :func:`applied`, so the capsule's own settings are in force: with
+    ``before_import`` before :func:`prepare`, over every key but :data:`IMPORTED_KEYS`, then again after it
+    (the factory's imports, flash_attn's among them, are part of the signature)."""
     recorded = capsule.manifest.signature
     here = environment_signature(device)
+    if before_import:
+        recorded = {k: v for k, v in recorded.items() if k not in IMPORTED_KEYS}
+        here = {k: v for k, v in here.items() if k not in IMPORTED_KEYS}
     differences = signature_differences([recorded, here])
     if not differences:
         return
@@ -349,23 +437,33 @@ def replay(
     *,
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
+    allowed: FactoryAllowList | None = None,
 ) -> ReplayReport:
     """Verify the capsule at ``location``, make it ready on this machine's device, and recompute it
     ``repeats`` times, comparing every repetition's bits with the expected ones.
 
-    What makes the capsule unusable here (not found, corrupt, another device
-    kind or signature, a factory that fails) is in the report
-    (``problem``, ``reasons``, exit code 2), never raised. ``progress`` gets
-    one line per stage and repetition. Raises :class:`ValueError` for ``repeats`` < 1.
+    In this order, each before the next: the manifest's digest; its factory
+    on ``allowed`` (default: :meth:`FactoryAllowList.from_env`); every
+    object's digest; the device and the environment signature; only then is
+    the factory imported and called. What makes the capsule unusable here
+    (not found, corrupt, a factory not allowed, another device kind or
+    signature, a factory that fails) is in the report (``problem``,
+    ``reasons``, exit code 2), never raised. ``progress`` gets one line per
+    stage and repetition. Raises :class:`ValueError` for ``repeats`` < 1 or an
+    allow-list setting that is not ``package.module:function`` names.
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    allowed = FactoryAllowList.from_env() if allowed is None else allowed
     say = progress or (lambda _line: None)
     name = location if isinstance(location, str) else location.uri()
     report = ReplayReport(capsule=name, repeats=repeats)
     try:
         say(f"verifying {name}")
-        capsule = load_capsule(location)
+        capsule = load_capsule(location, admit=allowed.admit)
+    except CapsuleUnusable as exc:  # its factory is not allowed: nothing of it was read further
+        report.problem, report.reasons = exc.problem, exc.reasons
+        return report
     except (CapsuleNotFound, LineageError) as exc:
         report.problem, report.reasons = "missing", [str(exc)]
         return report
@@ -388,6 +486,7 @@ def replay(
         with applied(m.settings, device):
             say(f"step {m.settings.step}, rank {m.settings.rank}'s {len(capsule.batches)} micro-batch(es), "
                 f"{capsule.size_bytes} bytes; rebuilding the model with {m.factory} on {report.device}")
+            check_signature(capsule, device, before_import=True)
             prepared = prepare(capsule, device)
             check_signature(capsule, device)
             injector = injected(prepared, report)

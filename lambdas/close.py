@@ -160,7 +160,7 @@ def release_incident(
     if incident.state != S.REJECTED:
         raise IncidentNotWaiting(f"incident {incident_id} is {incident.state.value}; only a rejected incident is released")
     for suspect in incident.suspects:
-        uncordon_node(api, suspect.node, incident_id)
+        uncordon_node(api, suspect.node, incident_id, still_open=lambda other: holds_job(ledger, other))
     job = incident.alarm.job
     resume_job(api, job.namespace, job.job_name, incident_id, still_open=lambda other: holds_job(ledger, other))
     reviewer = incident.decision.reviewer if incident.decision else "unknown"

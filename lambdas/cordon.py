@@ -4,10 +4,18 @@ Cordoning sets ``spec.unschedulable``, adds a ``NoSchedule`` taint whose value
 names the incident, and annotates the node with the incident and whether the
 node was already unschedulable, so that uncordoning restores exactly what was
 there before and never frees a node someone else cordoned.
+
+Several incidents may hold one node (two faults on one GPU, alarms of two
+windows): the node carries one taint, and ``sdcguard.io/held-by`` lists every
+incident that cordoned it (set when a second one comes; one holder is the
+one the taint names). Uncordoning for one incident drops it from that
+list; the node goes back into service only when no incident listed there is
+still open (the caller says which are), as the job's suspension does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +34,9 @@ TAINT_KEY = "sdcguard.io/quarantine"
 ANNOTATION_INCIDENT = "sdcguard.io/incident"
 ANNOTATION_AT = "sdcguard.io/cordoned-at"
 ANNOTATION_WAS_UNSCHEDULABLE = "sdcguard.io/was-unschedulable"
+ANNOTATION_HELD_BY = "sdcguard.io/held-by"
+"""The incidents holding the node cordoned, comma-separated, in the order they came; only while there are two
+or more (one holder is the one our taint names)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,9 @@ class NodeChange:
 
     node: str
     changed: bool
-    """False when the node already was in the wanted state (a retry)."""
+    """False when the node already was in the wanted state (a retry, or another incident's cordon)."""
+    held_by: tuple[str, ...] = ()
+    """The incidents holding the node cordoned afterwards."""
 
 
 def _taints(node: Any) -> list[dict[str, Any]]:
@@ -44,18 +57,32 @@ def _taints(node: Any) -> list[dict[str, Any]]:
     ]
 
 
+def holders(node: Any) -> list[str]:
+    """The incidents holding ``node`` cordoned: :data:`ANNOTATION_HELD_BY`, else (a node cordoned before the
+    list was kept) the incident our taint names."""
+    listed = (node.metadata.annotations or {}).get(ANNOTATION_HELD_BY)
+    if listed:
+        return [h for h in listed.split(",") if h]
+    return [t.value for t in (node.spec.taints or []) if t.key == TAINT_KEY and t.value]
+
+
 def cordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeChange:
     """Make ``node_name`` unschedulable with sdcguard's taint and annotations naming ``incident_id``.
 
-    Idempotent: a node that already carries our taint is left as it is.
-    Raises :class:`KubernetesObjectMissing` and :class:`TransientKubernetesError`.
+    Idempotent: a node that already carries our taint is left cordoned as it is, ``incident_id`` added to its
+    holders. Raises :class:`KubernetesObjectMissing` and :class:`TransientKubernetesError`.
     """
     core = k8s.CoreV1Api(api)
     with kubernetes_errors(f"node {node_name}"):
         node = core.read_node(node_name)
         taints = _taints(node)
         if any(t["key"] == TAINT_KEY for t in taints):
-            return NodeChange(node_name, changed=False)
+            held = holders(node)
+            if incident_id not in held:
+                held.append(incident_id)
+                core.patch_node(node_name, {"metadata": {"annotations": {ANNOTATION_HELD_BY: ",".join(held)},
+                                                         "resourceVersion": node.metadata.resource_version}})
+            return NodeChange(node_name, changed=False, held_by=tuple(held))
         annotations = {
             ANNOTATION_INCIDENT: incident_id,
             ANNOTATION_AT: datetime.now(UTC).isoformat(),
@@ -71,7 +98,7 @@ def cordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeCha
             },
         }
         core.patch_node(node_name, body)
-    return NodeChange(node_name, changed=True)
+    return NodeChange(node_name, changed=True, held_by=(incident_id,))
 
 
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
@@ -105,9 +132,13 @@ def held_by_others(node: Any) -> bool:
     return bool(others) or (health is not None and health != "Schedulable")
 
 
-def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeChange:
-    """Undo :func:`cordon_node` for ``incident_id``: remove our taint and annotations, restore
-    ``unschedulable`` to what it was before.
+def uncordon_node(
+    api: k8s.ApiClient, node_name: str, incident_id: str, *, still_open: Callable[[str], bool] = lambda _: True
+) -> NodeChange:
+    """Undo :func:`cordon_node` for ``incident_id``: drop it from the node's holders and, when no other holder
+    is ``still_open`` (default: every one listed is), remove our taint and annotations and restore
+    ``unschedulable`` to what it was before. While another holder remains, the node stays cordoned under
+    our taint, now naming that holder.
 
     ``unschedulable`` stays set when it was set before us, or when someone else
     holds the node now (:func:`held_by_others`). A ``kubectl cordon`` during
@@ -125,21 +156,34 @@ def uncordon_node(api: k8s.ApiClient, node_name: str, incident_id: str) -> NodeC
                 return NodeChange(node_name, changed=False)
             raise
         taints = _taints(node)
-        ours = [t for t in taints if t["key"] == TAINT_KEY and t.get("value") == incident_id]
-        if not ours:
-            return NodeChange(node_name, changed=False)
+        held = holders(node)
+        if incident_id not in held or not any(t["key"] == TAINT_KEY for t in taints):
+            return NodeChange(node_name, changed=False, held_by=tuple(held))
+        others = [h for h in held if h != incident_id and still_open(h)]
+        if others:
+            body = {
+                # One holder left: the taint names it, as a node one incident cordoned carries it.
+                "metadata": {"annotations": {ANNOTATION_HELD_BY: ",".join(others) if len(others) > 1 else None,
+                                             ANNOTATION_INCIDENT: others[0]},
+                             "resourceVersion": node.metadata.resource_version},
+                "spec": {"taints": [({**t, "value": others[0]} if t["key"] == TAINT_KEY else t) for t in taints]},
+            }
+            core.patch_node(node_name, body)
+            return NodeChange(node_name, changed=False, held_by=tuple(others))
         annotations = node.metadata.annotations or {}
         # Unschedulable before us, or held by someone else since (their taint, HyperPod's health label):
         # theirs stays; only what sdcguard added goes.
         keep = annotations.get(ANNOTATION_WAS_UNSCHEDULABLE) == "true" or held_by_others(node)
         body = {
             "metadata": {
-                "annotations": {ANNOTATION_INCIDENT: None, ANNOTATION_AT: None, ANNOTATION_WAS_UNSCHEDULABLE: None},
+                "annotations": {ANNOTATION_INCIDENT: None, ANNOTATION_AT: None, ANNOTATION_WAS_UNSCHEDULABLE: None,
+                                ANNOTATION_HELD_BY: None},
                 "resourceVersion": node.metadata.resource_version,
             },
             "spec": {
                 "unschedulable": keep,
-                "taints": [t for t in taints if not (t["key"] == TAINT_KEY and t.get("value") == incident_id)],
+                # The taint of whichever listed holder it named (each of them has ended).
+                "taints": [t for t in taints if not (t["key"] == TAINT_KEY and t.get("value") in (*held, incident_id))],
             },
         }
         core.patch_node(node_name, body)

@@ -89,6 +89,10 @@ def decide(
     :func:`verify_execution`), :class:`IncidentNotWaiting` (any state but
     AWAITING_APPROVAL, no token, or a decision already taken) and
     :class:`ApprovalExpired` (the token timed out); in all of these nothing changes.
+    A retry of the same decide execution (:func:`same_decision`) that finds
+    its own decision written but the token still stored delivers it again; if
+    the token was already taken, the earlier attempt delivered it and the
+    decision is adopted.
     """
     if decision not in DECISIONS:
         raise UnknownDecision(f"decision must be 'approve' or 'reject', not {decision!r}")
@@ -102,17 +106,28 @@ def decide(
             f"incident {incident_id}: the approval request timed out ({incident.failure.error}); "
             "the incident stopped safely for attention"
         )
-    if incident.state != S.AWAITING_APPROVAL or stored is None or incident.decision is not None:
+    retry = incident.state == S.AWAITING_APPROVAL and stored is not None and same_decision(incident.decision, record)
+    if retry:
+        # This execution's own decision, written by an attempt that stopped before it was delivered (a crash, a
+        # timeout of the function): deliver that one, as it was recorded, instead of reporting it as another's.
+        assert incident.decision is not None
+        record = incident.decision
+    elif incident.state != S.AWAITING_APPROVAL or stored is None or incident.decision is not None:
         raise IncidentNotWaiting(
             f"incident {incident_id} is {incident.state.value}, not waiting for approval"
             + (f" (decided by {incident.decision.reviewer})" if incident.decision else "")
         )
+    assert stored is not None
     token, _expires = stored
     ledger.update(incident_id, lambda current: note_decision(current, record))
     try:
         sfn.send_task_success(taskToken=token, output=json.dumps(record.model_dump(mode="json")))
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
+        if retry and code in ("TaskDoesNotExist", "InvalidToken"):
+            # The earlier attempt's answer was taken (the incident machine went on): the decision stands.
+            tokens.delete(incident_id)
+            return ledger.update(incident_id, adopt_decision)
         ledger.update(incident_id, lambda current: withdraw_decision(current, record))
         if code in ("TaskTimedOut", "TaskDoesNotExist", "InvalidToken"):
             raise ApprovalExpired(
@@ -122,6 +137,14 @@ def decide(
         raise
     tokens.delete(incident_id)
     return ledger.update(incident_id, adopt_decision)
+
+
+def same_decision(recorded: Decision | None, asked: Decision) -> bool:
+    """Whether ``recorded`` is ``asked`` written by an earlier attempt of the same decide execution (its time
+    aside)."""
+    return (recorded is not None and asked.execution_arn is not None
+            and (recorded.decision, recorded.reviewer, recorded.reason, recorded.execution_arn)
+            == (asked.decision, asked.reviewer, asked.reason, asked.execution_arn))
 
 
 def note_decision(incident: Incident, decision: Decision) -> Incident:

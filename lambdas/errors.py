@@ -63,6 +63,16 @@ class StaleAlarm(PipelineError):
     it stops for attention and nothing is touched."""
 
 
+class AlarmFromTheFuture(PipelineError):
+    """An alarm dated later than the pipeline's own clock allows (beyond the clock-skew allowance): it could
+    choose the evidence's window itself, so it is refused at record and nothing is written or touched."""
+
+
+class UnsafeResume(PipelineError):
+    """An operator's ``--resume-from`` that is not a verified checkpoint before the suspect window (or an
+    incident with nothing to check it against): nothing changes."""
+
+
 class ApprovalExpired(PipelineError):
     """The approval's task token timed out or no longer exists: the decision was not delivered."""
 

@@ -114,6 +114,25 @@ def resume_job(
     return JobChange(name, changed=True, suspended=False)
 
 
+def leave_suspended(api: k8s.ApiClient, namespace: str, name: str, incident_id: str) -> JobChange:
+    """Drop ``incident_id`` from the job's holders and leave it suspended, whoever else holds it.
+
+    With no holder left the annotation goes and the job stays suspended as one someone else paused (nothing of
+    the pipeline resumes it: a person does). Idempotent. Raises :class:`KubernetesObjectMissing` and
+    :class:`TransientKubernetesError`.
+    """
+    custom = k8s.CustomObjectsApi(api)
+    with kubernetes_errors(f"pytorchjob {namespace}/{name}"):
+        job = _read(custom, namespace, name)
+        held = holders(job)
+        if incident_id not in held:
+            return JobChange(name, changed=False, suspended=_suspended(job), held_by=tuple(held))
+        others = [h for h in held if h != incident_id]
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                              {"metadata": _metadata(job, others or None)})
+    return JobChange(name, changed=False, suspended=_suspended(job), held_by=tuple(others))
+
+
 def holds_job(ledger: Ledger, incident_id: str) -> bool:
     """Whether ``incident_id`` still holds its job suspended: open, or stopped for a human (the safe stops
     keep the job suspended until someone acts). An incident the ledger does not know holds nothing."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final
 
 from sdcguard.contract import Alarm, Incident
-from sdcguard.lambdas.errors import NotInCluster
+from sdcguard.lambdas.errors import AlarmFromTheFuture, NotInCluster
 from sdcguard.lambdas.ledger import Ledger
 from sdcguard.lambdas.settings import Settings
 
@@ -47,6 +49,23 @@ def check_scope(alarm: Alarm, settings: Settings) -> None:
         )
 
 
+CLOCK_SKEW: Final = timedelta(minutes=5)
+"""How far ahead of the pipeline's clock an alarm's ``time`` may be (the training nodes' clocks drift)."""
+
+
+def check_time(alarm: Alarm, now: datetime | None = None) -> None:
+    """Raises :class:`AlarmFromTheFuture` when ``alarm`` is dated more than :data:`CLOCK_SKEW` after ``now``
+    (default: this clock): the alarm's own ``time`` is what its publisher wrote, and a date to come would let
+    it place the incident's history and evidence where it likes."""
+    now = now or datetime.now(UTC)
+    if alarm.time > now + CLOCK_SKEW:
+        raise AlarmFromTheFuture(
+            f"alarm {alarm.alarm_id} is dated {alarm.time.isoformat()}, {(alarm.time - now).total_seconds():.0f} s "
+            f"after the pipeline's clock ({now.isoformat(timespec='seconds')}; the allowance for clock skew is "
+            f"{CLOCK_SKEW.total_seconds():.0f} s): refused, nothing recorded or touched"
+        )
+
+
 def check_job(alarm: Alarm, settings: Settings) -> None:
     """Raises :class:`NotInCluster` unless ``alarm`` is about the PyTorchJob this deployment guards (``JOB_NAME``).
 
@@ -70,8 +89,10 @@ def record_alarm(
     ``opened_by`` is the recording execution: the same execution recording
     again (a retry) gets its own incident back, not a duplicate. Raises
     :class:`NotInCluster`, writing nothing, for an alarm outside what the
-    settings guard (:func:`check_scope`).
+    settings guard (:func:`check_scope`), and :class:`AlarmFromTheFuture`,
+    writing nothing, for one dated ahead of this clock (:func:`check_time`).
     """
     check_scope(alarm, settings)
+    check_time(alarm)
     incident, created = ledger.open(alarm, mode=settings.mode, actor=actor, opened_by=opened_by)
     return Recorded(incident=incident, duplicate=not created)

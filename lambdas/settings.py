@@ -19,6 +19,11 @@ DEFAULT_DCGM_METRICS = (
     "DCGM_FI_DEV_ROW_REMAP_FAILURE",
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
 )
+# Where the EKS Container Insights add-on publishes the GPU metrics, dcgm-exporter's counters included: the
+# evidence reads these namespaces only, since anyone with cloudwatch:PutMetricData (the training role too) can
+# publish a metric of the same name and InstanceId under a namespace of their own.
+DEFAULT_DCGM_NAMESPACE = "ContainerInsights"
+DEFAULT_CONTAINER_INSIGHTS_NAMESPACE = "ContainerInsights"
 
 
 IMAGE_BY_DIGEST = r"^$|^[a-z0-9][a-z0-9._/:-]{0,254}@sha256:[0-9a-f]{64}$"
@@ -68,6 +73,12 @@ class Settings(BaseModel):
     """An alarm raised longer ago than this (a spooled or re-delivered one) stops for attention at resolve, touching nothing."""
     dcgm_metric_names: Annotated[tuple[str, ...], Field(alias="DCGM_METRIC_NAMES")] = DEFAULT_DCGM_METRICS
     """DCGM counters published to CloudWatch whose non-zero value corroborates an alarm."""
+    dcgm_namespace: Annotated[str, Field(alias="DCGM_NAMESPACE", min_length=1, max_length=255)] = DEFAULT_DCGM_NAMESPACE
+    """The CloudWatch namespace the DCGM counters are read from (no other namespace's metric of that name counts)."""
+    container_insights_namespace: Annotated[
+        str, Field(alias="CONTAINER_INSIGHTS_NAMESPACE", min_length=1, max_length=255)
+    ] = DEFAULT_CONTAINER_INSIGHTS_NAMESPACE
+    """The CloudWatch namespace the GPU metrics of Container Insights (temperature, power, ...) are read from."""
     decide_state_machine_arn: Annotated[str, Field(alias="DECIDE_STATE_MACHINE_ARN")] = ""
     """The decision machine, named in the reviewers' notification."""
     replacement_poll_seconds: Annotated[int, Field(alias="REPLACEMENT_POLL_SECONDS", ge=1, le=3600)] = 30

@@ -35,6 +35,24 @@ def _spool_outside_the_working_tree(tmp_path_factory: pytest.TempPathFactory) ->
     patch.undo()
 
 
+REPLAY_FACTORIES = ",".join((
+    "tests.capsules:reference_model", "tests.capsules:compiled_reference_model", "tests.capsules:tiny_model",
+    "sdcguard.agent.testing.train:replay_model",
+    # Allowed and broken: what tests/unit/test_capsule.py checks of an allowed factory that fails.
+    "sdcguard_no_such_pkg.sdc:replay_model", "tests.capsules:no_such_factory",
+))
+"""The factories this suite's capsules name: its replays' allow-list (``SDCGUARD_REPLAY_FACTORIES``), as an
+operator's machine would set it. A test of the allow-list itself sets its own."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _replays_trust_the_suites_factories() -> Iterator[None]:
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SDCGUARD_REPLAY_FACTORIES", REPLAY_FACTORIES)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compiled_path_built() -> None:
     """The product checks' compiled path (about ten seconds to build, cached) built once per session, before any

@@ -261,6 +261,9 @@ def _container(job: str, ranks_per_node: int, bucket: str) -> dict[str, Any]:
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "SDCGUARD_CHECKPOINT_URI", "value": f"s3://{bucket}/{job}"},
+            # The reference trainer's capsule factory: what its capsules name, and so what a node check's replay,
+            # which copies this env, admits by default.
+            {"name": "SDCGUARD_CAPSULE_FACTORY", "value": "sdcguard.agent.testing.train:replay_model"},
         ],
         "resources": {"limits": {"nvidia.com/gpu": str(ranks_per_node)}},
     }

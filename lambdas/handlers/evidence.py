@@ -8,7 +8,7 @@ from aws_lambda_powertools.metrics import MetricUnit
 
 from sdcguard.lambdas import clients
 from sdcguard.lambdas.clients import named_throttling
-from sdcguard.lambdas.evidence import CORROBORATED, evidence_for_incident
+from sdcguard.lambdas.evidence import CORROBORATED, MetricSources, evidence_for_incident
 from sdcguard.lambdas.inputs import IncidentRef, parse_input
 from sdcguard.lambdas.outputs import Evidence
 from sdcguard.lambdas.settings import get_settings
@@ -29,7 +29,11 @@ def handler(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 def evidence(ref: IncidentRef) -> Evidence:
     """Collect and record the evidence (reads only, then one conditional write: retried as it is)."""
+    settings = get_settings()
+    sources = MetricSources(dcgm_namespace=settings.dcgm_namespace,
+                            container_insights_namespace=settings.container_insights_namespace)
     incident = evidence_for_incident(
-        clients.ledger(), ref.incident_id, dcgm_counters=get_settings().dcgm_metric_names, cloudwatch=clients.aws("cloudwatch")
+        clients.ledger(), ref.incident_id, dcgm_counters=settings.dcgm_metric_names, sources=sources,
+        cloudwatch=clients.aws("cloudwatch"),
     )
     return Evidence.model_validate({"incident_id": incident.incident_id, **incident.evidence})

@@ -32,6 +32,7 @@ from sdcguard.lambdas.errors import (
     IncidentNotWaiting,
     KubernetesObjectMissing,
     TransientKubernetesError,
+    UnsafeResume,
 )
 from sdcguard.lambdas.ledger import Ledger
 from sdcguard.lambdas.notify import PERSISTENCE
@@ -97,6 +98,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         for ending in (abort, release):
             ending.add_argument("incident_id", metavar="ID")
             ending.add_argument("--reason", required=True, help="why (recorded in the ledger with your identity)")
+            resume = ending.add_mutually_exclusive_group()
+            resume.add_argument(
+                "--resume-from", metavar="CHECKPOINT",
+                help="for an incident approved but not rolled back (approved, replacing, not qualified, no safe "
+                "checkpoint): point the job at this checkpoint (its step, or checkpoints/step-NNNNNNNNN; it must "
+                "verify and be at or before the alarm's trusted step) and resume it. Without this or "
+                "--rewrite-pointer such a job stays suspended")
+            resume.add_argument(
+                "--rewrite-pointer", action="store_true",
+                help="the same, to the checkpoint the pipeline's own rewrite chooses (the newest verified one at "
+                "or before the alarm's trusted step)")
             _common(ending, again=True)
         return
     parser.add_argument("incident_id", metavar="ID", help="the incident (see `sdcguard incidents`)")
@@ -153,17 +165,23 @@ def is_open(incident: Incident) -> bool:
 
 def next_steps(incident: Incident) -> list[str]:
     """What the operator can do from where ``incident`` stands (the runbook's steps for this stopping point)."""
+    from sdcguard.lambdas.abort import unsafe_to_resume
+
     i = incident.incident_id
     if incident.state == IncidentState.AWAITING_APPROVAL:
         return [f'sdcguard approve {i} --reason "..."   or   sdcguard reject {i} --reason "..."']
+    # Approved, not rolled back: ending it leaves the job suspended unless told where to resume from.
+    resume = [] if unsafe_to_resume(incident) is None else [
+        f"ending it leaves the job suspended (its pointer was never rewritten); to resume, add --resume-from a "
+        f"checkpoint at or before step {incident.alarm.trusted_through_step()}, or --rewrite-pointer"]
     if not incident.state.terminal:
-        return [f'running; to stop it and free what it holds: sdcguard incidents abort {i} --reason "..."']
+        return [f'running; to stop it and free what it holds: sdcguard incidents abort {i} --reason "..."', *resume]
     if stopped_holding(incident):
         held = "its cordoned node(s) and its hold on the job" if incident.entered(IncidentState.CORDONED) else (
             "its hold on the job (it stopped before cordoning anything)"
             if incident.entered(IncidentState.SUSPENDED) else "nothing on the cluster yet (it stopped before suspending the job)"
         )
-        return [f"it holds {held}; once looked at: sdcguard incidents release {i} --reason \"...\""]
+        return [f"it holds {held}; once looked at: sdcguard incidents release {i} --reason \"...\"", *resume]
     return []
 
 
@@ -253,7 +271,7 @@ def _show(ledger: Ledger, incident_id: str, *, as_json: bool) -> int:
 
 def _end(args: argparse.Namespace, ledger: Ledger, how: str) -> int:
     """``incidents abort`` / ``incidents release`` with the caller's own credentials and identity."""
-    from sdcguard.lambdas.abort import abort_incident, release_stopped
+    from sdcguard.lambdas.abort import Resume, abort_incident, release_stopped
     from sdcguard.lambdas.eks_token import kubernetes_client
 
     operator = boto3.client("sts").get_caller_identity()["Arn"]
@@ -263,20 +281,39 @@ def _end(args: argparse.Namespace, ledger: Ledger, how: str) -> int:
     def api() -> Any:
         return kubernetes_client(incident.alarm.job.eks_cluster)
 
+    resume = Resume(args.resume_from) if args.resume_from or args.rewrite_pointer else None
     try:
         if how == "abort":
             ended = abort_incident(
                 ledger, api, args.incident_id, operator=operator, reason=args.reason,
-                sfn=boto3.client("stepfunctions"), topic_arn=topic,
+                sfn=boto3.client("stepfunctions"), topic_arn=topic, resume=resume, s3=boto3.client("s3"),
             )  # fmt: skip
         else:
-            ended = release_stopped(ledger, api, args.incident_id, operator=operator, reason=args.reason, topic_arn=topic)
-    except IncidentNotWaiting as exc:
+            ended = release_stopped(ledger, api, args.incident_id, operator=operator, reason=args.reason,
+                                    topic_arn=topic, resume=resume, s3=boto3.client("s3"))
+    except (IncidentNotWaiting, UnsafeResume) as exc:
         raise CommandError(str(exc)) from None
     except (TransientKubernetesError, KubernetesObjectMissing) as exc:
         raise CommandError(f"the EKS cluster did not answer as needed ({exc}); run the command again") from None
     print(f"{ended.state.value.lower()} incident {args.incident_id} as {operator}: {args.reason}")
+    print(job_outcome(ended))
     return 0
+
+
+def job_outcome(ended: Incident) -> str:
+    """What abort or release did to the job: resumed from which checkpoint, or left suspended and why."""
+    from sdcguard.lambdas.abort import unsafe_to_resume
+
+    unsafe = unsafe_to_resume(ended)
+    if unsafe is not None:
+        return unsafe[0].upper() + unsafe[1:] + "."
+    if ended.entered(IncidentState.SUSPENDED) is None:
+        return "The job was never suspended."
+    if ended.checkpoint_after is not None:
+        return (f"The job resumes (unless another incident holds it) from {ended.checkpoint_after} "
+                f"(step {ended.resumed_from_step}), before the suspect window.")
+    return ("The job resumes (unless another incident holds it) from the checkpoint its resume pointer names "
+            "(left as it was: the incident was never approved).")
 
 
 # -- approve / reject -------------------------------------------------------------

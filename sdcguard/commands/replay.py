@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 DESCRIPTION = """\
@@ -19,10 +20,18 @@ micro-batches, the settings that make it bit-exact) on this machine's device, N 
 compare each repetition's loss bits and every parameter's gradient fingerprint with the
 healthy recomputation's bits that the capsule records.
 
-The capsule is verified first (every object's sha256 and the manifest's own digest): a
-corrupt capsule is never replayed. It is refused, too, on another kind of device or GPU
-model, where the software signature differs (versions, determinism settings), and when its
-factory does not import here.
+A capsule is untrusted input: whoever can write the job's checkpoint prefix can write one,
+and the one thing of it that runs as code is the factory it names (package.module:function,
+imported and called to rebuild the model). So the factory is imported only when it is on
+this replay's allow-list: the job's configured factory ($SDCGUARD_CAPSULE_FACTORY, which the
+pipeline's node-check Job has from the training container), the comma-separated
+$SDCGUARD_REPLAY_FACTORIES, and each --allow-factory. Any other factory is refused (exit 2,
+naming it and the flag) on the manifest alone, before anything of the capsule is loaded or
+imported. The capsule's digests (every object's sha256 and the manifest's own) prove it was
+not changed after it was written, not who wrote it: a corrupt capsule is never replayed,
+but a sound one is no more trusted for that. It is refused, too, on another kind of device
+or GPU model, where the software signature differs (versions, determinism settings; checked
+before the factory is imported, and again after), and when its factory does not import here.
 
 Exit status: 0 every repetition matched (this device computes the step correctly); 1 one or
 more did not (the fault reproduced here: 'reproduced k/N'); 2 the capsule cannot be used
@@ -43,7 +52,7 @@ none. It is announced on stderr and named in the report's "injection"."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add CAPSULE, ``--repeat``, ``--json`` and ``--quiet``."""
+    """Add CAPSULE, ``--repeat``, ``--allow-factory``, ``--json`` and ``--quiet``."""
     parser.description = DESCRIPTION
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -52,6 +61,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "or its CAPSULE.json")
     parser.add_argument("--repeat", type=_positive, default=5, metavar="N",
                         help="recompute it N times (default: 5)")
+    parser.add_argument("--allow-factory", action="append", default=[], type=_factory, metavar="MODULE:FUNCTION",
+                        dest="allow_factory",
+                        help="also import and call this factory if the capsule names it (repeatable; by default "
+                             "only $SDCGUARD_CAPSULE_FACTORY and $SDCGUARD_REPLAY_FACTORIES are allowed). Allow "
+                             "only a function you would run yourself: a capsule is untrusted input")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the last line of stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -66,15 +80,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _factory(text: str) -> str:
+    # The capsule module's pattern, restated so that --help and argument errors need no torch import.
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", text):
+        raise argparse.ArgumentTypeError(f"--allow-factory: {text!r} is not package.module:function")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
-    """Replay the capsule; print the report; return its exit status (0 match, 1 mismatch, 2 unusable)."""
-    from sdcguard.agent.capsule_replay import replay
+    """Replay the capsule; print the report; return its exit status (0 match, 1 mismatch, 2 unusable, or a
+    refused allow-list setting)."""
+    from sdcguard.agent.capsule_replay import FactoryAllowList, replay
+
+    try:
+        allowed = FactoryAllowList.from_env(flags=args.allow_factory)
+    except ValueError as exc:
+        print(f"sdcguard replay: {exc}", file=sys.stderr)
+        return 2
 
     def progress(line: str) -> None:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
-    report = replay(args.capsule, repeats=args.repeat, progress=progress)
+    report = replay(args.capsule, repeats=args.repeat, progress=progress, allowed=allowed)
     if args.json:
         print(json.dumps(report.to_dict(), separators=(",", ":")), flush=True)
         return report.exit_code

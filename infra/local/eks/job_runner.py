@@ -9,8 +9,8 @@ with
   ``python``/``python3``) become this interpreter (``<python> -m sdcguard``),
   so the command runs the code of this checkout;
 - an environment made of this process's own, less its AWS settings and any
-  ``SDCGUARD_*`` variable (the workload must not inherit the stand-in
-  operator's identity or faults), then the container's ``env`` with the
+  ``SDCGUARD_*`` variable but ``SDCGUARD_REPLAY_FACTORIES`` (the workload must
+  not inherit the stand-in operator's identity or faults), then the container's ``env`` with the
   downward API resolved (``fieldRef`` ``spec.nodeName``, ``metadata.name``,
   ``metadata.namespace``, ``metadata.labels['...']``,
   ``spec.serviceAccountName``), then the workload identity (what a pod
@@ -110,8 +110,14 @@ def container_env(container: Mapping[str, Any], pod: Mapping[str, Any]) -> dict[
     return env
 
 
+_KEPT = ("SDCGUARD_REPLAY_FACTORIES",)
+"""Kept from this process's environment: the factories this machine's replays trust (the Jobs run this machine's
+checkout, so its allow-list is theirs as an image's setting would be on a node); neither identity nor fault."""
+
+
 def _without_operator(base: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in base.items() if not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED}
+    return {k: v for k, v in base.items()
+            if k in _KEPT or (not k.startswith(_DROPPED_PREFIXES) and k not in _DROPPED)}
 
 
 def process_env(
