@@ -222,8 +222,12 @@ def job_manifest(
     nonce: str,
     resources: dict[str, Any] | None = None,
     region: str = "",
+    factories: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The batch/v1 Job that replays ``capsule`` ``repeats`` times on ``node`` (see the module docstring).
+
+    ``factories`` are the only capsule factories its replay may import (``--allow-factory``, the pipeline's
+    ``NodeCheckFactories``): a capsule is untrusted input, and the training's environment is not passed on.
 
     It runs ``image`` (the pipeline's) as :data:`SERVICE_ACCOUNT`, with no
     environment of the training's: ``NODE_NAME`` from the downward API (so
@@ -237,7 +241,8 @@ def job_manifest(
     replay: dict[str, Any] = {
         "name": CONTAINER,
         "image": image,
-        "command": ["sdcguard", "replay", capsule, "--repeat", str(repeats), "--json"],
+        "command": ["sdcguard", "replay", capsule, "--repeat", str(repeats), "--json",
+                    *(arg for factory in factories for arg in ("--allow-factory", factory))],
         "env": env,
     }
     if resources:
@@ -438,10 +443,11 @@ def start_checks(
     s3: Any,
     image: str,
     region: str = "",
+    factories: tuple[str, ...] = (),
     actor: str = "start_node_check",
 ) -> Started:
     """Create one replay Job per node to check (see :func:`reproduce_targets`, :func:`qualify_targets`) running
-    ``image`` (the pipeline's; empty: nothing is run) and record each check in the ledger as running, with the
+    ``image`` (the pipeline's; empty: nothing is run), whose replay may import only ``factories``, and record each check in the ledger as running, with the
     created Job's uid; a node whose capsule is missing, whose Job the API refused, or whose Job name is taken by a
     Job the pipeline did not create, is recorded as skipped with the reason (that Job is left alone).
 
@@ -496,7 +502,7 @@ def start_checks(
         manifest = job_manifest(
             name=name, namespace=namespace, purpose=purpose, incident_id=incident_id, node=target.node,
             capsule=capsule, repeats=repeats, deadline_seconds=deadline_seconds, image=image, nonce=nonces[name],
-            resources=resources, region=region,
+            resources=resources, region=region, factories=factories,
         )  # fmt: skip
         uid, refused = _create(api, namespace, manifest)
         if refused:

@@ -27,6 +27,8 @@ DEFAULT_CONTAINER_INSIGHTS_NAMESPACE = "ContainerInsights"
 
 
 IMAGE_BY_DIGEST = r"^$|^[a-z0-9][a-z0-9._/:-]{0,254}@sha256:[0-9a-f]{64}$"
+FACTORY_LIST = r"^$|^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)*$"
+"""``module:function`` names, comma-separated, as the template's ``NodeCheckFactories`` allows them."""
 """An image named by its digest (``registry/repository@sha256:<64 hex>``): a tag can be moved, a digest cannot."""
 
 
@@ -99,6 +101,10 @@ class Settings(BaseModel):
     node_check_image: Annotated[str, Field(alias="NODE_CHECK_IMAGE", pattern=IMAGE_BY_DIGEST)] = ""
     """The image the node check Jobs run (``<repository>@sha256:<64 hex>``, the stack's ``NodeCheckImage``): the
     pipeline's own, never the training job's. Empty: no node check is run (each is recorded as not run, naming it)."""
+    node_check_factories: Annotated[str, Field(alias="NODE_CHECK_FACTORIES", pattern=FACTORY_LIST)] = ""
+    """The capsule factories a node check's replay may import (``module:function``, comma-separated; the stack's
+    ``NodeCheckFactories``), handed to ``sdcguard replay`` as ``--allow-factory``: the pipeline's allow-list, never
+    the training's environment. Empty: every replay refuses its capsule's factory (the check is inconclusive)."""
     node_check_accept_injected_faults: Annotated[bool, Field(alias="NODE_CHECK_ACCEPT_INJECTED_FAULTS")] = False
     """Take a replay report that says a fault was injected (``SDCGUARD_INJECT``) as the node's answer: only on the
     stand-in, whose simulated faulty GPUs are injections (``sdcguard deploy`` refuses it on AWS). Otherwise such a

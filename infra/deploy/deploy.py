@@ -60,6 +60,10 @@ UNUSABLE = frozenset({"ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "DELETE_FAILED", "
 STANDIN_NODE_CHECK_IMAGE = "sdcguard/node-check@sha256:" + hashlib.sha256(b"the stand-in runs no images").hexdigest()
 """NodeCheckImage on the local stand-in when none is given: it runs every container as a local process."""
 
+STANDIN_NODE_CHECK_FACTORIES = "sdcguard.agent.testing.train:replay_model"
+"""NodeCheckFactories on the local stand-in when none is given: the reference job's capsule factory (its Jobs run
+this checkout, which holds it)."""
+
 
 class DeployError(RuntimeError):
     """The deployment was refused or failed; the message says what to fix."""
@@ -182,13 +186,15 @@ def node_check_defaults(values: dict[str, str], previous: Mapping[str, str], *, 
     """Fill in the node checks' parameters the stand-in needs, and refuse what only the stand-in may set.
 
     On the stand-in (``local``), which runs no images and simulates faulty GPUs by injecting faults, a new
-    stack gets :data:`STANDIN_NODE_CHECK_IMAGE` and ``NodeCheckAcceptInjectedFaults=true`` unless given. On
-    AWS ``NodeCheckAcceptInjectedFaults=true`` is refused. Returns the lines to tell the operator (what was
-    filled in, or that no node check will run). Raises :class:`DeployError`.
+    stack gets :data:`STANDIN_NODE_CHECK_IMAGE`, ``NodeCheckAcceptInjectedFaults=true`` and
+    :data:`STANDIN_NODE_CHECK_FACTORIES` unless given. On AWS ``NodeCheckAcceptInjectedFaults=true`` is refused.
+    Returns the lines to tell the operator (what was filled in, or that no node check will run or none can
+    replay a capsule). Raises :class:`DeployError`.
     """
     said: list[str] = []
     if local:
-        for key, value in (("NodeCheckImage", STANDIN_NODE_CHECK_IMAGE), ("NodeCheckAcceptInjectedFaults", "true")):
+        for key, value in (("NodeCheckImage", STANDIN_NODE_CHECK_IMAGE), ("NodeCheckAcceptInjectedFaults", "true"),
+                           ("NodeCheckFactories", STANDIN_NODE_CHECK_FACTORIES)):
             if key not in values and key not in previous:
                 values[key] = value
                 said.append(f"on the local stand-in: {key}={value}")
@@ -198,6 +204,11 @@ def node_check_defaults(values: dict[str, str], previous: Mapping[str, str], *, 
         raise DeployError(
             "NodeCheckAcceptInjectedFaults=true is for the local stand-in only: on AWS a replay report that says a "
             "fault was injected is what someone made the node say. Drop it"
+        )
+    if not values.get("NodeCheckFactories", previous.get("NodeCheckFactories", "")):
+        said.append(
+            "warning: NodeCheckFactories is empty: every node check's replay will refuse its capsule's factory (a "
+            "capsule is untrusted input). Name the training's factory, NodeCheckFactories=module:function"
         )
     if not values.get("NodeCheckImage", previous.get("NodeCheckImage", "")):
         said.append(

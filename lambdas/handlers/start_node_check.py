@@ -44,6 +44,7 @@ def start(request: NodeCheckStart) -> NodeChecksStarted:
         s3=clients.aws("s3"),
         image=settings.node_check_image,
         region=os.environ.get("AWS_REGION", ""),
+        factories=tuple(f for f in settings.node_check_factories.split(",") if f),
     )
     return NodeChecksStarted(
         incident_id=request.incident_id, purpose=request.purpose, started=started.started, skipped=started.skipped

@@ -11,6 +11,7 @@ import pytest
 from sdcguard.cli import main
 from sdcguard.infra.deploy.cfn_yaml import load_template
 from sdcguard.infra.deploy.deploy import (
+    STANDIN_NODE_CHECK_FACTORIES,
     STANDIN_NODE_CHECK_IMAGE,
     TEMPLATE,
     DeployError,
@@ -146,19 +147,23 @@ def test_the_standin_gets_a_node_check_image_and_its_simulated_faults_and_aws_ne
     # The stand-in runs no images and simulates faulty GPUs by injection: a new stack there gets both, said aloud.
     local: dict[str, str] = {}
     said = node_check_defaults(local, {}, local=True)
-    assert local == {"NodeCheckImage": STANDIN_NODE_CHECK_IMAGE, "NodeCheckAcceptInjectedFaults": "true"}
+    assert local == {"NodeCheckImage": STANDIN_NODE_CHECK_IMAGE, "NodeCheckAcceptInjectedFaults": "true",
+                     "NodeCheckFactories": STANDIN_NODE_CHECK_FACTORIES}  # fmt: skip
     assert said == [f"on the local stand-in: NodeCheckImage={STANDIN_NODE_CHECK_IMAGE}",
-                    "on the local stand-in: NodeCheckAcceptInjectedFaults=true"]  # fmt: skip
+                    "on the local stand-in: NodeCheckAcceptInjectedFaults=true",
+                    f"on the local stand-in: NodeCheckFactories={STANDIN_NODE_CHECK_FACTORIES}"]  # fmt: skip
     given = {"NodeCheckImage": "registry.example/r@sha256:" + "1" * 64}
     node_check_defaults(given, {}, local=True)
     assert given["NodeCheckImage"] == "registry.example/r@sha256:" + "1" * 64
     # On AWS nothing is filled in; an empty image is warned about, accepting injections refused.
     aws: dict[str, str] = {}
-    (warning,) = node_check_defaults(aws, {}, local=False)
+    no_factories, warning = node_check_defaults(aws, {}, local=False)
     assert aws == {}
+    assert no_factories.startswith("warning: NodeCheckFactories is empty: every node check's replay will refuse")
     assert warning.startswith("warning: NodeCheckImage is empty: no node check will run")
     with pytest.raises(DeployError, match="NodeCheckAcceptInjectedFaults=true is for the local stand-in only"):
         node_check_defaults({"NodeCheckAcceptInjectedFaults": "true"}, {}, local=False)
     with pytest.raises(DeployError, match="for the local stand-in only"):  # kept from an earlier deploy
         node_check_defaults({}, {"NodeCheckAcceptInjectedFaults": "true"}, local=False)
-    assert node_check_defaults({}, {"NodeCheckImage": given["NodeCheckImage"]}, local=False) == []
+    assert node_check_defaults({"NodeCheckFactories": "mypkg.model:replay"},
+                               {"NodeCheckImage": given["NodeCheckImage"]}, local=False) == []  # fmt: skip

@@ -300,12 +300,26 @@ def test_the_job_runs_the_pipelines_image_and_account_pinned_to_the_node_with_on
     assert replay["name"] == "sdcguard-replay"
     assert replay["image"] == IMAGE
     assert replay["resources"] == {"limits": {"nvidia.com/gpu": "8"}}  # the Worker's GPU request
-    assert replay["command"] == ["sdcguard", "replay", CAPSULE, "--repeat", "5", "--json"]
+    assert replay["command"] == ["sdcguard", "replay", CAPSULE, "--repeat", "5", "--json"]  # no factory allowed
     # and none of the training's environment (a tenant's SDCGUARD_INJECT would ride along)
     assert replay["env"] == [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "AWS_REGION", "value": "us-west-2"},
     ]
+
+
+def test_the_replay_may_import_only_the_pipelines_factories() -> None:
+    # A capsule is untrusted input: its replay imports a factory only from the pipeline's NodeCheckFactories,
+    # handed over as --allow-factory (the training's SDCGUARD_CAPSULE_FACTORY is not passed on).
+    manifest = node_check.job_manifest(
+        name="sdcguard-qualify-x-n", namespace="ml", purpose="qualify", incident_id="sdc-1", node="node-a",
+        capsule=CAPSULE, repeats=2, deadline_seconds=900, image=IMAGE, nonce="n0nce",
+        factories=("mypkg.model:replay", "mypkg.other:replay"),
+    )  # fmt: skip
+    (replay,) = manifest["spec"]["template"]["spec"]["containers"]
+    assert replay["command"] == ["sdcguard", "replay", CAPSULE, "--repeat", "2", "--json",
+                                 "--allow-factory", "mypkg.model:replay", "--allow-factory", "mypkg.other:replay"]
+    assert "SDCGUARD_CAPSULE_FACTORY" not in {e["name"] for e in replay["env"]}
 
 
 def test_the_trainings_image_env_and_account_never_reach_the_job(cluster: FakeCluster) -> None:
