@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache() -> Iterator[None]:
+def _fresh_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from sdcguard.agent.kernels import triton_fingerprint as tf
 
+    # Read again at each kernel call: another file of this worker may have removed it after this one was imported.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     tf._layouts.clear()
     yield
     tf._layouts.clear()
