@@ -113,10 +113,10 @@ def describe(exc: BaseException) -> str:
 
 def encode_description(text: str) -> torch.Tensor:
     """``text`` (UTF-8, cut to a fixed width) as int64s, to travel in a save's one all-gather."""
-    row = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.int64)
+    row = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.int64, device="cpu")
     data = text.encode()[:_DESCRIPTION_BYTES]
     if data:
-        row[:len(data)] = torch.tensor(list(data), dtype=torch.int64)
+        row[:len(data)] = torch.tensor(list(data), dtype=torch.int64, device="cpu")
     return row
 
 
