@@ -24,7 +24,11 @@ the ``device`` given (the rank's; by default the GPU of ``LOCAL_RANK`` under
 NCCL, the CPU under gloo), and "rank 0" is the group's first rank. A store that fails (an S3 outage) makes
 every rank raise :class:`CheckpointSaveFailed` together, never a raw error on
 one rank while the others go on; the guard retries and then applies its
-policy (``GuardConfig.on_checkpoint_failure``).
+policy (``GuardConfig.on_checkpoint_failure``). A failure to build the state
+(a ``state_dict()`` or a state-dict hook that raises, an object that does not
+pickle) is no storage failure and is never retried: the rank that failed
+raises its own exception, with its traceback, and every other rank
+:class:`CheckpointStateError`, which names it (see :func:`is_storage_error`).
 
 Only replicated state is supported (plain DDP with an unsharded optimizer).
 """
@@ -73,6 +77,62 @@ def rng_name(rank: int) -> str:
 
 class CheckpointSaveFailed(LineageError):
     """A rank could not store its part of a checkpoint; the checkpoint was not committed."""
+
+
+class CheckpointStateError(RuntimeError):
+    """Another rank could not build its part of a checkpoint's state (not a storage failure: never retried).
+
+    Raised on the ranks that did not fail; the failing rank raises its own exception. Nothing was committed."""
+
+    def __init__(self, message: str, *, failed: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failed = dict(failed)
+        """What each failing rank raised, by rank: ``"TypeName: message"``."""
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure to store (worth a retry): the object store's own errors
+    (:class:`sdcguard.lineage.errors.LineageError`), botocore's and boto3's client and endpoint errors, and
+    :class:`OSError` (a connection refused or reset, a full disk). Anything else (a state-dict hook that raises,
+    an object that does not pickle) is a bug a retry cannot fix."""
+    if isinstance(exc, (LineageError, OSError)):
+        return True
+    # By module, so that the agent need not import botocore (a local-folder store works without it).
+    return any(cls.__module__.split(".")[0] in ("botocore", "boto3") for cls in type(exc).__mro__)
+
+
+STORED, STORE_FAILED, STATE_FAILED = 1, 0, 2
+"""What a rank reports of its part of a save: stored, failed to store (retry), failed to build its state (raise)."""
+_DESCRIPTION_BYTES = 240
+
+
+def describe(exc: BaseException) -> str:
+    """``"TypeName: message"``, as the other ranks' :class:`CheckpointStateError` names a failure."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def encode_description(text: str) -> torch.Tensor:
+    """``text`` (UTF-8, cut to a fixed width) as int64s, to travel in a save's one all-gather."""
+    row = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.int64, device="cpu")
+    data = text.encode()[:_DESCRIPTION_BYTES]
+    if data:
+        row[:len(data)] = torch.tensor(list(data), dtype=torch.int64, device="cpu")
+    return row
+
+
+def decode_description(values: list[int]) -> str:
+    """What :func:`encode_description` encoded (a character cut in half is dropped)."""
+    return bytes(b for b in values[:_DESCRIPTION_BYTES] if b).decode(errors="ignore")
+
+
+def raise_state_failure(where: str, rank: int, own: BaseException | None, failed: dict[int, str]) -> None:
+    """Raise the save's state failure on this rank: its own exception where it failed (traceback intact), else
+    :class:`CheckpointStateError` naming every failing rank and what it raised."""
+    if rank in failed and own is not None:
+        raise own
+    named = "; ".join(f"rank {r}: {text}" for r, text in sorted(failed.items()))
+    raise CheckpointStateError(f"{where}: rank(s) {sorted(failed)} could not build their checkpoint state "
+                               f"({named}); nothing committed, not retried", failed=failed)
 
 
 @dataclass(frozen=True)
@@ -178,13 +238,16 @@ def _status_all(failed: bool, group: Group = None, device: torch.device | None =
 
 
 def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None,
-                    device: torch.device | None = None) -> list[ObjectDigest | None]:
-    """Every rank's RNG object digest (None where that rank failed), via one all-gather of int64s."""
-    row = torch.zeros(34, dtype=torch.int64, device="cpu")
+                    device: torch.device | None = None, *, status: int | None = None, description: str = "",
+                    ) -> tuple[list[ObjectDigest | None], dict[int, int], dict[int, str]]:
+    """Every rank's RNG object digest (None where that rank failed), what each rank reports (``STORED``,
+    ``STORE_FAILED``, ``STATE_FAILED``) and the failing ranks' descriptions: one all-gather of int64s."""
+    row = torch.zeros(34 + _DESCRIPTION_BYTES, dtype=torch.int64, device="cpu")
+    row[0] = status if status is not None else (STORED if digest is not None else STORE_FAILED)
     if digest is not None:
-        row[0] = 1
         row[1] = digest.size
-        row[2:] = torch.tensor(list(bytes.fromhex(digest.sha256)), dtype=torch.int64, device="cpu")
+        row[2:34] = torch.tensor(list(bytes.fromhex(digest.sha256)), dtype=torch.int64, device="cpu")
+    row[34:] = encode_description(description)
     if world == 1:
         rows = [row]
     else:
@@ -192,13 +255,17 @@ def _gather_digests(digest: ObjectDigest | None, world: int, group: Group = None
         rows = [torch.empty_like(row, device=where) for _ in range(world)]
         dist.all_gather(rows, row.to(where), group=group)
     out: list[ObjectDigest | None] = []
+    statuses: dict[int, int] = {}
+    descriptions: dict[int, str] = {}
     for rank, r in enumerate(rows):
         values = r.cpu().tolist()
-        if not values[0]:
+        statuses[rank] = values[0]
+        if values[0] != STORED:
             out.append(None)
+            descriptions[rank] = decode_description(values[34:])
             continue
-        out.append(ObjectDigest(name=rng_name(rank), sha256=bytes(values[2:]).hex(), size=values[1]))
-    return out
+        out.append(ObjectDigest(name=rng_name(rank), sha256=bytes(values[2:34]).hex(), size=values[1]))
+    return out, statuses, descriptions
 
 
 def _put(store: ObjectStore, step: int, name: str, data: bytes, corrupt: Corrupter | None, rank: int) -> ObjectDigest:
@@ -238,8 +305,12 @@ def save_checkpoint(
 
     Raises :class:`ValueError` for a negative step, and
     :class:`CheckpointSaveFailed` on every rank when any rank failed to store
-    its part or rank 0 failed to commit the manifest (nothing is committed
-    then; the cause is chained). A failure to move the pointer after the
+    its part (:func:`is_storage_error`) or rank 0 failed to commit the
+    manifest (nothing is committed then; the cause is chained). When a rank
+    could not build its state (``state_dict()`` raised, an object would not
+    pickle), that rank raises its own exception and every other rank
+    :class:`CheckpointStateError`; nothing is committed, and no caller should
+    retry it. A failure to move the pointer after the
     commit is logged, not raised: the checkpoint is there, the pointer lags.
     """
     if step < 0:
@@ -249,25 +320,43 @@ def save_checkpoint(
     rank, world = _rank_world(group)
     where = store.uri(checkpoint_dir(step))
     problem: BaseException | None = None
+    status = STORED
     own: ObjectDigest | None = None
     replicated: list[ObjectDigest] = []
+    parts: list[tuple[str, bytes]] = []
     try:
+        # The state first, apart from the store: a failure here is a bug a retry cannot fix.
         if rank == 0:
-            # Uncommit first: a reader must never pair an old manifest with new objects.
-            uncommit(store, step)
             module = _unwrap(model)
-            replicated.append(_put(store, step, MODEL, _to_bytes(module.state_dict()), corrupt, rank))
+            parts.append((MODEL, _to_bytes(module.state_dict())))
             if optimizer is not None:
-                replicated.append(_put(store, step, OPTIMIZER, _to_bytes(optimizer.state_dict()), corrupt, rank))
+                parts.append((OPTIMIZER, _to_bytes(optimizer.state_dict())))
             trainer = {"step": step, "data_position": data_position, "extra": dict(extra or {})}
-            replicated.append(_put(store, step, TRAINER, _to_bytes(trainer), corrupt, rank))
-        own = _put(store, step, rng_name(rank), _to_bytes(rng_state()), corrupt, rank)
+            parts.append((TRAINER, _to_bytes(trainer)))
+        rng = _to_bytes(rng_state())
     except Exception as exc:
-        problem = exc
-        log.error("rank %d could not store its part of %s: %s", rank, where, exc)
-        own = None
-    digests = _gather_digests(own, world, group, device)
-    # Every rank sees the same gathered digests, so every rank reaches the same verdict here.
+        problem, status = exc, STATE_FAILED
+        log.exception("rank %d could not build its part of %s", rank, where)
+    if problem is None:
+        try:
+            if rank == 0:
+                # Uncommit first: a reader must never pair an old manifest with new objects.
+                uncommit(store, step)
+                replicated = [_put(store, step, name, data, corrupt, rank) for name, data in parts]
+            own = _put(store, step, rng_name(rank), rng, corrupt, rank)
+        except Exception as exc:
+            problem, own = exc, None
+            status = STORE_FAILED if is_storage_error(exc) else STATE_FAILED
+            if status == STORE_FAILED:
+                log.error("rank %d could not store its part of %s: %s", rank, where, exc)
+            else:
+                log.exception("rank %d failed storing its part of %s (not a storage error)", rank, where)
+    digests, statuses, descriptions = _gather_digests(own, world, group, device, status=status,
+                                                      description=describe(problem) if problem else "")
+    # Every rank sees the same gathered rows, so every rank reaches the same verdict here.
+    state_failed = {r: descriptions[r] for r, s in statuses.items() if s == STATE_FAILED}
+    if state_failed:
+        raise_state_failure(where, rank, problem, state_failed)
     failed_ranks = [r for r, d in enumerate(digests) if d is None]
     if failed_ranks:
         raise CheckpointSaveFailed(f"{where}: rank(s) {failed_ranks} failed to store their part; not committed") from problem
@@ -546,10 +635,12 @@ class CheckpointWriter:
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointSaveFailed",
+    "CheckpointStateError",
     "CheckpointWriter",
     "LoadedCheckpoint",
     "SaveResult",
     "check_fingerprint",
+    "is_storage_error",
     "load_checkpoint",
     "rng_name",
     "rng_state",

@@ -622,7 +622,9 @@ class SDCGuard:
         (doubling) in between, on every rank alike; then
         ``on_checkpoint_failure`` applies: "continue" logs it and returns None
         (the resume pointer keeps the last good checkpoint), "raise" raises
-        ``CheckpointSaveFailed`` on every rank.
+        ``CheckpointSaveFailed`` on every rank. A state that cannot be built
+        (a ``state_dict()`` that raises) is never retried: the failing rank
+        raises its own exception, every other rank ``CheckpointStateError``.
         """
         fingerprint, alarm = self.agreed_fingerprint(step)
         if alarm is not None:

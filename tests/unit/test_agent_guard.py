@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import os
 import random
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,29 @@ def test_an_s3_outage_at_checkpoint_time_is_retried_then_the_policy_applies(tmp_
                           config={"on_checkpoint_failure": "raise", "checkpoint_retries": 2})
     with pytest.raises(CheckpointSaveFailed):
         strict.save_checkpoint(1)
+
+
+class HookFailed(RuntimeError):
+    """What a model's state-dict hook raised (torchtitan's FusedQKVLinear tripped DCP's get_state_dict so)."""
+
+
+def failing_hook(*_: Any) -> None:
+    raise HookFailed("the fused weight cannot be split")
+
+
+def test_a_state_dict_that_raises_stops_the_save_with_its_traceback_and_is_never_retried(tmp_path: Path) -> None:
+    # Given: a guard under the default on_checkpoint_failure ("continue"), whose model's state-dict hook raises.
+    store = Flaky(open_store(str(tmp_path / "ckpt")), failures=0)
+    guard, _ = guard_for(tmp_path, "raise", None, checkpoints=CheckpointWriter(store))
+    guard.step(0)
+    guard.model.module.register_state_dict_post_hook(failing_hook)
+    # When / then: the save raises the hook's own error at once, its traceback reaching into the hook.
+    with pytest.raises(HookFailed) as caught:
+        guard.save_checkpoint(1)
+    assert "failing_hook" in [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)]
+    # Not retried, nothing stored, nothing committed.
+    assert store.writes == 0
+    assert store.list() == []
 
 
 def test_the_run_id_does_not_follow_pythons_random_seed(tmp_path: Path) -> None:
