@@ -37,7 +37,7 @@ def _spool_outside_the_working_tree(tmp_path_factory: pytest.TempPathFactory) ->
 
 REPLAY_FACTORIES = ",".join((
     "tests.capsules:reference_model", "tests.capsules:compiled_reference_model", "tests.capsules:tiny_model",
-    "sdcguard.agent.testing.train:replay_model",
+    "sdcguard.agent.testing.train:replay_model", "tests.distributed.sharded_scenarios:plain_model",
     # Allowed and broken: what tests/unit/test_capsule.py checks of an allowed factory that fails.
     "sdcguard_no_such_pkg.sdc:replay_model", "tests.capsules:no_such_factory",
 ))

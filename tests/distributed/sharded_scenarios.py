@@ -323,8 +323,9 @@ def rank_env(world: int, ranks_per_node: int) -> dict[str, str]:
 
 
 def clean_env() -> dict[str, str]:
-    """No injection or settings from the caller's environment leak into the ranks."""
-    return {k: "" for k in os.environ if k.startswith("SDCGUARD_")}
+    """No injection or settings from the caller's environment leak into the ranks (the replays' allow-list,
+    ``SDCGUARD_REPLAY_FACTORIES``, is the machine's, not the job's: it stays)."""
+    return {k: "" for k in os.environ if k.startswith("SDCGUARD_") and k != "SDCGUARD_REPLAY_FACTORIES"}
 
 
 LAUNCHER_IMPORTS = ("torch._dynamo", "torch.distributed.checkpoint", "sdcguard.agent.sharded", "sdcguard.agent.sharded_checkpoint")
